@@ -1,0 +1,114 @@
+"""Token permutation for expert computation: sort assignments by expert, drop over capacity, combine.
+
+No one-hot [tokens, experts, capacity] tensors: everything is argsort + gather + index_add, so the
+cost grows with the number of assignments, not with the number of experts.
+
+Shape legend: T tokens, D d_model, E experts, K assignments per token, N kept assignments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def expert_capacity(
+    num_tokens: int, num_assignments: int, num_experts: int, capacity_factor: float, min_capacity: int
+) -> int:
+    """Slots per expert: ceil(capacity_factor * T * K / E), at least min_capacity."""
+    return max(min_capacity, math.ceil(capacity_factor * num_tokens * num_assignments / num_experts))
+
+
+@dataclass
+class DispatchPlan:
+    """Where every kept assignment comes from and how it is combined back.
+
+    token_idx_N:       int64 [N] source token of each kept assignment, grouped by expert.
+    weights_N:         [N] combine weight of each kept assignment (differentiable).
+    counts_E:          int64 [E] kept assignments per expert (the slice sizes for the experts).
+    routed_counts_E:   int64 [E] assignments routed per expert before capacity was applied.
+    num_tokens:        T, the number of rows of the combined output.
+    """
+
+    token_idx_N: torch.Tensor
+    weights_N: torch.Tensor
+    counts_E: torch.Tensor
+    routed_counts_E: torch.Tensor
+    num_tokens: int
+
+    @property
+    def num_dropped(self) -> torch.Tensor:
+        """Assignments removed by the capacity limit (0-dim int64 tensor, no host sync)."""
+        return self.routed_counts_E.sum() - self.counts_E.sum()
+
+
+def plan_dispatch(
+    expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int | None
+) -> DispatchPlan:
+    """Group assignments by expert; with a capacity, keep each expert's highest-weight ones.
+
+    Over-capacity assignments are dropped lowest router weight first (ties: earlier token first),
+    not by position in the batch, so a token late in the sequence is not penalised for its place.
+    ``capacity=None`` is dropless.
+    """
+    T, K = expert_ids_TK.shape
+    flat_ids = expert_ids_TK.reshape(-1)
+    flat_weights = weights_TK.reshape(-1)
+    routed_counts_E = torch.bincount(flat_ids, minlength=num_experts)
+    if capacity is None:
+        order = torch.argsort(flat_ids, stable=True)
+        counts_E = routed_counts_E
+    else:
+        # Two stable sorts: by weight (descending), then by expert. Within each expert the
+        # assignments now run from the highest weight down, so "rank < capacity" keeps the best.
+        by_weight = torch.argsort(flat_weights.detach(), descending=True, stable=True)
+        order = by_weight[torch.argsort(flat_ids[by_weight], stable=True)]
+        starts_E = torch.cumsum(routed_counts_E, 0) - routed_counts_E
+        rank_in_expert = torch.arange(order.numel(), device=order.device) - starts_E[flat_ids[order]]
+        order = order[rank_in_expert < capacity]
+        counts_E = routed_counts_E.clamp(max=capacity)
+    return DispatchPlan(
+        token_idx_N=order // K,
+        weights_N=flat_weights[order],
+        counts_E=counts_E,
+        routed_counts_E=routed_counts_E,
+        num_tokens=T,
+    )
+
+
+def permute_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+    """[T, D] -> [N, D] rows in expert order (backward is a scatter-add into the token rows)."""
+    return x_TD.index_select(0, plan.token_idx_N)
+
+
+def combine_tokens(y_ND: torch.Tensor, plan: DispatchPlan, out_dtype: torch.dtype) -> torch.Tensor:
+    """Weighted sum of expert outputs back into token order: [N, D] -> [T, D].
+
+    Accumulates in at least fp32 (router weights are fp32) so low-precision expert outputs of a
+    token's K experts are summed without extra rounding; tokens with every assignment dropped get 0.
+    """
+    acc_dtype = torch.promote_types(y_ND.dtype, plan.weights_N.dtype)
+    weighted_ND = y_ND.to(acc_dtype) * plan.weights_N.to(acc_dtype).unsqueeze(-1)
+    out_TD = weighted_ND.new_zeros(plan.num_tokens, y_ND.shape[-1])
+    out_TD = out_TD.index_add(0, plan.token_idx_N, weighted_ND)
+    return out_TD.to(out_dtype)
+
+
+class LocalDispatcher:
+    """Dispatcher for experts that all live in this process (expert-parallel size 1).
+
+    The distributed dispatcher keeps the same two calls and adds the all-to-all in between, so the
+    MoE layer reads route -> dispatch -> compute -> combine whichever is installed.
+    """
+
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan
+    ) -> tuple[torch.Tensor, list[int], DispatchPlan]:
+        """Tokens for the local experts, grouped by expert, with their per-expert counts on host."""
+        return permute_tokens(x_TD, plan), plan.counts_E.tolist(), plan
+
+    def combine(self, y_ND: torch.Tensor, handle: DispatchPlan, out_dtype: torch.dtype) -> torch.Tensor:
+        """Expert outputs back to token order, weighted by the router."""
+        return combine_tokens(y_ND, handle, out_dtype)

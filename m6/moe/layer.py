@@ -1,0 +1,131 @@
+"""The MoE feed-forward layer: route -> dispatch -> compute -> combine.
+
+Shape legend: T tokens (all leading dims flattened), D d_model, E experts, K assignments/token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from m6.moe.dispatch import LocalDispatcher, expert_capacity, plan_dispatch
+from m6.moe.experts import Activation, GroupedExperts
+from m6.moe.losses import balance_fractions, load_balancing_loss, router_entropy, router_z_loss
+from m6.moe.router import ScoreFunction, TopKRouter
+
+
+@dataclass
+class MoEStats:
+    """Detached per-step routing statistics, kept as tensors so reading them costs no host sync
+    inside the forward; the logger converts them when it logs.
+
+    tokens_per_expert: int64 [E] assignments routed to each expert (before capacity).
+    dropped: int64 [] assignments dropped by the capacity limit.
+    dropped_fraction: fp32 [] dropped / all assignments.
+    router_entropy: fp32 [] mean per-token entropy of the router scores (nats).
+    aux_loss, z_loss: fp32 [] the unweighted load-balancing and z losses.
+    """
+
+    tokens_per_expert: torch.Tensor
+    dropped: torch.Tensor
+    dropped_fraction: torch.Tensor
+    router_entropy: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+def _require_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class MoELayer(nn.Module):
+    """Top-k gated mixture of expert FFNs.
+
+    ``y, aux_loss = layer(x)`` with x [..., d_model] -> y of the same shape; ``aux_loss`` is
+    ``aux_loss_coef * balance_loss + z_loss_coef * z_loss`` (a scalar tensor to add to the loss).
+    ``capacity_factor=None`` is dropless; otherwise each expert takes at most
+    ``max(min_capacity, ceil(capacity_factor * T * K / E))`` assignments and the lowest-weight
+    ones over that are dropped (their share of the MoE output is zero; the residual carries them).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        capacity_factor: Optional[float] = 1.25,
+        min_capacity: int = 4,
+        num_prototypes: int = 1,
+        activation: Activation = "gelu",
+        score_function: ScoreFunction = "softmax",
+        normalize_weights: bool = True,
+        router_jitter: float = 0.0,
+        aux_loss_coef: float = 1e-2,
+        z_loss_coef: float = 1e-3,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("ffn_dim", ffn_dim), ("num_experts", num_experts),
+                            ("top_k", top_k), ("num_prototypes", num_prototypes)):
+            _require_positive(name, value)
+        if num_experts % num_prototypes:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by num_prototypes ({num_prototypes})")
+        experts_per_group = num_experts // num_prototypes
+        if top_k > experts_per_group:
+            where = f"the {experts_per_group} experts of each prototype" if num_prototypes > 1 else f"num_experts ({num_experts})"
+            raise ValueError(f"top_k ({top_k}) must not exceed {where}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor!r}")
+        if min_capacity < 0:
+            raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
+        if aux_loss_coef < 0 or z_loss_coef < 0:
+            raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef}, {z_loss_coef}")
+        self.d_model, self.num_experts = d_model, num_experts
+        self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = TopKRouter(d_model, num_experts, top_k, num_prototypes, score_function,
+                                 normalize_weights, router_jitter)
+        self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std)
+        self.dispatcher = LocalDispatcher()
+        self.stats: Optional[MoEStats] = None
+
+    def capacity(self, num_tokens: int) -> Optional[int]:
+        """Per-expert slot count for a batch of ``num_tokens`` tokens (None when dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return expert_capacity(num_tokens, self.router.num_assignments, self.num_experts,
+                               self.capacity_factor, self.min_capacity)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"MoELayer expects last dim d_model={self.d_model}, got input shape {tuple(x.shape)}")
+        x_TD = x.reshape(-1, self.d_model)
+        T = x_TD.shape[0]
+
+        routing = self.router(x_TD)
+        plan = plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, self.capacity(T))
+        x_ND, splits, handle = self.dispatcher.dispatch(x_TD, plan)
+        y_ND = self.experts(x_ND, splits)
+        y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
+
+        f_E = balance_fractions(plan.routed_counts_E)
+        P_E = routing.probs_TE.mean(dim=0) if T else routing.probs_TE.new_zeros(self.num_experts)
+        balance = load_balancing_loss(f_E, P_E)
+        z = router_z_loss(routing.logits_TE)
+        aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
+
+        num_assignments = plan.routed_counts_E.sum()
+        self.stats = MoEStats(
+            tokens_per_expert=plan.routed_counts_E.detach(),
+            dropped=plan.num_dropped.detach(),
+            dropped_fraction=plan.num_dropped.float() / num_assignments.clamp_min(1).float(),
+            router_entropy=router_entropy(routing.probs_TE),
+            aux_loss=balance.detach(),
+            z_loss=z.detach(),
+        )
+        return y_TD.view(x.shape), aux_loss

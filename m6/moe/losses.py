@@ -1,0 +1,39 @@
+"""Router auxiliary losses: load balancing (Switch / GShard form) and z-loss (ST-MoE).
+
+Shape legend: T tokens, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def balance_fractions(routed_counts_E: torch.Tensor) -> torch.Tensor:
+    """f_E: fraction of all routed assignments that went to each expert (no gradient)."""
+    counts = routed_counts_E.float()
+    return counts / counts.sum().clamp_min(1.0)
+
+
+def load_balancing_loss(f_E: torch.Tensor, P_E: torch.Tensor) -> torch.Tensor:
+    """E * sum_e f_e * P_e; equals 1 for a perfectly uniform router, grows with imbalance.
+
+    f_E: fraction of assignments per expert; P_E: mean router probability per expert (the
+    differentiable part, since f_E comes from a discrete top-k).
+    """
+    num_experts = f_E.shape[0]
+    return num_experts * torch.sum(f_E.detach() * P_E)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """mean_t logsumexp(logits_t)^2: keeps router logits small so the fp32 softmax stays stable."""
+    if logits_TE.shape[0] == 0:
+        return logits_TE.sum() * 0.0
+    return torch.logsumexp(logits_TE.float(), dim=-1).pow(2).mean()
+
+
+def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
+    """Mean per-token entropy (nats) of the normalised router scores; log(E) = undecided router."""
+    if probs_TE.shape[0] == 0:
+        return probs_TE.new_zeros(())
+    p = probs_TE.detach().float()
+    return -(p * torch.log(p.clamp_min(1e-20))).sum(dim=-1).mean()

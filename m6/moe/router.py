@@ -1,0 +1,102 @@
+"""Top-k router: token features -> expert ids, combine weights and routing statistics.
+
+Shape legend: T tokens, D d_model, E experts, P prototypes (expert groups), K assignments per
+token (= P * top_k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+ScoreFunction = Literal["softmax", "sigmoid"]
+
+
+@dataclass
+class Routing:
+    """What the router decided for one batch of tokens.
+
+    expert_ids_TK: int64 [T, K] global expert id of each assignment.
+    weights_TK:    [T, K] combine weight of each assignment (fp32, differentiable).
+    logits_TE:     [T, E] fp32 router logits (for the z-loss).
+    probs_TE:      [T, E] fp32 scores normalised to sum 1 per token (for the balance loss).
+    """
+
+    expert_ids_TK: torch.Tensor
+    weights_TK: torch.Tensor
+    logits_TE: torch.Tensor
+    probs_TE: torch.Tensor
+
+
+class TopKRouter(nn.Module):
+    """Linear gate in fp32 with top-k (optionally per-prototype) expert selection.
+
+    With ``num_prototypes = P`` (M6-T expert prototyping) the E experts form P contiguous groups of
+    E/P and each token picks ``top_k`` experts inside every group, so K = P * top_k assignments.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        top_k: int = 2,
+        num_prototypes: int = 1,
+        score_function: ScoreFunction = "softmax",
+        normalize_weights: bool = True,
+        jitter_eps: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if score_function not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
+        if jitter_eps < 0:
+            raise ValueError(f"jitter_eps must be >= 0, got {jitter_eps}")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.num_prototypes = num_prototypes
+        self.score_function = score_function
+        self.normalize_weights = normalize_weights
+        self.jitter_eps = jitter_eps
+        # The gate is always fp32: routing decisions are sensitive to rounding (ties flip under bf16).
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model, dtype=torch.float32))
+        self.reset_parameters()
+
+    @property
+    def num_assignments(self) -> int:
+        """K: expert slots each token is sent to."""
+        return self.num_prototypes * self.top_k
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=0.02)
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        """Route [T, D] tokens; computed in fp32 whatever the surrounding autocast says."""
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            x_TD = x_TD.float()
+            if self.training and self.jitter_eps > 0:
+                # Switch-Transformer multiplicative jitter: explores routings early in training.
+                noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+                x_TD = x_TD * noise
+            logits_TE = x_TD @ self.weight.t()
+            return self._select(logits_TE)
+
+    def _select(self, logits_TE: torch.Tensor) -> Routing:
+        T, E = logits_TE.shape
+        P = self.num_prototypes
+        logits_TPG = logits_TE.view(T, P, E // P)
+        if self.score_function == "softmax":
+            # One softmax per prototype group: each group is an independent top-k gate (M6-T).
+            scores_TPG = torch.softmax(logits_TPG, dim=-1)
+        else:
+            scores_TPG = torch.sigmoid(logits_TPG)
+        top_scores_TPk, top_local_TPk = torch.topk(scores_TPG, self.top_k, dim=-1)
+        group_offset_P1 = torch.arange(P, device=logits_TE.device).view(P, 1) * (E // P)
+        expert_ids_TK = (top_local_TPk + group_offset_P1).reshape(T, P * self.top_k)
+        weights_TK = top_scores_TPk.reshape(T, P * self.top_k)
+        if self.normalize_weights:
+            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        scores_TE = scores_TPG.reshape(T, E)
+        probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+        return Routing(expert_ids_TK, weights_TK, logits_TE, probs_TE)
