@@ -95,7 +95,8 @@ class _GroupedFFN(torch.autograd.Function):
             if need_w_gate:
                 grad_w_gate = _grouped_weight_grad(x_ND, dg_NF, segs, E)
         else:
-            dh_NF = torch.ops.aten.gelu_backward(da_NF, h_NF)
+            # In place into da: saves one [N, F] buffer at the backward peak.
+            dh_NF = torch.ops.aten.gelu_backward.grad_input(da_NF, h_NF, grad_input=da_NF)
         grad_w_in = _grouped_weight_grad(x_ND, dh_NF, segs, E) if need_w_in else None
         if need_x:
             dx_ND = _grouped_mm(dh_NF, w_in, segs, transpose_w=True)

@@ -74,12 +74,14 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> Routing:
         """Route [T, D] tokens; computed in fp32 whatever the surrounding autocast says."""
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            x_TD = x_TD.float()
+            # At least fp32 (float64 stays float64, for reference checks).
+            compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
+            x_TD = x_TD.to(compute_dtype)
             if self.training and self.jitter_eps > 0:
                 # Switch-Transformer multiplicative jitter: explores routings early in training.
                 noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
                 x_TD = x_TD * noise
-            logits_TE = x_TD @ self.weight.t()
+            logits_TE = x_TD @ self.weight.to(compute_dtype).t()
             return self._select(logits_TE)
 
     def _select(self, logits_TE: torch.Tensor) -> Routing:

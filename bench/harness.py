@@ -1,0 +1,136 @@
+"""Interleaved, noise-aware timing for comparing implementations in one process.
+
+Why interleaved: on shared VMs a process is sometimes squeezed onto one core for minutes. Running
+the compared implementations round-robin makes such drift hit all of them alike, and per-round
+CPU-time/wall tells which rounds were degraded so they can be dropped (and counted).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Timings:
+    """Per-implementation step times of the kept rounds, plus how many rounds were dropped."""
+
+    seconds: dict[str, list[float]]
+    cpu_util: dict[str, list[float]]
+    rounds_kept: int
+    rounds_dropped: int
+    dropped_util: list[float] = field(default_factory=list)
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.seconds[name])
+
+    def spread(self, name: str) -> tuple[float, float]:
+        """(min, max) of the kept rounds."""
+        return min(self.seconds[name]), max(self.seconds[name])
+
+    def paired_ratio(self, num: str, den: str) -> tuple[float, float, float]:
+        """median, min, max over rounds of time[num]/time[den] (pairs measured back to back)."""
+        r = [a / b for a, b in zip(self.seconds[num], self.seconds[den])]
+        return statistics.median(r), min(r), max(r)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_round_robin(
+    steps: dict[str, Callable[[], None]],
+    device: torch.device,
+    min_rounds: int = 7,
+    max_rounds: int = 30,
+    warmup: int = 2,
+    min_cpu_util: float | None = None,
+) -> Timings:
+    """Run every step once per round, in rotating order, until ``min_rounds`` clean rounds.
+
+    A CPU round is clean when every step's process CPU time / wall time is at least
+    ``min_cpu_util`` (default: 75% of the intra-op thread count); on CUDA every round counts.
+    """
+    names = list(steps)
+    for _ in range(warmup):
+        for name in names:
+            steps[name]()
+    _sync(device)
+    if min_cpu_util is None:
+        min_cpu_util = 0.75 * torch.get_num_threads()
+    seconds = {n: [] for n in names}
+    utils = {n: [] for n in names}
+    kept = dropped = 0
+    dropped_util: list[float] = []
+    for r in range(max_rounds):
+        if kept >= min_rounds:
+            break
+        order = names[r % len(names):] + names[:r % len(names)]
+        round_s, round_u = {}, {}
+        for name in order:
+            _sync(device)
+            c0, t0 = time.process_time(), time.perf_counter()
+            steps[name]()
+            _sync(device)
+            wall = time.perf_counter() - t0
+            round_s[name] = wall
+            round_u[name] = (time.process_time() - c0) / wall
+        worst = min(round_u.values())
+        if device.type == "cpu" and worst < min_cpu_util:
+            dropped += 1
+            dropped_util.append(round(worst, 2))
+            continue
+        kept += 1
+        for name in names:
+            seconds[name].append(round_s[name])
+            utils[name].append(round_u[name])
+    if kept == 0:
+        raise RuntimeError(f"every one of {max_rounds} rounds was degraded (CPU util {dropped_util}); machine too noisy")
+    return Timings(seconds, utils, kept, dropped, dropped_util)
+
+
+def machine_info(device: torch.device) -> dict:
+    """What the numbers were measured on, for the results file."""
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "MALLOC_MMAP_MAX_")},
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        info["cpu_model"] = models[0] if models else platform.processor()
+    except OSError:
+        info["cpu_model"] = platform.processor()
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def machine_tag(device: torch.device) -> str:
+    """Short name for result files: cpu-2core, cuda-nvidia-h200, ..."""
+    if device.type == "cuda":
+        return "cuda-" + torch.cuda.get_device_name(device).lower().replace(" ", "-")
+    return f"cpu-{os.cpu_count()}core"
+
+
+def peak_rss_bytes() -> int:
+    """High-water resident set size of this process (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

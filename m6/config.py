@@ -1,0 +1,226 @@
+"""The typed config tree of an m6 run, and its cross-section validation.
+
+YAML file -> these dataclasses -> dotted CLI overrides -> validate(). Builders receive only their
+own section. Derived values (accumulation steps, patches per image) are functions, not keys.
+The generic machinery (type checks, nearest-key suggestions, overrides) is in m6.config_loader.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from m6.config_loader import ConfigError, dump_yaml, load_config, to_dict
+
+BYTE_VOCAB_SIZE = 261  # m6.data.tokenizer.ByteTokenizer: 256 bytes + PAD, BOS, EOS, SEP, IMG
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-Experts FFN settings (see m6.moe.MoELayer for the semantics)."""
+
+    every: int = 1  # MoE FFN in every n-th block (1 = all blocks, as M6-T); 0 = dense model
+    num_experts: int = 8
+    top_k: int = 2  # per prototype group when num_prototypes > 1
+    num_prototypes: int = 1
+    capacity_factor: Optional[float] = 1.25  # null = dropless
+    min_capacity: int = 4
+    ffn_dim: Optional[int] = None  # expert hidden size; null = model.ffn_dim
+    activation: Literal["gelu", "swiglu"] = "gelu"
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    normalize_weights: bool = True
+    router_jitter: float = 0.0
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+
+
+@dataclass
+class ModelConfig:
+    """The M6 transformer over [image patches | source text | target text]."""
+
+    vocab_size: int = BYTE_VOCAB_SIZE
+    d_model: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    ffn_dim: int = 512  # dense FFN hidden size (and the expert default)
+    max_text_len: int = 128
+    image_size: int = 32
+    image_channels: int = 3
+    patch_size: int = 8
+    patch_embed: Literal["linear", "conv"] = "linear"
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+
+@dataclass
+class DataConfig:
+    """Training data. Until the real-data loaders land, the built-in synthetic task."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    num_samples: int = 20000
+    eval_samples: int = 256
+    seq_len: int = 96  # text tokens per sample (source + target), padded
+    text_only_fraction: float = 0.2
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 300
+    global_batch_size: int = 32
+    micro_batch_size: Optional[int] = None  # null = global_batch_size (no accumulation)
+    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    grad_clip: float = 1.0  # 0 = off
+    max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
+    eval_every: int = 100  # 0 = only at the end
+    eval_batches: int = 4
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    peak_tflops: Optional[float] = None  # device peak for MFU when m6 does not know the device
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 30
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = 0.1  # never applied to norms, biases and embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "m6"
+    name: Optional[str] = None  # null = the run dir's name
+    entity: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    mode: Literal["auto", "online", "offline", "disabled"] = "auto"
+
+
+@dataclass
+class LoggingConfig:
+    every: int = 10
+    console: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # 0 = only at the end
+    keep: int = 2
+    resume: Optional[str] = None  # null / "none", "auto" (latest in run.dir), or a checkpoint path
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = None  # null = runs/<name>
+    name: str = "m6"
+    seed: int = 0
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def validate(self) -> None:
+        """Cross-key checks, each naming every key involved."""
+        m, moe, d, t, o = self.model, self.model.moe, self.data, self.train, self.optim
+        positive = {
+            "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
+            "model.num_heads": m.num_heads, "model.ffn_dim": m.ffn_dim, "model.max_text_len": m.max_text_len,
+            "model.image_size": m.image_size, "model.image_channels": m.image_channels,
+            "model.patch_size": m.patch_size, "model.moe.num_experts": moe.num_experts,
+            "model.moe.top_k": moe.top_k, "model.moe.num_prototypes": moe.num_prototypes,
+            "data.num_samples": d.num_samples, "data.seq_len": d.seq_len,
+            "train.max_steps": t.max_steps, "train.global_batch_size": t.global_batch_size,
+            "train.max_bad_steps": t.max_bad_steps, "train.eval_batches": t.eval_batches,
+            "logging.every": self.logging.every, "checkpoint.keep": self.checkpoint.keep,
+        }
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        non_negative = {"model.moe.every": moe.every, "model.moe.min_capacity": moe.min_capacity,
+                        "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every,
+                        "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
+                        "checkpoint.every": self.checkpoint.every, "data.eval_samples": d.eval_samples,
+                        "model.moe.aux_loss_coef": moe.aux_loss_coef, "model.moe.z_loss_coef": moe.z_loss_coef,
+                        "model.moe.router_jitter": moe.router_jitter}
+        for key, value in non_negative.items():
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
+        if m.d_model % m.num_heads:
+            raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads})")
+        if m.image_size % m.patch_size:
+            raise ConfigError(f"model.image_size ({m.image_size}) must be divisible by model.patch_size ({m.patch_size})")
+        if moe.num_experts % moe.num_prototypes:
+            raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) must be divisible by "
+                              f"model.moe.num_prototypes ({moe.num_prototypes})")
+        if moe.top_k > moe.num_experts // moe.num_prototypes:
+            raise ConfigError(f"model.moe.top_k ({moe.top_k}) must not exceed model.moe.num_experts "
+                              f"({moe.num_experts}) / model.moe.num_prototypes ({moe.num_prototypes})")
+        if moe.capacity_factor is not None and moe.capacity_factor <= 0:
+            raise ConfigError(f"model.moe.capacity_factor must be > 0 or null (dropless), got {moe.capacity_factor}")
+        if moe.ffn_dim is not None and moe.ffn_dim <= 0:
+            raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {moe.ffn_dim}")
+        if not 0.0 <= m.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
+        if d.seq_len > m.max_text_len:
+            raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_text_len ({m.max_text_len})")
+        if m.vocab_size < BYTE_VOCAB_SIZE:
+            raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's "
+                              f"{BYTE_VOCAB_SIZE} ids (data.kind={d.kind})")
+        if not 0.0 <= d.text_only_fraction <= 1.0:
+            raise ConfigError(f"data.text_only_fraction must be in [0, 1], got {d.text_only_fraction}")
+        if t.micro_batch_size is not None:
+            if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
+                raise ConfigError(f"train.micro_batch_size ({t.micro_batch_size}) must be > 0 and divide "
+                                  f"train.global_batch_size ({t.global_batch_size})")
+        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
+            raise ConfigError(f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and optim.lr > 0")
+        if t.peak_tflops is not None and t.peak_tflops <= 0:
+            raise ConfigError(f"train.peak_tflops must be > 0 or null, got {t.peak_tflops}")
+
+
+def expert_ffn_dim(model: ModelConfig) -> int:
+    """Hidden size of each expert FFN."""
+    return model.moe.ffn_dim if model.moe.ffn_dim is not None else model.ffn_dim
+
+
+def num_patches(model: ModelConfig) -> int:
+    """Image tokens per sample."""
+    return (model.image_size // model.patch_size) ** 2
+
+
+def micro_batch_size(train: TrainConfig) -> int:
+    return train.micro_batch_size if train.micro_batch_size is not None else train.global_batch_size
+
+
+def accumulation_steps(train: TrainConfig) -> int:
+    """Micro-batches per optimizer step."""
+    return train.global_batch_size // micro_batch_size(train)
+
+
+def run_dir(cfg: Config) -> str:
+    return cfg.run.dir if cfg.run.dir is not None else os.path.join("runs", cfg.run.name)
+
+
+def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read a YAML config, apply ``a.b.c=value`` overrides and validate."""
+    return load_config(Config, path, overrides)
+
+
+__all__ = ["Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig",
+           "TrainConfig", "WandbConfig", "CheckpointConfig", "RunConfig", "load", "dump_yaml", "to_dict",
+           "expert_ffn_dim", "num_patches", "micro_batch_size", "accumulation_steps", "run_dir"]

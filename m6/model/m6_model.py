@@ -1,0 +1,105 @@
+"""The M6 transformer: one stack over [image patch tokens | source text | target text].
+
+Shape legend: B batch, N image patches, L text length, S = N + L, D d_model, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from m6.config import ModelConfig, expert_ffn_dim
+from m6.model.block import DenseMLP, TransformerBlock
+from m6.model.embeddings import PatchEmbedding, TextEmbedding
+from m6.model.mask import SEG_PAD, SEG_SOURCE, prefix_lm_mask
+from m6.moe import MoELayer
+
+IGNORE_INDEX = -100
+IMAGE, TEXT = 0, 1  # rows of the modality embedding
+
+
+def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """MoE FFN in every ``moe.every``-th block (counting from 1), dense MLP elsewhere."""
+    moe = cfg.moe
+    if moe.every > 0 and (layer_idx + 1) % moe.every == 0:
+        return MoELayer(
+            cfg.d_model, expert_ffn_dim(cfg), moe.num_experts, top_k=moe.top_k,
+            capacity_factor=moe.capacity_factor, min_capacity=moe.min_capacity,
+            num_prototypes=moe.num_prototypes, activation=moe.activation,
+            score_function=moe.score_function, normalize_weights=moe.normalize_weights,
+            router_jitter=moe.router_jitter, aux_loss_coef=moe.aux_loss_coef,
+            z_loss_coef=moe.z_loss_coef, init_std=cfg.init_std,
+        )
+    return DenseMLP(cfg.d_model, cfg.ffn_dim)
+
+
+class M6Model(nn.Module):
+    """Prefix-LM multimodal transformer with MoE FFNs; loss is computed on target text only."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.text_embed = TextEmbedding(cfg.vocab_size, cfg.max_text_len, cfg.d_model)
+        self.patch_embed = PatchEmbedding(cfg.image_size, cfg.patch_size, cfg.image_channels, cfg.d_model, cfg.patch_embed)
+        self.modality = nn.Embedding(2, cfg.d_model)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(
+            TransformerBlock(cfg.d_model, cfg.num_heads, build_ffn(cfg, i), cfg.dropout, cfg.norm_eps)
+            for i in range(cfg.num_layers)
+        )
+        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
+                nn.init.normal_(module.weight, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        # GPT-2: residual-branch outputs scaled down so the residual stream's variance does not
+        # grow with depth.
+        for block in self.blocks:
+            nn.init.normal_(block.attn.out.weight, std=std / math.sqrt(2 * self.cfg.num_layers))
+            if isinstance(block.ffn, DenseMLP):
+                nn.init.normal_(block.ffn.fc_out.weight, std=std / math.sqrt(2 * self.cfg.num_layers))
+
+    def moe_layers(self) -> dict[str, MoELayer]:
+        """Name -> MoE layer, for routing statistics."""
+        return {f"layer{i}": b.ffn for i, b in enumerate(self.blocks) if b.is_moe}
+
+    def forward(self, images_BCHW: torch.Tensor, has_image_B: torch.Tensor, text_ids_BL: torch.Tensor,
+                segment_ids_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states of the text positions [B, L, D] and the summed MoE auxiliary loss."""
+        image_BND = self.patch_embed(images_BCHW) + self.modality.weight[IMAGE]
+        text_BLD = self.text_embed(text_ids_BL) + self.modality.weight[TEXT]
+        N = image_BND.shape[1]
+        # Image patches are prefix; a sample without an image has its patch slots masked as padding.
+        image_seg_BN = torch.where(has_image_B, SEG_SOURCE, SEG_PAD).unsqueeze(1).expand(-1, N)
+        mask = prefix_lm_mask(torch.cat([image_seg_BN, segment_ids_BL], dim=1))
+        x = self.embed_dropout(torch.cat([image_BND, text_BLD], dim=1))
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        for block in self.blocks:
+            x, aux = block(x, mask)
+            if aux is not None:
+                aux_total = aux_total + aux
+        return self.final_norm(x[:, N:]), aux_total
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> [..., V]."""
+        weight = self.text_embed.tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def target_loss_sum(self, hidden_BLD: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+        """Sum of cross-entropy over positions with a label; the caller divides by the (global) count.
+
+        Only loss-bearing positions go through the LM head: with a large vocabulary the [B, L, V]
+        logits of prefix positions would be most of the memory and all of it wasted.
+        """
+        keep = labels_BL != IGNORE_INDEX
+        logits = self.logits(hidden_BLD[keep]).float()
+        return F.cross_entropy(logits, labels_BL[keep], reduction="sum")

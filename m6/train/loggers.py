@@ -1,0 +1,298 @@
+"""Where training metrics go: a console line, run_dir/metrics.jsonl and (optionally) Weights & Biases.
+
+Only the main process writes anything; other ranks get a logger whose methods return at once.
+The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s``,
+``grad_norm``; every key, recognised or not, goes to the jsonl file and to W&B unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import netrc
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+WANDB_SAAS_HOST = "api.wandb.ai"
+FORGE_DEFAULT_HOST = "api.forge.coreweave.com"
+FORGE_DOMAIN = "forge.coreweave.com"
+ETA_WINDOW = 20  # logged intervals averaged for s/step and ETA: recent enough to follow a speed change
+WANDB_INIT_TIMEOUT_S = 60.0
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass
+class WandbSettings:
+    """The ``logging.wandb`` config section: whether and where to send metrics to W&B."""
+
+    enabled: bool = False
+    project: str = "m6"
+    name: str | None = None  # run name; None -> the run dir's name
+    tags: list[str] = field(default_factory=list)
+    mode: str = "auto"  # auto | online | offline | disabled
+    entity: str | None = None
+
+
+def _wandb_hosts() -> list[str]:
+    """Return the host names a W&B login may be stored under in netrc, as wandb itself looks them up."""
+    base_url = os.environ.get("WANDB_BASE_URL")
+    if base_url:
+        host = urlsplit(base_url).hostname or ""
+        return [host, WANDB_SAAS_HOST] if host.endswith(FORGE_DOMAIN) else [host]
+    # wandb >= 0.31 defaults to the CoreWeave Forge proxy and falls back to the api.wandb.ai entry
+    # written by older versions' `wandb login`, so either entry means the user is logged in.
+    return [FORGE_DEFAULT_HOST, WANDB_SAAS_HOST]
+
+
+def _netrc_path() -> Path | None:
+    """Return the netrc file W&B itself would read ($NETRC, ~/.netrc, ~/_netrc), or None."""
+    if os.environ.get("NETRC"):
+        return Path(os.environ["NETRC"]).expanduser()
+    for candidate in ("~/.netrc", "~/_netrc"):
+        path = Path(candidate).expanduser()
+        if path.exists():
+            return path
+    return None
+
+
+def has_wandb_credentials() -> bool:
+    """Return True if WANDB_API_KEY (or WANDB_IDENTITY_TOKEN_FILE) is set or netrc holds a W&B key; never prompts."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    path = _netrc_path()
+    if path is None or not path.is_file():
+        return False
+    try:
+        entries = netrc.netrc(str(path))
+    except (netrc.NetrcParseError, OSError):
+        # An unreadable netrc means wandb could not log in either, so treat it as no credentials.
+        return False
+    return any((entry := entries.authenticators(host)) is not None and bool(entry[2]) for host in _wandb_hosts())
+
+
+def resolve_wandb_mode(mode: str) -> str:
+    """Turn ``logging.wandb.mode`` into a concrete W&B mode: auto -> online with credentials, else offline."""
+    if mode not in WANDB_MODES:
+        raise ValueError(f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)}; got {mode!r}")
+    if mode == "auto":
+        return "online" if has_wandb_credentials() else "offline"
+    if mode == "online" and not has_wandb_credentials():
+        # Online without credentials would make wandb prompt for a key (or hang on a headless node).
+        raise ValueError(
+            "logging.wandb.mode=online but no W&B credentials were found (WANDB_API_KEY or a netrc entry "
+            f"for {' or '.join(_wandb_hosts())}); run `wandb login`, or set logging.wandb.mode=offline or auto"
+        )
+    return mode
+
+
+def format_duration(seconds: float) -> str:
+    """Format a duration as h:mm:ss (hours may exceed 24)."""
+    total = max(0, int(round(seconds)))
+    return f"{total // 3600}:{total % 3600 // 60:02d}:{total % 60:02d}"
+
+
+def _json_value(value: Any) -> Any:
+    """Convert a 0-d tensor or numpy scalar to a Python number so json can write it."""
+    if hasattr(value, "item"):
+        return value.item()
+    raise TypeError(f"metric value of type {type(value).__name__} is not JSON serialisable")
+
+
+def _fmt_scalar(value: Any) -> str:
+    """Format a metric compactly for the console: ints as-is, floats to 4 significant digits."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return f"{float(value):.4g}"
+
+
+class MetricsLogger:
+    """Send training metrics to the console, run_dir/metrics.jsonl and W&B; a no-op off the main process."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config_dict: dict,
+        wandb: WandbSettings,
+        total_steps: int,
+        console: bool = True,
+        is_main_process: bool = True,
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.total_steps = int(total_steps)
+        self.console = console
+        self.active = is_main_process
+        self.wandb_mode: str | None = None  # the resolved mode, or None when W&B is off
+        self._run: Any = None
+        self._jsonl = None
+        self._closed = False
+        self._summary: dict[str, Any] = {}
+        self._step_times: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW + 1)
+        if not self.active:
+            return
+        # Resolve the W&B mode first so a bad config fails before any file is written.
+        if wandb.enabled:
+            mode = resolve_wandb_mode(wandb.mode)
+            self.wandb_mode = None if mode == "disabled" else mode
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.wandb_mode is not None:
+            self._run = self._init_wandb(wandb, config_dict)
+        # Append so a resumed run continues the same file.
+        self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
+        atexit.register(self._close_at_exit)
+
+    def _init_wandb(self, settings: WandbSettings, config_dict: dict) -> Any:
+        """Start the W&B run with its files under run_dir/wandb/."""
+        import wandb  # imported lazily: ~1 s, and not needed when W&B is off
+
+        try:
+            run = wandb.init(
+                project=settings.project,
+                entity=settings.entity,
+                name=settings.name or self.run_dir.name,
+                tags=list(settings.tags),
+                config=config_dict,
+                dir=str(self.run_dir),
+                mode=self.wandb_mode,
+                # Several loggers in one process (tests, sweeps) must each get their own run.
+                reinit="create_new",
+                settings=wandb.Settings(
+                    # silent: wandb's own banner would tell users to run `wandb online`, which
+                    # our config overrides; we print one accurate line below instead.
+                    silent=True,
+                    console="off",  # the training log is already ours; no stdout capture
+                    init_timeout=WANDB_INIT_TIMEOUT_S,
+                ),
+            )
+        except Exception as e:  # wandb raises many types (CommError, UsageError, timeouts)
+            raise RuntimeError(
+                f"wandb.init failed in mode {self.wandb_mode!r}: {e}. To train without W&B set "
+                "logging.wandb.enabled=false, or logging.wandb.mode=offline to keep a local W&B log"
+            ) from e
+        if self.console:
+            where = run.settings.sync_dir
+            extra = f" (upload later with `wandb sync {where}`)" if self.wandb_mode == "offline" else ""
+            print(f"W&B {self.wandb_mode}: {where}{extra}", flush=True)
+        return run
+
+    def log(self, step: int, metrics: dict[str, float | int]) -> None:
+        """Record one training step's scalar metrics everywhere and print the console line."""
+        if not self.active:
+            return
+        self._step_times.append((step, time.perf_counter()))
+        self._write_jsonl(step, metrics)
+        if self.console:
+            print(self._train_line(step, metrics), flush=True)
+        if self._run is not None:
+            self._run.log(dict(metrics), step=step)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Record evaluation metrics under the ``eval/`` prefix and print an eval console line."""
+        if not self.active:
+            return
+        prefixed = {f"eval/{key}": value for key, value in metrics.items()}
+        self._write_jsonl(step, prefixed)
+        if self.console:
+            parts = [f"eval {self._step_str(step)}"]
+            parts += [f"{key} {_fmt_scalar(value)}" for key, value in metrics.items()]
+            print(" | ".join(parts), flush=True)
+        if self._run is not None:
+            self._run.log(prefixed, step=step)
+
+    def log_expert_load(self, step: int, tokens_per_expert: dict[str, list[int]]) -> None:
+        """Send per-MoE-layer token counts per expert to W&B as one table and a histogram per layer."""
+        if not self.active or self._run is None:
+            return
+        import numpy as np
+        import wandb
+
+        rows = []
+        payload: dict[str, Any] = {}
+        for layer, counts in tokens_per_expert.items():
+            counts = [int(c) for c in counts]
+            rows += [[layer, expert, tokens] for expert, tokens in enumerate(counts)]
+            # Bins are expert ids weighted by tokens, so a bar's height is that expert's load;
+            # above W&B's 512-bin limit neighbouring experts share a bar.
+            num_bins = min(len(counts), wandb.Histogram.MAX_LENGTH)
+            if num_bins:
+                hist = np.histogram(np.arange(len(counts)), bins=num_bins, range=(0, len(counts)), weights=counts)
+                payload[f"expert_load/{layer}"] = wandb.Histogram(np_histogram=hist)
+        payload["expert_load/table"] = wandb.Table(columns=["layer", "expert", "tokens"], data=rows)
+        self._run.log(payload, step=step)
+
+    def summary(self, values: dict) -> None:
+        """Record end-of-run values in the W&B run summary and in run_dir/summary.json."""
+        if not self.active:
+            return
+        self._summary.update(values)
+        path = self.run_dir / SUMMARY_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self._summary, indent=2, default=_json_value) + "\n", encoding="utf-8")
+        os.replace(tmp, path)  # atomic: a crash mid-write never leaves a truncated summary
+        if self._run is not None:
+            self._run.summary.update(dict(values))
+
+    def close(self, exit_code: int | None = None) -> None:
+        """Flush and close the jsonl file and finish the W&B run; safe to call more than once."""
+        if self._closed or not self.active:
+            self._closed = True
+            return
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._run is not None:
+            self._run.finish(exit_code=exit_code)
+            self._run = None
+
+    def _close_at_exit(self) -> None:
+        """Finish at interpreter exit, marking the W&B run failed if an uncaught exception ended it."""
+        # The interpreter sets sys.last_value when it reports an uncaught exception.
+        self.close(exit_code=1 if getattr(sys, "last_value", None) is not None else None)
+
+    def _write_jsonl(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append one JSON line and flush it, so a crash loses at most the line being written."""
+        assert self._jsonl is not None and not self._jsonl.closed, "MetricsLogger used after close()"
+        self._jsonl.write(json.dumps({"step": step, **metrics}, default=_json_value) + "\n")
+        self._jsonl.flush()
+
+    def _step_str(self, step: int) -> str:
+        """Return ``step    50/200`` with the step right-aligned so consecutive lines line up."""
+        width = max(5, len(str(self.total_steps)))
+        return f"step {step:>{width}}/{self.total_steps}"
+
+    def seconds_per_step(self) -> float | None:
+        """Mean wall time per step over the last ETA_WINDOW logged intervals, or None before two logs."""
+        if len(self._step_times) < 2:
+            return None
+        (first_step, first_t), (last_step, last_t) = self._step_times[0], self._step_times[-1]
+        if last_step <= first_step:
+            return None
+        return (last_t - first_t) / (last_step - first_step)
+
+    def _train_line(self, step: int, metrics: dict[str, Any]) -> str:
+        """Build the concise console line for a training step."""
+        parts = [self._step_str(step)]
+        if "loss" in metrics:
+            parts.append(f"loss {float(metrics['loss']):.4f}")
+        if "lr" in metrics:
+            parts.append(f"lr {float(metrics['lr']):.2e}")
+        if "grad_norm" in metrics:
+            parts.append(f"gnorm {float(metrics['grad_norm']):.3f}")
+        if "tokens_per_s" in metrics:
+            parts.append(f"{float(metrics['tokens_per_s']):,.0f} tok/s")
+        sec = self.seconds_per_step()
+        if sec is not None:
+            parts.append(f"{sec:.2f} s/step")
+            parts.append(f"eta {format_duration(sec * max(0, self.total_steps - step))}")
+        return " | ".join(parts)
+
+
+__all__ = ["MetricsLogger", "WandbSettings", "format_duration", "has_wandb_credentials", "resolve_wandb_mode"]

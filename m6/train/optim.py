@@ -1,0 +1,47 @@
+"""AdamW with decay only on matrices, and the warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from m6.config import OptimConfig
+
+
+def _no_decay_ids(model: nn.Module) -> set[int]:
+    """Norm weights, biases and embedding tables: decaying them hurts and saves nothing."""
+    ids = set()
+    for module in model.modules():
+        if isinstance(module, (nn.LayerNorm, nn.Embedding)):
+            ids.update(id(p) for p in module.parameters(recurse=False))
+    for name, p in model.named_parameters():
+        if name.endswith("bias"):
+            ids.add(id(p))
+    return ids
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """Two parameter groups: weight-decayed matrices and everything else."""
+    skip = _no_decay_ids(model)
+    decay = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
+    no_decay = [p for p in model.parameters() if p.requires_grad and id(p) in skip]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Linear warmup from 0 to lr over warmup_steps, then cosine (or constant) down to min_lr."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """LambdaLR over lr_at, so its state (last_epoch) travels in checkpoints."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, max_steps) / cfg.lr)

@@ -1,0 +1,110 @@
+"""End-to-end runs of the training loop and train.py on a very small model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_entry
+from m6.config import load
+from m6.train.loop import Trainer, TrainingDiverged
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+SMALL = [
+    "model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=128",
+    "model.max_text_len=80", "model.moe.every=1", "model.moe.num_experts=4",
+    "data.num_samples=512", "data.eval_samples=16", "train.global_batch_size=8",
+    "train.eval_batches=1", "logging.every=5", "logging.console=false", "checkpoint.keep=3",
+]
+
+
+def small_cfg(tmp_path, *extra: str):
+    return load(TINY, [*SMALL, f"run.dir={tmp_path}", *extra])
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+REQUIRED_KEYS = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
+                 "samples_per_s", "step_time_s", "tflops", "peak_mem_gb"}
+
+
+def test_training_writes_outputs_and_loss_falls(tmp_path):
+    history = Trainer(small_cfg(tmp_path, "train.max_steps=40", "train.eval_every=0",
+                                "checkpoint.every=20")).fit()
+    first = sum(h["lm_loss"] for h in history[:5]) / 5
+    last = sum(h["lm_loss"] for h in history[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    all_rows = read_metrics(tmp_path)
+    rows = [r for r in all_rows if "loss" in r]
+    evals = [r for r in all_rows if "eval/caption_loss" in r]
+    assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert [r["step"] for r in evals] == [40] and math.isfinite(evals[0]["eval/caption_loss_shuffled_images"])
+    assert REQUIRED_KEYS <= set(rows[-1])
+    assert {"moe/layer0/max_tokens", "moe/layer0/mean_tokens", "moe/layer0/dropped_fraction",
+            "moe/layer0/router_entropy", "moe/layer1/max_tokens"} <= set(rows[-1])
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    assert (tmp_path / "config.yaml").read_text().count("num_experts: 4") == 1
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_00000020", "step_00000040"]
+
+
+def test_resume_continues_identically(tmp_path):
+    straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=12", "train.eval_every=0",
+                                 "checkpoint.every=6", "model.dropout=0.1")).fit()
+    first = Trainer(small_cfg(tmp_path / "b", "train.max_steps=6", "train.eval_every=0",
+                              "model.dropout=0.1")).fit()
+    resumed = Trainer(small_cfg(tmp_path / "b", "train.max_steps=12", "train.eval_every=0",
+                                "checkpoint.every=6", "checkpoint.resume=auto", "model.dropout=0.1"))
+    assert resumed.step == 6
+    second = resumed.fit()
+    assert [h["step"] for h in second] == list(range(7, 13))
+    # Bitwise on CPU: same data position, RNG (dropout), optimizer and schedule state.
+    assert [h["loss"] for h in first + second] == [h["loss"] for h in straight]
+    assert [h["grad_norm"] for h in first + second] == [h["grad_norm"] for h in straight]
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
+    trainer = Trainer(small_cfg(tmp_path, "train.max_steps=20", "train.eval_every=0",
+                                "checkpoint.every=2", "train.max_bad_steps=3"))
+    trainer.train_step()
+    trainer.train_step()
+    good = trainer.save_checkpoint()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with torch.no_grad():
+        trainer.model.final_norm.weight.fill_(float("nan"))
+    m = trainer.train_step()
+    assert m["skipped_steps"] == 1 and not math.isfinite(m["loss"])
+    assert torch.equal(trainer.model.text_embed.tokens.weight, before["text_embed.tokens.weight"])
+    trainer.train_step()
+    with pytest.raises(TrainingDiverged, match="train.max_bad_steps=3"):
+        trainer.train_step()
+    assert trainer.checkpoints.latest() == good
+    restored = trainer.checkpoints.load(good)
+    assert torch.isfinite(restored["model"]["final_norm.weight"]).all()
+
+
+def test_train_py_reports_config_errors(tmp_path, capsys):
+    code = train_entry.main(["--config", TINY, f"run.dir={tmp_path}", "model.moe.num_expert=16"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "model.moe.num_expert" in err and "model.moe.num_experts" in err
+    code = train_entry.main(["--config", TINY, f"run.dir={tmp_path}", "model.moe.top_k=16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.moe.top_k" in err and "model.moe.num_experts" in err
+    assert "Traceback" not in err
+
+
+def test_resume_with_a_different_model_shape_fails_clearly(tmp_path, capsys):
+    args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=2",
+            "train.eval_every=0"]
+    assert train_entry.main(args) == 0
+    code = train_entry.main(args + ["model.moe.num_experts=8", "checkpoint.resume=auto", "train.max_steps=4"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "different model shape" in err and "[4, 64, 128]" in err and "[8, 64, 128]" in err

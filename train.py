@@ -1,0 +1,35 @@
+"""Pretrain an M6 MoE model from a YAML config.
+
+    python train.py --config configs/tiny.yaml [key=value ...]
+    python train.py --config configs/tiny.yaml model.moe.num_experts=16 train.max_steps=50
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from m6.config import ConfigError, load
+from m6.train.checkpoint import CheckpointError
+from m6.train.loop import TrainingDiverged, train
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load(args.config, args.overrides)
+        train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, TrainingDiverged) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
