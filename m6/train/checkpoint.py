@@ -233,7 +233,7 @@ class CheckpointManager:
         if not self.dir.is_dir():
             return []
         found = [p for p in self.dir.iterdir() if _step_of(p) is not None and self._is_complete(p)]
-        return sorted(found)
+        return sorted(found, key=_step_of)
 
     def load(self, path: str | Path | None = None, map_location: Any = "cpu") -> dict:
         """Load a checkpoint given its step dir or its state file; None means the latest one."""
