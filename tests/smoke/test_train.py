@@ -108,3 +108,37 @@ def test_resume_with_a_different_model_shape_fails_clearly(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 1
     assert "different model shape" in err and "[4, 64, 128]" in err and "[8, 64, 128]" in err
+
+
+def test_train_py_logs_to_offline_wandb(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("WANDB_DATA_DIR", str(tmp_path / "wandb_data"))
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(var, raising=False)
+    run = tmp_path / "run"
+    assert train_entry.main(["--config", TINY, *SMALL, f"run.dir={run}", "train.max_steps=4", "logging.every=2",
+                             "train.eval_every=0", "logging.wandb.enabled=true", "logging.wandb.mode=auto",
+                             "logging.wandb.tags=[smoke]"]) == 0
+    (wandb_run,) = (run / "wandb").glob("offline-run-*")  # auto without credentials -> offline
+    wandb_exe = Path(sys.executable).with_name("wandb")
+
+    def inspect(*args: str) -> str:
+        proc = subprocess.run([str(wandb_exe), "leet", "inspect", *args, str(wandb_run)], capture_output=True,
+                              text=True, timeout=60, env={"HOME": str(home), "PATH": "/usr/bin:/bin"})
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    summary = json.loads(inspect("--summary", "--json"))
+    assert summary["state"] == "finished" and summary["tags"] == ["smoke"]
+    assert summary["config"]["model"]["moe"]["num_experts"] == 4
+    history = [json.loads(line)["history"] for line in inspect("--json").splitlines()
+               if json.loads(line)["type"] == "history"]
+    logged = {h["step"]["num"]: h["item"]["loss"] for h in history if "loss" in h["item"]}
+    expected = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+    assert logged == expected and sorted(logged) == [2, 4]
+    assert any("expert_load/layer0.values" in h["item"] for h in history)
