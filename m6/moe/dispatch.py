@@ -18,7 +18,9 @@ def expert_capacity(
     num_tokens: int, num_assignments: int, num_experts: int, capacity_factor: float, min_capacity: int
 ) -> int:
     """Slots per expert: ceil(capacity_factor * T * K / E), at least min_capacity."""
-    return max(min_capacity, math.ceil(capacity_factor * num_tokens * num_assignments / num_experts))
+    slots = capacity_factor * num_tokens * num_assignments / num_experts
+    # Round away float noise first: 1.1 * 50 is 55.000000000000007 in binary, and must give 55.
+    return max(min_capacity, math.ceil(round(slots, 6)))
 
 
 @dataclass

@@ -5,6 +5,7 @@ Shape legend: T tokens (all leading dims flattened), D d_model, E experts, K ass
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -79,8 +80,10 @@ class MoELayer(nn.Module):
         if top_k > experts_per_group:
             where = f"the {experts_per_group} experts of each prototype" if num_prototypes > 1 else f"num_experts ({num_experts})"
             raise ValueError(f"top_k ({top_k}) must not exceed {where}")
-        if capacity_factor is not None and not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0 or None (dropless), got {capacity_factor!r}")
+        if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+            raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {capacity_factor!r}")
+        if router_jitter < 0:
+            raise ValueError(f"router_jitter must be >= 0, got {router_jitter}")
         if min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
         if aux_loss_coef < 0 or z_loss_coef < 0:
@@ -113,7 +116,7 @@ class MoELayer(nn.Module):
         y_ND = self.experts(x_ND, splits)
         y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
 
-        f_E = balance_fractions(plan.routed_counts_E)
+        f_E = balance_fractions(plan.routed_counts_E, routing.probs_TE.dtype)
         P_E = routing.probs_TE.mean(dim=0) if T else routing.probs_TE.new_zeros(self.num_experts)
         balance = load_balancing_loss(f_E, P_E)
         z = router_z_loss(routing.logits_TE)

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 
-def balance_fractions(routed_counts_E: torch.Tensor) -> torch.Tensor:
-    """f_E: fraction of all routed assignments that went to each expert (no gradient)."""
-    counts = routed_counts_E.float()
+def balance_fractions(routed_counts_E: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """f_E: fraction of all routed assignments that went to each expert (no gradient), in ``dtype``."""
+    counts = routed_counts_E.to(dtype)
     return counts / counts.sum().clamp_min(1.0)
 
 
@@ -28,7 +28,9 @@ def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """mean_t logsumexp(logits_t)^2: keeps router logits small so the fp32 softmax stays stable."""
     if logits_TE.shape[0] == 0:
         return logits_TE.sum() * 0.0
-    return torch.logsumexp(logits_TE.float(), dim=-1).pow(2).mean()
+    # At least fp32 (a float64 layer keeps float64, for exact reference checks).
+    logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    return torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
 
 
 def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,133 @@
+"""Capacity and dispatch-plan semantics of m6.moe on hand-written routings.
+
+Every expected value below is written out by hand from the rule in the contract: per expert, keep
+the `capacity` assignments with the highest combine weight; ties keep the lower flat index
+(token * K + k) first; dropped assignments are absent from the plan.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m6.moe import expert_capacity, plan_dispatch
+
+
+def _hand_routing() -> tuple[torch.Tensor, torch.Tensor]:
+    """T=4 tokens, K=2, E=3.  Flat index = 2 * token + k.
+
+    flat  (t,k)  expert  weight
+      0   (0,0)    0      0.6
+      1   (0,1)    1      0.4
+      2   (1,0)    0      0.7
+      3   (1,1)    2      0.3
+      4   (2,0)    0      0.6   <- ties flat 0 on expert 0, exactly at the capacity boundary
+      5   (2,1)    1      0.4   <- ties flat 1 on expert 1, exactly at the capacity boundary
+      6   (3,0)    1      0.5
+      7   (3,1)    0      0.5
+    """
+    ids = torch.tensor([[0, 1], [0, 2], [0, 1], [1, 0]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.6, 0.4], [0.5, 0.5]])
+    return ids, weights
+
+
+def test_capacity_keeps_highest_weight_and_breaks_ties_by_flat_index():
+    ids, weights = _hand_routing()
+    plan = plan_dispatch(ids, weights, num_experts=3, capacity=2)
+    # expert 0: candidates by weight 0.7 (flat 2), 0.6 (flat 0), 0.6 (flat 4), 0.5 (flat 7)
+    #           -> keep flat 2 (token 1, a later token beats token 0 on weight) then flat 0 (tie won).
+    # expert 1: 0.5 (flat 6), 0.4 (flat 1), 0.4 (flat 5) -> keep flat 6, flat 1.
+    # expert 2: 0.3 (flat 3) -> keep.
+    assert plan.token_idx_N.tolist() == [1, 0, 3, 0, 1]
+    assert plan.weights_N.tolist() == pytest.approx([0.7, 0.6, 0.5, 0.4, 0.3])
+    assert plan.counts_E.tolist() == [2, 2, 1]
+    assert plan.routed_counts_E.tolist() == [4, 3, 1]
+    assert int(plan.num_dropped) == 3
+    assert plan.num_tokens == 4
+
+
+def test_capacity_kept_set_via_weight_gradient():
+    """The gradient of sum(weights_N) marks exactly the kept (token, k) slots with 1."""
+    ids, weights = _hand_routing()
+    weights = weights.clone().requires_grad_(True)
+    plan = plan_dispatch(ids, weights, num_experts=3, capacity=2)
+    (grad,) = torch.autograd.grad(plan.weights_N.sum(), weights)
+    kept = {(0, 0), (0, 1), (1, 0), (1, 1), (3, 0)}
+    expected = torch.tensor([[1.0 if (t, k) in kept else 0.0 for k in range(2)] for t in range(4)])
+    assert torch.equal(grad, expected)
+
+
+def test_capacity_one_and_large_capacity():
+    ids, weights = _hand_routing()
+    plan = plan_dispatch(ids, weights, num_experts=3, capacity=1)
+    assert plan.token_idx_N.tolist() == [1, 3, 1]  # flat 2, flat 6, flat 3
+    assert plan.counts_E.tolist() == [1, 1, 1]
+    assert int(plan.num_dropped) == 5
+
+    plan = plan_dispatch(ids, weights, num_experts=3, capacity=4)
+    # nothing dropped; each expert still lists its assignments highest weight first
+    assert plan.token_idx_N.tolist() == [1, 0, 2, 3, 3, 0, 2, 1]
+    assert plan.counts_E.tolist() == [4, 3, 1]
+    assert int(plan.num_dropped) == 0
+
+
+def test_capacity_zero_drops_everything():
+    ids, weights = _hand_routing()
+    plan = plan_dispatch(ids, weights, num_experts=3, capacity=0)
+    assert plan.token_idx_N.numel() == 0
+    assert plan.counts_E.tolist() == [0, 0, 0]
+    assert int(plan.num_dropped) == 8
+
+
+def test_dropless_groups_by_expert_in_token_order():
+    ids, weights = _hand_routing()
+    plan = plan_dispatch(ids, weights, num_experts=4, capacity=None)  # expert 3 receives nothing
+    assert plan.token_idx_N.tolist() == [0, 1, 2, 3, 0, 2, 3, 1]
+    assert plan.weights_N.tolist() == pytest.approx([0.6, 0.7, 0.6, 0.5, 0.4, 0.4, 0.5, 0.3])
+    assert plan.counts_E.tolist() == [4, 3, 1, 0]
+    assert plan.routed_counts_E.tolist() == [4, 3, 1, 0]
+    assert int(plan.num_dropped) == 0
+
+
+def test_capacity_many_exact_ties_keep_earliest_tokens():
+    """All 300 tokens tie on one expert: the kept ones are exactly tokens 0..capacity-1, in order
+    (large enough that a non-stable sort would visibly scramble them)."""
+    T = 300
+    ids = torch.zeros(T, 1, dtype=torch.long)
+    weights = torch.ones(T, 1)
+    plan = plan_dispatch(ids, weights, num_experts=2, capacity=37)
+    assert plan.token_idx_N.tolist() == list(range(37))
+    assert plan.counts_E.tolist() == [37, 0]
+    assert int(plan.num_dropped) == T - 37
+
+
+def test_capacity_ties_mixed_with_distinct_weights():
+    """K=3, every assignment on expert 0, weights with a three-way tie straddling the boundary."""
+    ids = torch.zeros(3, 3, dtype=torch.long)
+    weights = torch.tensor([[0.2, 0.5, 0.3],    # flat 0, 1, 2
+                            [0.5, 0.1, 0.5],    # flat 3, 4, 5
+                            [0.9, 0.05, 0.05]])  # flat 6, 7, 8
+    plan = plan_dispatch(ids, weights, num_experts=1, capacity=3)
+    # order: 0.9 (flat 6) then the 0.5 tie in flat order 1, 3, 5 -> keep flat 6, 1, 3.
+    assert plan.token_idx_N.tolist() == [2, 0, 1]
+    assert plan.weights_N.tolist() == pytest.approx([0.9, 0.5, 0.5])
+    assert int(plan.num_dropped) == 6
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_assignments, num_experts, capacity_factor, min_capacity, expected",
+    [
+        (16, 2, 4, 1.25, 4, 10),   # 1.25 * 32 / 4 = 10
+        (16, 2, 4, 1.0, 4, 8),     # exact
+        (10, 2, 4, 1.0, 4, 5),     # 20 / 4 = 5
+        (10, 1, 4, 1.0, 4, 4),     # ceil(2.5) = 3 < min_capacity 4
+        (10, 1, 4, 1.0, 0, 3),     # ceil(2.5) = 3
+        (7, 2, 8, 0.5, 1, 1),      # ceil(0.875) = 1
+        (0, 2, 8, 1.0, 0, 0),      # empty batch
+        # 1.1 * 50 * 4 / 4 = 55, though the float product is 55.00000000000001
+        (50, 4, 4, 1.1, 0, 55),
+    ],
+)
+def test_expert_capacity_formula(num_tokens, num_assignments, num_experts, capacity_factor, min_capacity,
+                                 expected):
+    assert expert_capacity(num_tokens, num_assignments, num_experts, capacity_factor, min_capacity) == expected

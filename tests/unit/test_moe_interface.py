@@ -1,0 +1,172 @@
+"""MoELayer interface: argument validation, batch invariance, autocast, leading dims, jitter.
+
+Shape legend: T tokens, D d_model, E experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from m6.moe import MoELayer
+
+
+def _make_layer(d_model, ffn_dim, num_experts, seed=0, router_std=1.0, expert_std=0.5, **kwargs) -> MoELayer:
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, ffn_dim, num_experts, **kwargs)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, router_std)
+        for p in layer.experts.parameters():
+            p.normal_(0.0, expert_std)
+    return layer
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Dropless batch invariance
+@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=1, num_prototypes=2, activation="swiglu")])
+def test_dropless_token_output_independent_of_batch(kwargs):
+    layer = _make_layer(6, 5, 4, capacity_factor=None, **kwargs)
+    x = torch.randn(24, 6, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        y_all, _ = layer(x)
+        for t in (0, 7, 23):
+            y_one, _ = layer(x[t:t + 1])
+            torch.testing.assert_close(y_one[0], y_all[t], rtol=1e-5, atol=1e-6)
+            y_pair, _ = layer(x[[t, (t + 11) % 24]])
+            torch.testing.assert_close(y_pair[0], y_all[t], rtol=1e-5, atol=1e-6)
+
+
+def test_capacity_output_does_depend_on_batch():
+    """Counter-check for the invariance test: with a small capacity, adding tokens drops some."""
+    layer = _make_layer(6, 5, 4, top_k=2, capacity_factor=0.5, min_capacity=1)
+    x = torch.randn(24, 6, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        y_all, _ = layer(x)
+        y_alone = torch.cat([layer(x[t:t + 1])[0] for t in range(24)])
+    assert int(layer.stats.dropped) == 0  # the last call was a single token
+    assert not torch.allclose(y_all, y_alone)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Argument validation
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_experts=4, top_k=5), "top_k"),
+    (dict(num_experts=8, top_k=5, num_prototypes=2), "top_k"),
+    (dict(num_experts=6, num_prototypes=4), "num_prototypes"),
+    (dict(d_model=0), "d_model"),
+    (dict(d_model=-3), "d_model"),
+    (dict(ffn_dim=0), "ffn_dim"),
+    (dict(num_experts=0), "num_experts"),
+    (dict(num_experts=-4), "num_experts"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-1), "top_k"),
+    (dict(num_prototypes=0), "num_prototypes"),
+    (dict(capacity_factor=0.0), "capacity_factor"),
+    (dict(capacity_factor=-1.25), "capacity_factor"),
+    (dict(capacity_factor=float("nan")), "capacity_factor"),
+    (dict(min_capacity=-1), "min_capacity"),
+    (dict(activation="relu"), "activation"),
+    (dict(score_function="sparsemax"), "score_function"),
+    (dict(aux_loss_coef=-0.1), "aux_loss_coef"),
+    (dict(z_loss_coef=-0.1), "z_loss_coef"),
+    (dict(router_jitter=-0.1), "router_jitter"),
+    (dict(capacity_factor=float("inf")), "capacity_factor"),
+])
+def test_bad_arguments_raise_value_error_naming_argument(kwargs, name):
+    args = dict(d_model=8, ffn_dim=16, num_experts=4, top_k=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=name):
+        MoELayer(**args)
+
+
+def test_wrong_input_last_dim_raises():
+    layer = MoELayer(8, 16, 4)
+    with pytest.raises(ValueError, match="d_model"):
+        layer(torch.randn(3, 7))
+    with pytest.raises(ValueError, match="d_model"):
+        layer(torch.randn(2, 3, 9))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Stats bounds and autocast
+def test_entropy_bounds_reached():
+    E = 4
+    layer = _make_layer(6, 5, E, top_k=1, capacity_factor=None)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        layer.router.weight.zero_()  # undecided router: uniform scores
+        layer(x)
+        assert float(layer.stats.router_entropy) == pytest.approx(math.log(E), rel=1e-6)
+        assert int(layer.stats.dropped) == 0 and float(layer.stats.dropped_fraction) == 0.0
+        layer.router.weight.copy_(torch.eye(E, 6) * 200.0)  # decided router: one-hot scores
+        layer(torch.eye(6)[:E].expand(8 // E, E, 6).reshape(8, 6))
+        assert float(layer.stats.router_entropy) == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_router_in_fp32_and_output_in_input_dtype(in_dtype):
+    layer = _make_layer(6, 5, 4, top_k=2, capacity_factor=None, activation="swiglu")
+    seen = {}
+    layer.router.register_forward_hook(lambda m, i, out: seen.update(logits=out.logits_TE, w=out.weights_TK))
+    x = torch.randn(10, 6, generator=torch.Generator().manual_seed(1)).to(in_dtype)
+    with torch.no_grad():
+        y_ref, _ = layer(x.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, aux = layer(x)
+    assert seen["logits"].dtype == torch.float32
+    assert seen["w"].dtype == torch.float32
+    assert y.dtype == in_dtype
+    assert aux.dtype == torch.float32
+    torch.testing.assert_close(y.float(), y_ref, rtol=5e-2, atol=5e-2 * y_ref.abs().max().item())
+    (y.float().sum() + aux).backward()
+    for p in layer.parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Leading dims
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_leading_dims_flatten(capacity_factor):
+    D = 6
+    layer = _make_layer(D, 5, 4, top_k=2, capacity_factor=capacity_factor, min_capacity=1)
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        y, aux = layer(x)
+        stats_3d = layer.stats
+        y_flat, aux_flat = layer(x.reshape(-1, D))
+    assert y.shape == (3, 5, D)
+    assert torch.equal(y, y_flat.reshape(3, 5, D))
+    assert torch.equal(aux, aux_flat)
+    assert torch.equal(stats_3d.tokens_per_expert, layer.stats.tokens_per_expert)
+    assert torch.equal(stats_3d.dropped, layer.stats.dropped)
+
+
+def test_single_vector_and_empty_batch():
+    D = 6
+    layer = _make_layer(D, 5, 4, top_k=2)
+    x = torch.randn(D)
+    with torch.no_grad():
+        y, _ = layer(x)
+        y2, _ = layer(x.reshape(1, D))
+    assert y.shape == (D,) and torch.equal(y, y2[0])
+    empty = torch.randn(2, 0, D, requires_grad=True)
+    y, aux = layer(empty)
+    assert y.shape == (2, 0, D) and torch.isfinite(aux)
+    (y.sum() + aux).backward()
+    assert int(layer.stats.tokens_per_expert.sum()) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+def test_router_jitter_only_in_training():
+    layer = _make_layer(6, 5, 8, top_k=2, capacity_factor=None, router_jitter=0.5)
+    plain = _make_layer(6, 5, 8, top_k=2, capacity_factor=None)
+    plain.load_state_dict(layer.state_dict())
+    x = torch.randn(32, 6, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        layer.eval(), plain.eval()
+        assert torch.equal(layer(x)[0], plain(x)[0])
+        layer.train()
+        torch.manual_seed(0)
+        assert not torch.equal(layer(x)[0], plain(x)[0])
