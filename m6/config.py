@@ -189,6 +189,12 @@ class Config:
                                   f"train.global_batch_size ({t.global_batch_size})")
         if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
             raise ConfigError(f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and optim.lr > 0")
+        for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{key} must be in [0, 1), got {value}")
+        for key, value in (("optim.eps", o.eps), ("model.norm_eps", m.norm_eps), ("model.init_std", m.init_std)):
+            if not value > 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
         if t.peak_tflops is not None and t.peak_tflops <= 0:
             raise ConfigError(f"train.peak_tflops must be > 0 or null, got {t.peak_tflops}")
 

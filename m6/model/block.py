@@ -37,11 +37,13 @@ class TransformerBlock(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoELayer)
 
-    def forward(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor,
+                token_mask_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``token_mask_BS`` (True = real token) keeps padding out of MoE routing and capacity."""
         x_BSD = x_BSD + self.dropout(self.attn(self.attn_norm(x_BSD), mask_B1SS))
         h = self.ffn_norm(x_BSD)
         if self.is_moe:
-            y, aux = self.ffn(h)
+            y, aux = self.ffn(h, token_mask_BS)
         else:
             y, aux = self.ffn(h), None
         return x_BSD + self.dropout(y), aux

@@ -60,7 +60,7 @@ def memory_estimate_bytes(cfg: ModelConfig, size: ModelSize, seq_len: int, micro
 
     Model states: 4 B params + 4 B grads + 8 B Adam moments = 16 B/param. Activations (fp32,
     saved for backward, per layer and token): ~8 D for attention (norm in, qkv, output, residual),
-    D + F for a dense FFN, and K * (D + 2 F_e) + 2 E for an MoE FFN (permuted input, hidden,
+    2 D + 2 F for a dense FFN (norm in, hidden, activation, output), and K * (D + 2 F_e) + 2 E for an MoE FFN (permuted input, hidden,
     activation; router logits/probs). An estimate: the memory issue measures and refines it.
     """
     d, f, moe = cfg.d_model, cfg.ffn_dim, cfg.moe

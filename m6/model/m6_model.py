@@ -80,11 +80,13 @@ class M6Model(nn.Module):
         N = image_BND.shape[1]
         # Image patches are prefix; a sample without an image has its patch slots masked as padding.
         image_seg_BN = torch.where(has_image_B, SEG_SOURCE, SEG_PAD).unsqueeze(1).expand(-1, N)
-        mask = prefix_lm_mask(torch.cat([image_seg_BN, segment_ids_BL], dim=1))
+        segments_BS = torch.cat([image_seg_BN, segment_ids_BL], dim=1)
+        mask = prefix_lm_mask(segments_BS)
+        real_BS = segments_BS != SEG_PAD
         x = self.embed_dropout(torch.cat([image_BND, text_BLD], dim=1))
         aux_total = x.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
-            x, aux = block(x, mask)
+            x, aux = block(x, mask, real_BS)
             if aux is not None:
                 aux_total = aux_total + aux
         return self.final_norm(x[:, N:]), aux_total
@@ -101,5 +103,6 @@ class M6Model(nn.Module):
         logits of prefix positions would be most of the memory and all of it wasted.
         """
         keep = labels_BL != IGNORE_INDEX
-        logits = self.logits(hidden_BLD[keep]).float()
+        logits = self.logits(hidden_BLD[keep])
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits, labels_BL[keep], reduction="sum")

@@ -104,20 +104,39 @@ class MoELayer(nn.Module):
         return expert_capacity(num_tokens, self.router.num_assignments, self.num_experts,
                                self.capacity_factor, self.min_capacity)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., D] -> (y [..., D], aux_loss []).
+
+        ``token_mask`` (bool, x.shape[:-1], True = real token) keeps padding out of the experts:
+        masked tokens are not routed, take no capacity, do not count in the balance statistics and
+        get a zero output.
+        """
         if x.shape[-1] != self.d_model:
             raise ValueError(f"MoELayer expects last dim d_model={self.d_model}, got input shape {tuple(x.shape)}")
         x_TD = x.reshape(-1, self.d_model)
         T = x_TD.shape[0]
+        routed_idx = None
+        if token_mask is not None:
+            if token_mask.shape != x.shape[:-1]:
+                raise ValueError(f"token_mask shape {tuple(token_mask.shape)} must equal x.shape[:-1] {tuple(x.shape[:-1])}")
+            routed_idx = token_mask.reshape(-1).nonzero().squeeze(1)
+            x_route = x_TD.index_select(0, routed_idx)
+        else:
+            x_route = x_TD
 
-        routing = self.router(x_TD)
-        plan = plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, self.capacity(T))
+        routing = self.router(x_route)
+        T_routed = x_route.shape[0]
+        plan = plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, self.capacity(T_routed))
+        if routed_idx is not None:
+            # Point the plan at rows of the full input, so masked rows are simply never gathered.
+            plan.token_idx_N = routed_idx[plan.token_idx_N]
+            plan.num_tokens = T
         x_ND, splits, handle = self.dispatcher.dispatch(x_TD, plan)
         y_ND = self.experts(x_ND, splits)
         y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
 
         f_E = balance_fractions(plan.routed_counts_E, routing.probs_TE.dtype)
-        P_E = routing.probs_TE.mean(dim=0) if T else routing.probs_TE.new_zeros(self.num_experts)
+        P_E = routing.probs_TE.mean(dim=0) if T_routed else routing.probs_TE.new_zeros(self.num_experts)
         balance = load_balancing_loss(f_E, P_E)
         z = router_z_loss(routing.logits_TE)
         aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z

@@ -170,3 +170,21 @@ def test_router_jitter_only_in_training():
         layer.train()
         torch.manual_seed(0)
         assert not torch.equal(layer(x)[0], plain(x)[0])
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_token_mask_keeps_padding_out_of_routing(capacity_factor):
+    torch.manual_seed(0)
+    layer = MoELayer(8, 16, 4, top_k=2, capacity_factor=capacity_factor, min_capacity=1).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    mask = torch.rand(3, 5) > 0.4
+    y, aux = layer(x, mask)
+    counts, dropped = layer.stats.tokens_per_expert.clone(), layer.stats.dropped.clone()
+    y_real, aux_real = layer(x[mask])  # the real tokens alone
+    assert torch.equal(y[~mask], torch.zeros_like(y[~mask]))
+    torch.testing.assert_close(y[mask], y_real, rtol=0, atol=1e-12)
+    torch.testing.assert_close(aux, aux_real, rtol=0, atol=1e-12)
+    assert torch.equal(counts, layer.stats.tokens_per_expert) and int(counts.sum()) == 2 * int(mask.sum())
+    assert int(dropped) == int(layer.stats.dropped)
+    with pytest.raises(ValueError, match="token_mask"):
+        layer(x, mask[:, :4])
