@@ -7,9 +7,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+import torch.distributed as dist
+
 from m6.config import ConfigError, load
+from m6.parallel import LayoutError
 from m6.train.checkpoint import CheckpointError
 from m6.train.loop import TrainingDiverged, train
 
@@ -19,15 +23,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
     args = parser.parse_args(argv)
+    rank = os.environ.get("RANK")
+    where = f"rank {rank}: " if rank is not None else ""
     try:
         cfg = load(args.config, args.overrides)
         train(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except (ConfigError, LayoutError) as e:
+        print(f"{where}config error: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{where}error: {e}", file=sys.stderr)
         return 1
+    except dist.DistBackendError as e:
+        # A peer died or a collective timed out (parallel.timeout_s): say so instead of hanging.
+        print(f"{where}error: a collective failed; another rank probably died or timed out: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

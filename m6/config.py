@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from m6.config_loader import ConfigError, dump_yaml, load_config, to_dict
 
@@ -33,6 +33,10 @@ class MoEConfig:
     router_jitter: float = 0.0
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
+    # global: balance statistics (f_e, P_e) and the z-loss summed over all data-parallel ranks
+    # before the loss is formed, so the loss does not depend on how the batch is split.
+    aux_loss_scope: Literal["global", "local"] = "global"
+    a2a_dtype: Optional[Literal["bf16"]] = None  # expert-parallel all-to-all payload precision
 
 
 @dataclass
@@ -118,6 +122,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Process layout. Data parallel over all ranks; experts split over expert_parallel_size ranks."""
+
+    expert_parallel_size: Union[int, Literal["auto"]] = "auto"  # auto: largest divisor of world and experts
+    bucket_size_mb: float = 25.0  # gradient all-reduce bucket size
+    timeout_s: int = 600  # a collective waiting longer than this (a dead rank) fails the run
+
+
+@dataclass
 class RunConfig:
     dir: Optional[str] = None  # null = runs/<name>
     name: str = "m6"
@@ -133,6 +146,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> None:
         """Cross-key checks, each naming every key involved."""
@@ -195,6 +209,11 @@ class Config:
         for key, value in (("optim.eps", o.eps), ("model.norm_eps", m.norm_eps), ("model.init_std", m.init_std)):
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
+        p = self.parallel
+        if p.bucket_size_mb <= 0 or p.timeout_s <= 0:
+            raise ConfigError(f"parallel.bucket_size_mb ({p.bucket_size_mb}) and parallel.timeout_s ({p.timeout_s}) must be > 0")
+        if isinstance(p.expert_parallel_size, int) and p.expert_parallel_size <= 0:
+            raise ConfigError(f"parallel.expert_parallel_size must be > 0 or 'auto', got {p.expert_parallel_size}")
         if t.peak_tflops is not None and t.peak_tflops <= 0:
             raise ConfigError(f"train.peak_tflops must be > 0 or null, got {t.peak_tflops}")
 
@@ -209,13 +228,28 @@ def num_patches(model: ModelConfig) -> int:
     return (model.image_size // model.patch_size) ** 2
 
 
-def micro_batch_size(train: TrainConfig) -> int:
-    return train.micro_batch_size if train.micro_batch_size is not None else train.global_batch_size
+def per_rank_batch_size(train: TrainConfig, world_size: int = 1) -> int:
+    """Samples each data-parallel rank processes per optimizer step."""
+    if train.global_batch_size % world_size:
+        raise ConfigError(f"train.global_batch_size ({train.global_batch_size}) must be divisible by the "
+                          f"number of processes ({world_size})")
+    return train.global_batch_size // world_size
 
 
-def accumulation_steps(train: TrainConfig) -> int:
-    """Micro-batches per optimizer step."""
-    return train.global_batch_size // micro_batch_size(train)
+def micro_batch_size(train: TrainConfig, world_size: int = 1) -> int:
+    """Samples per forward/backward on one rank; default: the whole per-rank batch (no accumulation)."""
+    per_rank = per_rank_batch_size(train, world_size)
+    if train.micro_batch_size is None:
+        return per_rank
+    if per_rank % train.micro_batch_size:
+        raise ConfigError(f"train.micro_batch_size ({train.micro_batch_size}) must divide the per-rank batch "
+                          f"(train.global_batch_size {train.global_batch_size} / {world_size} processes = {per_rank})")
+    return train.micro_batch_size
+
+
+def accumulation_steps(train: TrainConfig, world_size: int = 1) -> int:
+    """Micro-batches per optimizer step on each rank."""
+    return per_rank_batch_size(train, world_size) // micro_batch_size(train, world_size)
 
 
 def run_dir(cfg: Config) -> str:
@@ -228,5 +262,5 @@ def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-           "TrainConfig", "WandbConfig", "CheckpointConfig", "RunConfig", "load", "dump_yaml", "to_dict",
-           "expert_ffn_dim", "num_patches", "micro_batch_size", "accumulation_steps", "run_dir"]
+           "TrainConfig", "WandbConfig", "CheckpointConfig", "RunConfig", "ParallelConfig", "load", "dump_yaml", "to_dict",
+           "expert_ffn_dim", "num_patches", "micro_batch_size", "accumulation_steps", "per_rank_batch_size", "run_dir"]

@@ -114,22 +114,34 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int, activation: Activation = "gelu",
-                 init_std: float = 0.02) -> None:
+                 init_std: float = 0.02, init_seed: int = 0, first_expert: int = 0) -> None:
         super().__init__()
         if activation not in ("gelu", "swiglu"):
             raise ValueError(f"activation must be 'gelu' or 'swiglu', got {activation!r}")
         self.num_experts, self.d_model, self.ffn_dim = num_experts, d_model, ffn_dim
         self.activation = activation
-        self.init_std = init_std
+        self.init_std, self.init_seed, self.first_expert = init_std, init_seed, first_expert
         self.w_in = nn.Parameter(torch.empty(num_experts, d_model, ffn_dim))
         self.w_out = nn.Parameter(torch.empty(num_experts, ffn_dim, d_model))
         self.w_gate = nn.Parameter(torch.empty(num_experts, d_model, ffn_dim)) if activation == "swiglu" else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for w in (self.w_in, self.w_out, self.w_gate):
-            if w is not None:
-                nn.init.normal_(w, std=self.init_std)
+        """Expert ``first_expert + e`` is drawn from its own generator seeded by (init_seed, global id).
+
+        So its initial weights do not depend on how many experts this process holds (expert
+        parallelism), and initialising experts does not advance the global RNG that the
+        replicated parameters are drawn from.
+        """
+        if self.w_in.is_meta:
+            return
+        for e in range(self.num_experts):
+            g = torch.Generator(device="cpu").manual_seed(self.init_seed * 1_000_003 + self.first_expert + e)
+            for w in (self.w_in, self.w_out, self.w_gate):
+                if w is not None:
+                    sample = torch.randn(w.shape[1:], generator=g, dtype=torch.float32) * self.init_std
+                    with torch.no_grad():
+                        w[e].copy_(sample)
 
     def forward(self, x_ND: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
         """[N, D] tokens grouped by expert -> [N, D] expert outputs."""

@@ -14,7 +14,8 @@ from torch import nn
 
 from m6.moe.dispatch import LocalDispatcher, expert_capacity, plan_dispatch
 from m6.moe.experts import Activation, GroupedExperts
-from m6.moe.losses import balance_fractions, load_balancing_loss, router_entropy, router_z_loss
+from m6.moe.losses import (LocalRoutingStats, balance_fractions, load_balancing_loss, router_entropy,
+                           router_z_terms)
 from m6.moe.router import ScoreFunction, TopKRouter
 
 
@@ -23,7 +24,8 @@ class MoEStats:
     """Detached per-step routing statistics, kept as tensors so reading them costs no host sync
     inside the forward; the logger converts them when it logs.
 
-    tokens_per_expert: int64 [E] assignments routed to each expert (before capacity).
+    tokens_per_expert: int64 [E] assignments routed to each expert (before capacity), summed over
+        the data-parallel ranks when a global stats reducer is installed.
     dropped: int64 [] assignments dropped by the capacity limit.
     dropped_fraction: fp32 [] dropped / all assignments.
     router_entropy: fp32 [] mean per-token entropy of the router scores (nats).
@@ -69,6 +71,7 @@ class MoELayer(nn.Module):
         aux_loss_coef: float = 1e-2,
         z_loss_coef: float = 1e-3,
         init_std: float = 0.02,
+        init_seed: Optional[int] = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("ffn_dim", ffn_dim), ("num_experts", num_experts),
@@ -93,8 +96,13 @@ class MoELayer(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = TopKRouter(d_model, num_experts, top_k, num_prototypes, score_function,
                                  normalize_weights, router_jitter)
-        self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std)
+        if init_seed is None:
+            # One draw from the global RNG, the same whatever the expert count: the layers that
+            # follow initialise identically on every rank of any expert-parallel layout.
+            init_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
+        self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std, init_seed)
         self.dispatcher = LocalDispatcher()
+        self.stats_reducer = LocalRoutingStats()  # m6.parallel installs a cross-rank one
         self.stats: Optional[MoEStats] = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:
@@ -135,15 +143,21 @@ class MoELayer(nn.Module):
         y_ND = self.experts(x_ND, splits)
         y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
 
-        f_E = balance_fractions(plan.routed_counts_E, routing.probs_TE.dtype)
-        P_E = routing.probs_TE.mean(dim=0) if T_routed else routing.probs_TE.new_zeros(self.num_experts)
-        balance = load_balancing_loss(f_E, P_E)
-        z = router_z_loss(routing.logits_TE)
+        # Balance statistics as sums, so a data-parallel reducer can add them up across ranks
+        # before the losses are formed (aux_loss_scope=global): the loss then does not depend on
+        # how the batch is split over processes.
+        dtype = routing.probs_TE.dtype
+        counts_E, prob_sum_E, z_sum, num_routed = self.stats_reducer(
+            plan.routed_counts_E, routing.probs_TE.sum(dim=0), router_z_terms(routing.logits_TE).sum(),
+            torch.tensor(T_routed, device=x.device, dtype=dtype))
+        denom = num_routed.clamp_min(1)
+        balance = load_balancing_loss(balance_fractions(counts_E, dtype), prob_sum_E / denom)
+        z = z_sum / denom
         aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
 
         num_assignments = plan.routed_counts_E.sum()
         self.stats = MoEStats(
-            tokens_per_expert=plan.routed_counts_E.detach(),
+            tokens_per_expert=counts_E.detach(),
             dropped=plan.num_dropped.detach(),
             dropped_fraction=plan.num_dropped.float() / num_assignments.clamp_min(1).float(),
             router_entropy=router_entropy(routing.probs_TE),

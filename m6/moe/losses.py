@@ -24,6 +24,23 @@ def load_balancing_loss(f_E: torch.Tensor, P_E: torch.Tensor) -> torch.Tensor:
     return num_experts * torch.sum(f_E.detach() * P_E)
 
 
+def router_z_terms(logits_TE: torch.Tensor) -> torch.Tensor:
+    """[T] logsumexp(logits_t)^2 per token, in at least fp32; their mean is the z-loss."""
+    logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    return torch.logsumexp(logits_TE, dim=-1).pow(2)
+
+
+class LocalRoutingStats:
+    """Routing statistics of this process only (aux_loss_scope=local, or a single process).
+
+    The data-parallel version (m6.parallel) has the same call and returns sums over all ranks.
+    """
+
+    def __call__(self, counts_E: torch.Tensor, prob_sum_E: torch.Tensor, z_sum: torch.Tensor,
+                 num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return counts_E, prob_sum_E, z_sum, num_tokens
+
+
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """mean_t logsumexp(logits_t)^2: keeps router logits small so the fp32 softmax stays stable."""
     if logits_TE.shape[0] == 0:

@@ -1,0 +1,13 @@
+"""Parallelism applied to a model from outside: layout and process groups, Whale-style scopes
+(replicate by default, split experts), gradient sync, and layout-free checkpoint state."""
+
+from m6.parallel.grad_sync import GradientSync, clip_grad_norm
+from m6.parallel.launch import DistEnv, init_distributed, launched_distributed
+from m6.parallel.layout import LayoutError, ParallelLayout, ProcessGroups, build_layout, create_process_groups
+from m6.parallel.plan import GlobalRoutingStats, ParallelPlan, ShardedModel, apply_plan, default_plan
+
+__all__ = [
+    "DistEnv", "GlobalRoutingStats", "GradientSync", "LayoutError", "ParallelLayout", "ParallelPlan",
+    "ProcessGroups", "ShardedModel", "apply_plan", "build_layout", "clip_grad_norm", "create_process_groups",
+    "default_plan", "init_distributed", "launched_distributed",
+]

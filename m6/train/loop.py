@@ -12,7 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from m6.config import Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches, run_dir, to_dict
+import torch.distributed as dist
+
+from m6.config import (Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches,
+                       per_rank_batch_size, run_dir, to_dict)
 from m6.data.batch import IGNORE_INDEX, MultimodalBatch, collate
 from m6.data.sampler import ResumableSampler
 from m6.data.synthetic import SyntheticImageCaptionDataset, shuffled_images
@@ -22,6 +25,9 @@ from m6.model.flops import count_parameters, training_flops_per_token
 from m6.train.checkpoint import CheckpointManager, load_model_state, resolve_resume, rng_state, set_rng_state
 from m6.train.loggers import MetricsLogger
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
+from m6.parallel import (GradientSync, apply_plan, build_layout, clip_grad_norm, create_process_groups,
+                         default_plan, init_distributed, launched_distributed)
+from m6.parallel.checkpoint_state import full_model_and_optimizer_state, local_model_and_optimizer_state
 from m6.train.optim import build_optimizer, build_scheduler
 
 
@@ -55,12 +61,22 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.dist = init_distributed(cfg.parallel.timeout_s) if launched_distributed() else None
+        self.rank = self.dist.rank if self.dist else 0
+        self.world_size = self.dist.world_size if self.dist else 1
+        self.is_main = self.rank == 0
         self.device = resolve_device(cfg.train.device)
+        if self.device.type == "cuda" and self.dist:
+            self.device = torch.device("cuda", self.dist.local_rank)
         self.autocast_dtype = resolve_precision(cfg.train.precision, self.device)
+        self.per_rank_batch = per_rank_batch_size(cfg.train, self.world_size)
+        self.micro_batch = micro_batch_size(cfg.train, self.world_size)
+        self.accum = accumulation_steps(cfg.train, self.world_size)
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, self.run_dir / "config.yaml")
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.run_dir / "config.yaml")
 
         m, d = cfg.model, cfg.data
         self.tokenizer = ByteTokenizer()
@@ -72,7 +88,25 @@ class Trainer:
                                                      text_only_fraction=0.0)
         self.sampler = ResumableSampler(len(self.train_set), seed=cfg.run.seed)
 
+        # Same seed on every rank: replicated weights come out identical, and every expert's
+        # weights depend only on (seed, layer, global expert id), not on the layout.
         self.model = M6Model(m).to(self.device)
+        self.sharded = self.grad_sync = None
+        if self.dist:
+            layout = build_layout(self.world_size, self.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
+                                  self.dist.local_world_size)
+            groups = create_process_groups(layout)
+            a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
+            self.sharded = apply_plan(self.model, default_plan(self.model), groups, a2a_dtype, m.moe.aux_loss_scope)
+            self.grad_sync = GradientSync(self.sharded, int(cfg.parallel.bucket_size_mb * 2**20))
+            self.replicated_params = list(self.sharded.replicated_params.values())
+            self.expert_params = list(self.sharded.expert_params.values())
+            self.expert_group = groups.expert
+        else:
+            expert_ids = {id(p) for layer in self.model.moe_layers().values() for p in layer.experts.parameters()}
+            self.replicated_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
+            self.expert_params = [p for p in self.model.parameters() if id(p) in expert_ids]
+            self.expert_group = None
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.size = count_parameters(self.model)
@@ -88,7 +122,7 @@ class Trainer:
         if resume_from is not None:
             self._restore(resume_from)
         self.logger = MetricsLogger(self.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.train.max_steps,
-                                    console=cfg.logging.console)
+                                    console=cfg.logging.console, is_main_process=self.is_main)
         self.history: list[dict] = []
 
     # ---- data -------------------------------------------------------------------------------
@@ -108,32 +142,50 @@ class Trainer:
             return self.model.target_loss_sum(hidden, batch.labels), aux
 
     # ---- one optimizer step -------------------------------------------------------------------
+    def _all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum scalars over all ranks (one collective); identity on one process."""
+        if not self.dist:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def _rank_slice(self, indices: list[int]) -> list[int]:
+        """This rank's share of a global batch: changing the number of ranks keeps the global batch."""
+        n = len(indices) // self.world_size
+        return indices[self.rank * n:(self.rank + 1) * n]
+
     def train_step(self) -> dict:
         """Forward/backward over the accumulation micro-batches, clip, and update (unless non-finite)."""
         t0 = time.perf_counter()
         self.model.train()
-        accum, mb = accumulation_steps(self.cfg.train), micro_batch_size(self.cfg.train)
-        batches = [self._collate(self.train_set, self.sampler.take(mb)) for _ in range(accum)]
-        # Normalise by the target tokens of the whole step, not per micro-batch: the loss is then
-        # the same however the batch is split.
-        num_targets = sum(b.num_target_tokens for b in batches)
-        lm_total = aux_total = 0.0
-        balance = z = 0.0
+        mine = self._rank_slice(self.sampler.take(self.cfg.train.global_batch_size))
+        batches = [self._collate(self.train_set, mine[i:i + self.micro_batch])
+                   for i in range(0, self.per_rank_batch, self.micro_batch)]
+        # Normalise by the target tokens of the whole GLOBAL step, not per micro-batch or rank:
+        # the loss is then the same however the batch is split.
+        (num_targets,) = self._all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
+        lm_total = aux_total = balance = z = 0.0
         positions = tokens = 0
-        for batch in batches:
+        for i, batch in enumerate(batches):
+            if self.grad_sync:
+                self.grad_sync.enabled = i == len(batches) - 1  # communicate on the last backward only
             lm_sum, aux = self._forward_loss_sum(batch)
-            loss = lm_sum / max(num_targets, 1) + aux / accum
+            loss = lm_sum / max(num_targets, 1) + aux / self.accum
             loss.backward()
             lm_total += lm_sum.item()
-            aux_total += aux.item() / accum
+            aux_total += aux.item() / self.accum
             layers = self.model.moe_layers().values()
-            balance += sum(l.stats.aux_loss.item() for l in layers) / accum
-            z += sum(l.stats.z_loss.item() for l in layers) / accum
+            balance += sum(l.stats.aux_loss.item() for l in layers) / self.accum
+            z += sum(l.stats.z_loss.item() for l in layers) / self.accum
             positions += batch.segment_ids.numel() + batch.images.shape[0] * num_patches(self.cfg.model)
             tokens += int((batch.segment_ids != 0).sum()) + int(batch.has_image.sum()) * num_patches(self.cfg.model)
+        if self.grad_sync:
+            self.grad_sync.finish()
+        lm_total, positions, tokens = self._all_reduce_sum([lm_total, float(positions), float(tokens)])
         lm_loss = lm_total / max(num_targets, 1)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        grad_norm = clip_grad_norm(self.replicated_params, self.expert_params, clip, self.expert_group)
         finite = math.isfinite(lm_loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         if finite:
@@ -148,7 +200,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        # Model FLOPs of every position computed (padding included: the hardware did that work).
+        # Model FLOPs of every position computed by all ranks (padding included: the hardware did
+        # that work); MFU divides by the peak of all the job's devices.
         tflops = self.flops_per_position * positions / dt / 1e12
         metrics = {
             "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss": aux_total,
@@ -158,7 +211,7 @@ class Trainer:
             "skipped_steps": self.skipped_steps,
         }
         if self.peak_tflops:
-            metrics["mfu"] = tflops / self.peak_tflops
+            metrics["mfu"] = tflops / (self.peak_tflops * self.world_size)
         if not finite and self.bad_steps >= self.cfg.train.max_bad_steps:
             raise TrainingDiverged(
                 f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (last at step "
@@ -175,46 +228,65 @@ class Trainer:
         A model that uses the image has a clearly lower loss with the true ones.
         """
         self.model.eval()
-        mb = micro_batch_size(self.cfg.train)
-        n = min(len(self.eval_set), mb * self.cfg.train.eval_batches)
+        gb = self.cfg.train.global_batch_size
+        n = min(len(self.eval_set), gb * self.cfg.train.eval_batches) // gb * gb or gb
         gen = torch.Generator().manual_seed(self.cfg.run.seed)
         sums = {"caption_loss": 0.0, "caption_loss_shuffled_images": 0.0}
         count = 0
-        for start in range(0, n, mb):
-            batch = self._collate(self.eval_set, list(range(start, min(n, start + mb))))
-            batch.labels[~batch.has_image] = IGNORE_INDEX  # caption loss: image samples only
-            targets = int((batch.labels != IGNORE_INDEX).sum())
-            if targets == 0:
-                continue
-            sums["caption_loss"] += self._forward_loss_sum(batch)[0].item()
-            sums["caption_loss_shuffled_images"] += self._forward_loss_sum(shuffled_images(batch, gen))[0].item()
-            count += targets
+        for start in range(0, n, gb):
+            # Every rank runs every eval batch (the expert all-to-all needs all of them).
+            mine = self._rank_slice([i % len(self.eval_set) for i in range(start, start + gb)])
+            for i in range(0, len(mine), self.micro_batch):
+                batch = self._collate(self.eval_set, mine[i:i + self.micro_batch])
+                batch.labels[~batch.has_image] = IGNORE_INDEX  # caption loss: image samples only
+                sums["caption_loss"] += self._forward_loss_sum(batch)[0].item()
+                shuffled = shuffled_images(batch, gen) if int(batch.has_image.sum()) > 1 else batch
+                sums["caption_loss_shuffled_images"] += self._forward_loss_sum(shuffled)[0].item()
+                count += int((batch.labels != IGNORE_INDEX).sum())
+        a, b, count = self._all_reduce_sum([sums["caption_loss"], sums["caption_loss_shuffled_images"], float(count)])
+        sums = {"caption_loss": a, "caption_loss_shuffled_images": b}
         self.model.train()
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["image_gap"] = out["caption_loss_shuffled_images"] - out["caption_loss"]
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        state = {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "step": self.step, "data": self.sampler.state_dict(),
-            "rng": rng_state(), "config": to_dict(self.cfg),
-            "counters": {"bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps},
-        }
-        return self.checkpoints.save(self.step, state)
+    def save_checkpoint(self) -> Path | None:
+        """Rank 0 writes one layout-free checkpoint (whole expert tensors); every rank must call it."""
+        if self.sharded is not None:
+            full = full_model_and_optimizer_state(self.sharded, self.optimizer)
+        else:
+            full = (self.model.state_dict(), self.optimizer.state_dict())
+        path = None
+        if self.is_main:
+            model_sd, optim_sd = full
+            state = {
+                "model": model_sd, "optimizer": optim_sd,
+                "scheduler": self.scheduler.state_dict(), "step": self.step, "data": self.sampler.state_dict(),
+                "rng": rng_state(), "config": to_dict(self.cfg), "world_size": self.world_size,
+                "counters": {"bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps},
+            }
+            path = self.checkpoints.save(self.step, state)
+        if self.dist:
+            dist.barrier()
+        return path
 
     def _restore(self, path: Path) -> None:
-        state = self.checkpoints.load(path, map_location=self.device)
-        load_model_state(self.model, state["model"], str(path))
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = self.checkpoints.load(path, map_location="cpu")
+        model_sd, optim_sd = state["model"], state["optimizer"]
+        if self.sharded is not None:
+            model_sd, optim_sd = local_model_and_optimizer_state(self.sharded, self.optimizer, model_sd, optim_sd)
+        load_model_state(self.model, model_sd, str(path))
+        self.optimizer.load_state_dict(optim_sd)
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.step = state["step"]
         self.bad_steps = state["counters"]["bad_steps"]
         self.skipped_steps = state["counters"]["skipped_steps"]
-        print(f"resumed from {path} at step {self.step}", flush=True)
+        if self.is_main:
+            print(f"resumed from {path} at step {self.step} (saved at world size {state.get('world_size', 1)}, "
+                  f"now {self.world_size})", flush=True)
 
     # ---- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:

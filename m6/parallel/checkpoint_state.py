@@ -1,0 +1,77 @@
+"""Layout-free checkpoint state: expert tensors stored whole, indexed by global expert id.
+
+Saving gathers each expert parameter (and its optimizer moments) over the expert-parallel group to
+rank 0, which writes the same format a single process writes. Loading slices this rank's experts
+[first, first + local) out of it. So a checkpoint saved at one (world size, EP size) loads at any
+other valid one, single process included. Rank 0 holds one full copy while saving: fine up to
+models whose states fit in one host's memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from m6.parallel.plan import ShardedModel
+
+
+def _optimizer_index(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
+    """Param name -> its integer key in optimizer.state_dict()['state']."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    index, i = {}, 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index[name_of[id(p)]] = i
+            i += 1
+    return index
+
+
+def _gather_rows(t: torch.Tensor, group) -> torch.Tensor | None:
+    """Concatenate ``t`` over the group's ranks along dim 0 on the group's first rank."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return t
+    first = dist.get_global_rank(group, 0)
+    parts = [torch.empty_like(t) for _ in range(size)] if dist.get_rank() == first else None
+    dist.gather(t.contiguous(), parts, dst=first, group=group)
+    return torch.cat(parts) if parts is not None else None
+
+
+def full_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+    """Model and optimizer state dicts with whole expert tensors, on global rank 0 (None elsewhere).
+
+    Every rank must call it (collectives inside).
+    """
+    model, groups = sharded.model, sharded.groups
+    model_sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    optim_sd = optimizer.state_dict()
+    index = _optimizer_index(optimizer, model)
+    for name in sharded.expert_params:
+        full = _gather_rows(model_sd[name], groups.expert)
+        state = optim_sd["state"].get(index[name], {})
+        moments = {k: _gather_rows(v.detach().cpu(), groups.expert) for k, v in state.items()
+                   if torch.is_tensor(v) and v.dim() > 0}
+        if full is not None:
+            model_sd[name] = full
+            optim_sd["state"][index[name]] = {**state, **moments}
+    return (model_sd, optim_sd) if dist.get_rank() == 0 else None
+
+
+def local_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer,
+                                    model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+    """Slice this rank's experts out of a layout-free checkpoint (model and optimizer)."""
+    model_sd, optim_sd = dict(model_sd), {**optim_sd, "state": dict(optim_sd["state"])}
+    index = _optimizer_index(optimizer, sharded.model)
+    for name, param in sharded.expert_params.items():
+        if name not in model_sd:
+            continue  # load_model_state reports missing keys
+        first, count = sharded.first_expert(name), param.shape[0]
+        if model_sd[name].shape[0] < first + count:
+            continue  # a different expert count: load_model_state reports the shape mismatch
+        model_sd[name] = model_sd[name][first:first + count]
+        state = optim_sd["state"].get(index[name])
+        if state is not None:
+            optim_sd["state"][index[name]] = {
+                k: (v[first:first + count] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in state.items()}
+    return model_sd, optim_sd

@@ -1,0 +1,122 @@
+"""Whale-style scopes: everything is replicated (data parallel) unless it sits in a `split` scope.
+
+A split MoE layer keeps only this rank's share of the experts and reaches the others through the
+all-to-all dispatcher. Which parameters are split is recorded HERE, in the plan, never as flags on
+Parameter objects, and the model's code does not change between EP=1 and EP>1.
+
+    plan = default_plan(model)                 # M6: split the experts of every MoE layer
+    plan = ParallelPlan(split=[model.moe])     # a user's own model: name what to split
+    sharded = apply_plan(model, plan, groups)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from m6.moe import GroupedExperts, MoELayer
+from m6.moe.all_to_all import AllToAllDispatcher
+from m6.parallel.layout import ProcessGroups
+
+
+@dataclass
+class ParallelPlan:
+    """The MoE layers whose experts are split across the expert-parallel group."""
+
+    split: list[MoELayer] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for module in self.split:
+            if not isinstance(module, MoELayer):
+                raise TypeError(f"split() takes MoELayer modules (expert dimension), got {type(module).__name__}")
+
+
+def default_plan(model: nn.Module) -> ParallelPlan:
+    """Replicate everything, split the experts of every MoE layer (the M6 plan)."""
+    return ParallelPlan(split=[m for m in model.modules() if isinstance(m, MoELayer)])
+
+
+@dataclass
+class ShardedModel:
+    """The result of applying a plan: which parameters are synchronised over which group."""
+
+    model: nn.Module
+    groups: ProcessGroups
+    expert_params: dict[str, nn.Parameter]  # name -> param, sharded by expert id (dim 0)
+    replicated_params: dict[str, nn.Parameter]
+    expert_offsets: dict[str, int]  # name -> global id of local expert 0
+
+    def first_expert(self, name: str) -> int:
+        return self.expert_offsets[name]
+
+
+class GlobalRoutingStats:
+    """Sums the routing statistics over all data-parallel ranks before the aux losses are formed.
+
+    Gradients still flow only through this rank's own probabilities: the other ranks' part is a
+    constant, so summing gradients over ranks gives exactly the gradient of the global loss.
+    """
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, counts_E, prob_sum_E, z_sum, num_tokens):
+        E = counts_E.shape[0]
+        packed = torch.cat([counts_E.to(prob_sum_E.dtype), prob_sum_E.detach(), z_sum.detach().view(1),
+                            num_tokens.to(prob_sum_E.dtype).view(1)])
+        dist.all_reduce(packed, group=self.group)
+        counts = packed[:E].round().to(counts_E.dtype)
+        prob_sum = prob_sum_E + (packed[E:2 * E] - prob_sum_E.detach())
+        z = z_sum + (packed[2 * E] - z_sum.detach())
+        return counts, prob_sum, z, packed[2 * E + 1]
+
+
+def _shard_experts(experts: GroupedExperts, first: int, count: int) -> GroupedExperts:
+    """A GroupedExperts holding global experts [first, first + count) with the same weights."""
+    local = GroupedExperts(count, experts.d_model, experts.ffn_dim, experts.activation, experts.init_std,
+                           experts.init_seed, first_expert=first).to(dtype=experts.w_in.dtype)
+    if not experts.w_in.is_meta:
+        with torch.no_grad():
+            for name in ("w_in", "w_out", "w_gate"):
+                src = getattr(experts, name)
+                if src is not None:
+                    getattr(local, name).copy_(src[first:first + count])
+    return local.to(experts.w_in.device)
+
+
+def apply_plan(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
+               a2a_dtype: Optional[torch.dtype] = None, aux_loss_scope: str = "global") -> ShardedModel:
+    """Shard the split layers' experts, install the all-to-all dispatcher and the stats reducer."""
+    if aux_loss_scope not in ("global", "local"):
+        raise ValueError(f"model.moe.aux_loss_scope must be 'global' or 'local', got {aux_loss_scope!r}")
+    layout = groups.layout
+    split_ids = {id(m) for m in plan.split}
+    for module in model.modules():
+        if not isinstance(module, MoELayer):
+            continue
+        if aux_loss_scope == "global" and layout.world_size > 1:
+            module.stats_reducer = GlobalRoutingStats(groups.world)
+        if id(module) in split_ids:
+            if module.num_experts % layout.expert_parallel_size:
+                raise ValueError(f"model.moe.num_experts ({module.num_experts}) must be divisible by "
+                                 f"parallel.expert_parallel_size ({layout.expert_parallel_size})")
+            count = module.num_experts // layout.expert_parallel_size
+            module.experts = _shard_experts(module.experts, layout.ep_rank * count, count)
+            if layout.expert_parallel_size > 1:
+                module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype)
+    expert_params, offsets, replicated = {}, {}, {}
+    split_expert_modules = {id(m.experts): m for m in plan.split}
+    for mod_name, module in model.named_modules():
+        if id(module) in split_expert_modules:
+            for pname, p in module.named_parameters(recurse=False):
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                expert_params[full] = p
+                offsets[full] = module.first_expert
+    for name, p in model.named_parameters():
+        if name not in expert_params:
+            replicated[name] = p
+    return ShardedModel(model, groups, expert_params, replicated, offsets)

@@ -1,0 +1,107 @@
+"""train.py under torchrun on gloo: world-size invariance, two nodes, scaling experts, resume across layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_helpers import REPO, free_port
+
+TINY = str(REPO / "configs" / "tiny.yaml")
+# Dropless, fp32, default losses (aux + z, global scope), no dropout: the math is independent of
+# how the global batch of 8 is split over processes.
+SMALL = [
+    "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64", "model.max_text_len=80",
+    "model.moe.every=1", "model.moe.num_experts=4", "model.moe.capacity_factor=null", "data.num_samples=256",
+    "data.eval_samples=8", "train.global_batch_size=8", "train.eval_every=0", "train.eval_batches=1",
+    "logging.every=1", "logging.console=false", "checkpoint.every=5", "checkpoint.keep=5",
+]
+
+
+def torchrun(run_dir, nproc: int, *overrides: str, nnodes: int = 1, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Launch train.py on ``nnodes`` x ``nproc`` local processes (nnodes > 1: separate torchrun agents)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["--config", TINY, *SMALL, f"run.dir={run_dir}", *overrides]
+    if nnodes == 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+               "--master_port", str(free_port()), str(REPO / "train.py"), *args]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                               "--nproc_per_node", str(nproc), "--node_rank", str(i), "--rdzv_backend", "c10d",
+                               "--rdzv_endpoint", endpoint, "--rdzv_id", "m6test", str(REPO / "train.py"), *args],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for i in range(nnodes)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+
+
+def single(run_dir, *overrides: str) -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", TINY, *SMALL, f"run.dir={run_dir}",
+                           *overrides], capture_output=True, text=True, timeout=240, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def train_rows(run_dir) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "loss" in r]
+
+
+def assert_same_curve(a: list[dict], b: list[dict], rtol: float = 1e-5) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
+            assert ra[key] == pytest.approx(rb[key], rel=rtol), (ra["step"], key, ra[key], rb[key])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """World size 1, 10 steps: the curve every layout must reproduce."""
+    run = tmp_path_factory.mktemp("w1")
+    single(run, "train.max_steps=10")
+    return run
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_world_size_invariance(reference, tmp_path, nproc):
+    torchrun(tmp_path, nproc, "train.max_steps=10")
+    assert_same_curve(train_rows(tmp_path), train_rows(reference))
+
+
+def test_two_nodes_match_single_node(reference, tmp_path):
+    torchrun(tmp_path, 2, "train.max_steps=10", nnodes=2)
+    assert_same_curve(train_rows(tmp_path), train_rows(reference))
+
+
+def test_resume_across_world_sizes(reference, tmp_path):
+    torchrun(tmp_path / "w2", 2, "train.max_steps=5")  # checkpoint at step 5, saved by 2 ranks
+    for nproc in (1, 4):
+        run = tmp_path / f"resume{nproc}"
+        run.mkdir()
+        ckpt = tmp_path / "w2" / "checkpoints" / "step_00000005"
+        resume = ["train.max_steps=10", f"checkpoint.resume={ckpt}"]
+        if nproc == 1:
+            single(run, *resume)
+        else:
+            torchrun(run, nproc, *resume)
+        assert_same_curve(train_rows(run), train_rows(reference)[5:])
+
+
+def test_scaling_experts_is_one_key(tmp_path):
+    import torch
+
+    torchrun(tmp_path, 4, "train.max_steps=2", "model.moe.num_experts=16")
+    state = torch.load(tmp_path / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
+    assert state["model"]["blocks.0.ffn.experts.w_in"].shape == (16, 32, 64)  # 4 per rank, saved whole
+    assert len(state["optimizer"]["state"]) > 0
+    row = train_rows(tmp_path)[-1]
+    # Load of all 16 global experts, summed over the 4 ranks: top-2 assignments of every token.
+    tokens = row["tokens_per_s"] * row["step_time_s"]
+    assert row["moe/layer0/mean_tokens"] * 16 == pytest.approx(2 * tokens, rel=1e-6)
