@@ -124,11 +124,20 @@ def machine_tag(device: torch.device) -> str:
     return f"cpu-{os.cpu_count()}core"
 
 
-def peak_rss_bytes() -> int:
-    """High-water resident set size of this process (Linux reports KiB)."""
-    import resource
+def reset_peak_rss() -> None:
+    """Restart the resident-set high-water mark (Linux >= 4.0: writing 5 to clear_refs), so a
+    measurement is not inflated by whatever the process held before it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def peak_rss_bytes() -> int:
+    """Resident-set high-water mark since the last reset_peak_rss() (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("VmHWM not found in /proc/self/status")
 
 
 def current_rss_bytes() -> int:

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from bench.harness import current_rss_bytes, machine_info, machine_tag, peak_rss_bytes, time_round_robin
+from bench.harness import (current_rss_bytes, machine_info, machine_tag, peak_rss_bytes, reset_peak_rss,
+                           time_round_robin)
 from m6.moe import MoELayer
 
 IMPLS = ("m6_capacity", "m6_dropless", "deepspeed", "dense")
@@ -120,6 +121,10 @@ def measure_memory(impl: str, shape: dict, device: torch.device, autocast_dtype)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
+        import gc
+
+        gc.collect()  # the reference layer build_step made for DeepSpeed's weights is gone
+        reset_peak_rss()
         base = current_rss_bytes()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, nargs="*", help="override the top_k list")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--skip-glibc-compare", action="store_true")
+    p.add_argument("--stages", default="timing,memory",
+                   help="'memory' alone re-measures memory into the existing results file")
     p.add_argument("--child", choices=["timing", "memory"], help=argparse.SUPPRESS)
     p.add_argument("--impl", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
@@ -224,24 +231,35 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     started = time.time()
+    stages = set(args.stages.split(","))
+    out = Path(args.out)
+    stem = f"moe_layer-{machine_tag(device)}" + ("-quick" if args.quick else "")
     sub = list(args.experts or []) and ["--experts", *map(str, args.experts)]
     sub += list(args.top_k or []) and ["--top-k", *map(str, args.top_k)]
     threads = {"OMP_NUM_THREADS": str(os.cpu_count())} if device.type == "cpu" else {}
-    print("timing (MALLOC_MMAP_MAX_=0) ...", file=sys.stderr)
-    main_table = _child(args, "timing", dict(threads, MALLOC_MMAP_MAX_="0"), extra_args=tuple(sub))
-    glibc_default = None
-    if device.type == "cpu" and not args.skip_glibc_compare:
-        print("timing (default glibc, subset) ...", file=sys.stderr)
-        subset = shapes_for(args)
-        es = sorted({s["num_experts"] for s in subset})
-        glibc_default = _child(args, "timing", threads, unset=("MALLOC_MMAP_MAX_",),
-                               extra_args=("--experts", str(es[0]), str(es[-1]), "--top-k", str(max(s["top_k"] for s in subset))))
-    print("memory ...", file=sys.stderr)
-    for row in main_table["rows"]:
-        for impl in IMPLS:
-            mem = _child(args, "memory", threads, unset=("MALLOC_MMAP_MAX_",),
-                         extra_args=("--impl", impl, "--shape", json.dumps(row["shape"])))
-            row["impls"][impl].update(mem)
+    if "timing" in stages:
+        print("timing (MALLOC_MMAP_MAX_=0) ...", file=sys.stderr)
+        main_table = _child(args, "timing", dict(threads, MALLOC_MMAP_MAX_="0"), extra_args=tuple(sub))
+        glibc_default = None
+        if device.type == "cpu" and not args.skip_glibc_compare:
+            print("timing (default glibc, subset) ...", file=sys.stderr)
+            subset = shapes_for(args)
+            es = sorted({s["num_experts"] for s in subset})
+            glibc_default = _child(args, "timing", threads, unset=("MALLOC_MMAP_MAX_",),
+                                   extra_args=("--experts", str(es[0]), str(es[-1]), "--top-k",
+                                               str(max(s["top_k"] for s in subset))))
+    else:
+        previous = json.loads((out / f"{stem}.json").read_text())
+        main_table = {"rows": previous["rows"]}
+        glibc_default = {"rows": previous["glibc_default_rows"]} if previous.get("glibc_default_rows") else None
+        started -= previous.get("wall_s", 0)
+    if "memory" in stages:
+        print("memory ...", file=sys.stderr)
+        for row in main_table["rows"]:
+            for impl in IMPLS:
+                mem = _child(args, "memory", threads, unset=("MALLOC_MMAP_MAX_",),
+                             extra_args=("--impl", impl, "--shape", json.dumps(row["shape"])))
+                row["impls"][impl].update(mem)
     result = {
         "benchmark": "moe_layer",
         "command": "python -m bench.moe_layer" + (" --quick" if args.quick else ""),
@@ -259,9 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     from bench.moe_layer_report import render_markdown, summarize
 
     result["summary"] = summarize(result)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"moe_layer-{machine_tag(device)}" + ("-quick" if args.quick else "")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     (out / f"{stem}.md").write_text(render_markdown(result))
     print(render_markdown(result))

@@ -105,3 +105,27 @@ def test_scaling_experts_is_one_key(tmp_path):
     # Load of all 16 global experts, summed over the 4 ranks: top-2 assignments of every token.
     tokens = row["tokens_per_s"] * row["step_time_s"]
     assert row["moe/layer0/mean_tokens"] * 16 == pytest.approx(2 * tokens, rel=1e-6)
+
+
+def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
+    import signal
+    import time
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(REPO / "train.py"), "--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=100000",
+           "parallel.timeout_s=30"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        time.sleep(0.5)
+    assert metrics.exists(), "training never started"
+    workers = subprocess.run(["pgrep", "-f", f"run.dir={tmp_path}"], capture_output=True, text=True).stdout.split()
+    victim = max(int(pid) for pid in workers if int(pid) != proc.pid)  # a worker, not the launcher
+    os.kill(victim, signal.SIGKILL)
+    start = time.time()
+    _, err = proc.communicate(timeout=90)  # must end well within the collective timeout + margin
+    assert proc.returncode != 0
+    assert time.time() - start < 90
+    assert "failed" in err.lower() or "error" in err.lower()

@@ -142,3 +142,15 @@ def test_train_py_logs_to_offline_wandb(tmp_path, monkeypatch):
     expected = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
     assert logged == expected and sorted(logged) == [2, 4]
     assert any("expert_load/layer0.values" in h["item"] for h in history)
+
+
+def test_tiny_config_learns_to_use_the_image(tmp_path):
+    """The embedded default task needs the image: after training, held-out captions are clearly
+    easier with the true images than with images shuffled among the samples."""
+    trainer = Trainer(load(TINY, [f"run.dir={tmp_path}", "train.max_steps=150", "train.eval_every=0",
+                                  "logging.console=false", "checkpoint.every=0"]))
+    history = trainer.fit()
+    assert history[-1]["lm_loss"] < history[0]["lm_loss"] / 5
+    ev = trainer.evaluate()
+    assert ev["caption_loss_shuffled_images"] > ev["caption_loss"] + 0.05, ev
+    assert ev["caption_loss"] < 0.35, ev
