@@ -22,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
+    # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment says the same.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK")
     where = f"rank {rank}: " if rank is not None else ""

@@ -69,9 +69,10 @@ def reference(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_world_size_invariance(reference, tmp_path, nproc):
-    torchrun(tmp_path, nproc, "train.max_steps=10")
+@pytest.mark.parametrize("nproc, ep", [(2, "auto"), (4, "auto"), (4, 2)])
+def test_world_size_invariance(reference, tmp_path, nproc, ep):
+    # (4, 2): experts split over pairs of ranks, each pair an expert-data-parallel replica.
+    torchrun(tmp_path, nproc, "train.max_steps=10", f"parallel.expert_parallel_size={ep}")
     assert_same_curve(train_rows(tmp_path), train_rows(reference))
 
 
@@ -129,3 +130,14 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
     assert proc.returncode != 0
     assert time.time() - start < 90
     assert "failed" in err.lower() or "error" in err.lower()
+
+
+def test_deepspeed_launcher_matches_single_process(reference, tmp_path):
+    """The deepspeed launcher sets the same environment as torchrun (and passes --local_rank)."""
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(free_port()), str(REPO / "train.py"),
+           "--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=10"]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert_same_curve(train_rows(tmp_path), train_rows(reference))

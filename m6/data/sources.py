@@ -1,0 +1,347 @@
+"""Readers for real training data: WebDataset-style tar shards, JSONL manifests and text corpora.
+
+Every reader yields RawRecords (undecoded bytes + text) and records each record it cannot use
+in a SkipCounter, with a reason, so that nothing is dropped without being counted and the
+first few bad records can be reported by shard and key. ``decode_record`` turns a RawRecord
+into the ``Sample`` that ``collate`` consumes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import tarfile
+import zlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from m6.data.batch import Sample
+from m6.data.images import BadRecord, decode_image
+
+IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp"})
+TEXT_EXTENSIONS = frozenset({"txt", "json"})
+JSON_CAPTION_FIELDS = ("caption", "text")
+SHARD_KEY = "<shard>"  # the key reported when a whole shard is skipped
+DEFAULT_MAX_EXAMPLES = 5
+
+# Errors a damaged tar (or its gzip/bz2/xz wrapper) raises while streaming.
+TAR_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """One undecoded record: where it came from (file, key), encoded image bytes or None, caption or None."""
+
+    source: str
+    key: str
+    image_bytes: bytes | None
+    text: str | None
+
+
+class SkipExample(NamedTuple):
+    """One skipped record for reporting: file, key within it, reason category, and the error detail."""
+
+    source: str
+    key: str
+    reason: str
+    detail: str
+
+
+class SkipCounter:
+    """Counts skipped records by reason and keeps the first ``max_examples`` of them for reporting."""
+
+    def __init__(self, max_examples: int = DEFAULT_MAX_EXAMPLES) -> None:
+        self.max_examples = max_examples
+        self.counts: Counter[str] = Counter()
+        self.examples: list[SkipExample] = []
+
+    def record(self, source: str, key: str, reason: str, detail: str = "") -> None:
+        """Count one skipped record of ``source``/``key`` under ``reason``."""
+        self.counts[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(SkipExample(source, key, reason, detail))
+
+    @property
+    def total(self) -> int:
+        """Number of skips over all reasons."""
+        return sum(self.counts.values())
+
+    def merge(self, other: SkipCounter) -> None:
+        """Add ``other``'s counts and (up to the limit) its examples into this counter."""
+        self.counts.update(other.counts)
+        room = self.max_examples - len(self.examples)
+        self.examples.extend(other.examples[: max(room, 0)])
+
+    def summary(self) -> dict:
+        """Plain dict for logs: total, counts by reason, and the kept examples."""
+        return {
+            "total": self.total,
+            "by_reason": dict(sorted(self.counts.items())),
+            "examples": [ex._asdict() for ex in self.examples],
+        }
+
+    def __repr__(self) -> str:
+        return f"SkipCounter(total={self.total}, by_reason={dict(self.counts)})"
+
+
+# ---------------------------------------------------------------- shard lists
+_BRACE_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
+
+
+def _find_brace(pattern: str) -> tuple[int, int] | None:
+    """Index of the first top-level '{' and its matching '}', or None; ValueError if unbalanced."""
+    depth, start = 0, -1
+    for i, ch in enumerate(pattern):
+        if ch == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif ch == "}":
+            if depth == 0:
+                raise ValueError(f"unbalanced '}}' in shard pattern {pattern!r}")
+            depth -= 1
+            if depth == 0:
+                return start, i
+    if depth:
+        raise ValueError(f"unbalanced '{{' in shard pattern {pattern!r}")
+    return None
+
+
+def _split_top_level(body: str) -> list[str]:
+    """Split a brace body on commas that are not inside nested braces."""
+    parts, depth, current = [], 0, []
+    for ch in body:
+        if ch == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+            continue
+        depth += ch == "{"
+        depth -= ch == "}"
+        current.append(ch)
+    parts.append("".join(current))
+    return parts
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """Expand ``{000..127}`` numeric ranges (zero padding kept) and ``{a,b}`` lists, in order."""
+    span = _find_brace(pattern)
+    if span is None:
+        return [pattern]
+    start, end = span
+    head, body, tail = pattern[:start], pattern[start + 1 : end], pattern[end + 1 :]
+    match = _BRACE_RANGE.match(body)
+    if match:
+        lo, hi = int(match.group(1)), int(match.group(2))
+        if lo > hi:
+            raise ValueError(f"descending range {{{body}}} in shard pattern {pattern!r}")
+        # "{000..127}" pads to the width of the written bounds; "{0..127}" does not pad.
+        padded = match.group(1).startswith("0") and len(match.group(1)) > 1
+        width = max(len(match.group(1)), len(match.group(2))) if padded else 0
+        options = [str(n).zfill(width) for n in range(lo, hi + 1)]
+    elif "," in body:
+        options = _split_top_level(body)
+    else:
+        # "{x}" has no expansion in bash either: keep it literally, but still expand the tail.
+        return [head + "{" + body + "}" + rest for rest in expand_braces(tail)]
+    return [expanded for option in options for expanded in expand_braces(head + option + tail)]
+
+
+def expand_shards(spec: str | list[str]) -> list[str]:
+    """Expand paths, globs and brace patterns into a sorted, de-duplicated list of existing files."""
+    patterns = [spec] if isinstance(spec, str) else list(spec)
+    if not patterns or not all(p.strip() for p in patterns):
+        raise ValueError(f"empty shard spec {spec!r}")
+    paths: set[str] = set()
+    for pattern in patterns:
+        matched: set[str] = set()
+        missing = []
+        for candidate in expand_braces(pattern):
+            if glob.has_magic(candidate):
+                matched.update(p for p in glob.glob(candidate) if os.path.isfile(p))
+            elif os.path.isfile(candidate):
+                matched.add(candidate)
+            else:
+                missing.append(candidate)
+        if missing:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise FileNotFoundError(f"shard pattern {pattern!r}: {len(missing)} missing file(s): {shown}")
+        if not matched:
+            raise FileNotFoundError(f"shard pattern {pattern!r} matched no files")
+        paths |= matched
+    return sorted(paths)
+
+
+# ---------------------------------------------------------------- tar shards
+def split_member_name(name: str) -> tuple[str, str]:
+    """WebDataset key and extension: 'dir/a.b.jpg' -> ('dir/a', 'b.jpg'); the key keeps its directory."""
+    directory, base = os.path.split(name)
+    stem, _, ext = base.partition(".")
+    return (f"{directory}/{stem}" if directory else stem), ext.lower()
+
+
+def _caption_from(ext: str, data: bytes) -> str | None:
+    """Caption text of a .txt or .json member; None if the JSON has no caption; BadRecord if undecodable."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f".{ext} is not valid UTF-8: {e}") from e
+    if ext == "txt":
+        return text
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRecord(f".json is not valid JSON: {e}") from e
+    if isinstance(obj, dict):
+        for field in JSON_CAPTION_FIELDS:
+            if isinstance(obj.get(field), str):
+                return obj[field]
+    return None
+
+
+class _Group:
+    """Members of one key collected while streaming a tar."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.image: bytes | None = None
+        self.texts: dict[str, bytes] = {}
+        self.num_members = 0
+
+
+def _finish_group(path: str, group: _Group, skips: SkipCounter) -> RawRecord | None:
+    """Turn a collected group into a RawRecord, or count why it cannot be one."""
+    if group.image is None:
+        skips.record(path, group.key, "missing_image", "no .jpg/.jpeg/.png/.webp member")
+        return None
+    text = None
+    for ext in ("txt", "json"):  # .txt wins when both are present
+        if ext in group.texts:
+            try:
+                text = _caption_from(ext, group.texts[ext])
+            except BadRecord as e:
+                skips.record(path, group.key, "undecodable_text", str(e))
+                return None
+            break
+    return RawRecord(path, group.key, group.image, text)
+
+
+def iter_tar_samples(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
+    """Stream a WebDataset tar, yielding one RawRecord per key; damaged shards are counted, not raised."""
+    group: _Group | None = None
+    num_groups = 0
+    try:
+        with tarfile.open(path, mode="r|*") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, ext = split_member_name(member.name)
+                if not key.rsplit("/", 1)[-1]:
+                    skips.record(path, member.name, "bad_member_name", "member name has an empty key")
+                    continue
+                fileobj = tar.extractfile(member)
+                data = fileobj.read() if fileobj is not None else b""
+                if group is None or group.key != key:
+                    if group is not None:
+                        record = _finish_group(path, group, skips)
+                        if record is not None:
+                            yield record
+                    group = _Group(key)
+                    num_groups += 1
+                group.num_members += 1
+                if ext in IMAGE_EXTENSIONS:
+                    if group.image is not None:
+                        skips.record(path, key, "duplicate_member", f"second image member {member.name}")
+                        continue
+                    group.image = data
+                elif ext in TEXT_EXTENSIONS:
+                    group.texts.setdefault(ext, data)
+                # Other extensions (.cls, .npy, ...) are extra fields this reader does not use.
+    except TAR_ERRORS as e:
+        if os.path.exists(path) and os.path.getsize(path) == 0:
+            skips.record(path, SHARD_KEY, "empty_shard", "file is empty")
+            return
+        # Members read completely before the damage are kept; whatever follows is lost with the shard.
+        skips.record(path, SHARD_KEY, "corrupt_shard", f"{type(e).__name__}: {e}")
+        if group is not None:
+            record = _finish_group(path, group, skips)
+            if record is not None:
+                yield record
+        return
+    if group is not None:
+        record = _finish_group(path, group, skips)
+        if record is not None:
+            yield record
+    if num_groups == 0:
+        skips.record(path, SHARD_KEY, "empty_shard", "tar has no file members")
+
+
+# ---------------------------------------------------------------- manifests and text
+def iter_jsonl_manifest(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
+    """Yield records of a JSONL manifest of ``{"image": relpath, "text": caption}`` lines (paths relative to it)."""
+    base_dir = os.path.dirname(os.path.abspath(path))
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            line_key = f"line {line_no}"
+            try:
+                obj = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                skips.record(path, line_key, "bad_manifest_line", f"{type(e).__name__}: {e}")
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get("image"), str):
+                skips.record(path, line_key, "bad_manifest_line", 'expected an object with a string "image"')
+                continue
+            image_path = os.path.join(base_dir, obj["image"])
+            key = f"{line_key}: {obj['image']}"
+            try:
+                with open(image_path, "rb") as image_file:
+                    image_bytes = image_file.read()
+            except OSError as e:
+                skips.record(path, key, "missing_file", f"{type(e).__name__}: {e}")
+                continue
+            text = next((obj[k] for k in ("text", "caption") if isinstance(obj.get(k), str)), None)
+            yield RawRecord(path, key, image_bytes, text)
+
+
+def iter_text_corpus(spec: str | list[str], skips: SkipCounter) -> Iterator[RawRecord]:
+    """Yield one text-only record per non-empty line of the .txt files that ``spec`` expands to."""
+    for path in expand_shards(spec):
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                try:
+                    text = raw.decode("utf-8").strip()
+                except UnicodeDecodeError as e:
+                    skips.record(path, f"line {line_no}", "undecodable_text", str(e))
+                    continue
+                if text:
+                    yield RawRecord(path, f"line {line_no}", None, text)
+
+
+# ---------------------------------------------------------------- decoding
+def decode_record(
+    rec: RawRecord,
+    image_size: int,
+    train: bool,
+    rng: np.random.Generator | None,
+    skips: SkipCounter,
+) -> Sample | None:
+    """Decode ``rec`` into Sample(image [3, S, S] or None, source="", target=caption); None (counted) if unusable."""
+    caption = rec.text.strip() if rec.text is not None else ""
+    if not caption:
+        skips.record(rec.source, rec.key, "missing_caption", "no caption" if rec.text is None else "empty caption")
+        return None
+    image = None
+    if rec.image_bytes is not None:
+        try:
+            image = decode_image(rec.image_bytes, image_size, train, rng)
+        except BadRecord as e:
+            skips.record(rec.source, rec.key, "corrupt_image", str(e))
+            return None
+    return Sample(image=image, source="", target=caption)
