@@ -68,6 +68,22 @@ class M6Model(nn.Module):
             if isinstance(block.ffn, DenseMLP):
                 nn.init.normal_(block.ffn.fc_out.weight, std=std / math.sqrt(2 * self.cfg.num_layers))
 
+    def materialize(self, device: torch.device, seed: int) -> None:
+        """Allocate a model built on ``meta`` on ``device`` and initialise it from ``seed``.
+
+        Every submodule re-runs its own reset_parameters in module order, then the model-level
+        init; experts draw from their own (layer seed, global id) generators. So the values do not
+        depend on which experts this process holds.
+        """
+        self.to_empty(device=device)
+        for index, layer in enumerate(self.moe_layers().values()):
+            layer.experts.init_seed = seed * 100_003 + index  # per layer, from the run seed alone
+        torch.manual_seed(seed)
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        self.reset_parameters()
+
     def moe_layers(self) -> dict[str, MoELayer]:
         """Name -> MoE layer, for routing statistics."""
         return {f"layer{i}": b.ffn for i, b in enumerate(self.blocks) if b.is_moe}

@@ -4,10 +4,11 @@
 from m6.parallel.grad_sync import GradientSync, clip_grad_norm
 from m6.parallel.launch import DistEnv, init_distributed, launched_distributed
 from m6.parallel.layout import LayoutError, ParallelLayout, ProcessGroups, build_layout, create_process_groups
-from m6.parallel.plan import GlobalRoutingStats, ParallelPlan, ShardedModel, apply_plan, default_plan
+from m6.parallel.plan import (GlobalRoutingStats, ParallelPlan, ShardedModel, apply_plan, classify_parameters,
+                              default_plan, shard_model)
 
 __all__ = [
     "DistEnv", "GlobalRoutingStats", "GradientSync", "LayoutError", "ParallelLayout", "ParallelPlan",
-    "ProcessGroups", "ShardedModel", "apply_plan", "build_layout", "clip_grad_norm", "create_process_groups",
+    "ProcessGroups", "ShardedModel", "apply_plan", "classify_parameters", "shard_model", "build_layout", "clip_grad_norm", "create_process_groups",
     "default_plan", "init_distributed", "launched_distributed",
 ]

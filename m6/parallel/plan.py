@@ -77,20 +77,25 @@ class GlobalRoutingStats:
 
 def _shard_experts(experts: GroupedExperts, first: int, count: int) -> GroupedExperts:
     """A GroupedExperts holding global experts [first, first + count) with the same weights."""
-    local = GroupedExperts(count, experts.d_model, experts.ffn_dim, experts.activation, experts.init_std,
-                           experts.init_seed, first_expert=first).to(dtype=experts.w_in.dtype)
+    with torch.device(experts.w_in.device):  # meta stays meta: nothing allocated before materialising
+        local = GroupedExperts(count, experts.d_model, experts.ffn_dim, experts.activation, experts.init_std,
+                               experts.init_seed, first_expert=first).to(dtype=experts.w_in.dtype)
     if not experts.w_in.is_meta:
         with torch.no_grad():
             for name in ("w_in", "w_out", "w_gate"):
                 src = getattr(experts, name)
                 if src is not None:
                     getattr(local, name).copy_(src[first:first + count])
-    return local.to(experts.w_in.device)
+    return local if experts.w_in.is_meta else local.to(experts.w_in.device)
 
 
-def apply_plan(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
-               a2a_dtype: Optional[torch.dtype] = None, aux_loss_scope: str = "global") -> ShardedModel:
-    """Shard the split layers' experts, install the all-to-all dispatcher and the stats reducer."""
+def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
+                a2a_dtype: Optional[torch.dtype] = None, aux_loss_scope: str = "global") -> None:
+    """Structural part of a plan: keep this rank's experts, install dispatcher and stats reducer.
+
+    Works on a model built on ``meta`` (nothing is allocated for the experts of other ranks);
+    materialise afterwards and then call ``classify_parameters``.
+    """
     if aux_loss_scope not in ("global", "local"):
         raise ValueError(f"model.moe.aux_loss_scope must be 'global' or 'local', got {aux_loss_scope!r}")
     layout = groups.layout
@@ -108,8 +113,12 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
             module.experts = _shard_experts(module.experts, layout.ep_rank * count, count)
             if layout.expert_parallel_size > 1:
                 module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype)
+
+
+def classify_parameters(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups) -> ShardedModel:
+    """Which parameters are expert-split (synced over their EDP group) and which are replicated."""
     expert_params, offsets, replicated = {}, {}, {}
-    split_expert_modules = {id(m.experts): m for m in plan.split}
+    split_expert_modules = {id(m.experts) for m in plan.split}
     for mod_name, module in model.named_modules():
         if id(module) in split_expert_modules:
             for pname, p in module.named_parameters(recurse=False):
@@ -120,3 +129,10 @@ def apply_plan(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
         if name not in expert_params:
             replicated[name] = p
     return ShardedModel(model, groups, expert_params, replicated, offsets)
+
+
+def apply_plan(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
+               a2a_dtype: Optional[torch.dtype] = None, aux_loss_scope: str = "global") -> ShardedModel:
+    """shard_model + classify_parameters, for a model that is already materialised."""
+    shard_model(model, plan, groups, a2a_dtype, aux_loss_scope)
+    return classify_parameters(model, plan, groups)

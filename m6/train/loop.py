@@ -25,8 +25,8 @@ from m6.model.flops import count_parameters, training_flops_per_token
 from m6.train.checkpoint import CheckpointManager, load_model_state, resolve_resume, rng_state, set_rng_state
 from m6.train.loggers import MetricsLogger
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
-from m6.parallel import (GradientSync, apply_plan, build_layout, clip_grad_norm, create_process_groups,
-                         default_plan, init_distributed, launched_distributed)
+from m6.parallel import (GradientSync, build_layout, classify_parameters, clip_grad_norm, create_process_groups,
+                         default_plan, init_distributed, launched_distributed, shard_model)
 from m6.parallel.checkpoint_state import full_model_and_optimizer_state, local_model_and_optimizer_state
 from m6.train.optim import build_optimizer, build_scheduler
 
@@ -88,21 +88,27 @@ class Trainer:
                                                      text_only_fraction=0.0)
         self.sampler = ResumableSampler(len(self.train_set), seed=cfg.run.seed)
 
-        # Same seed on every rank: replicated weights come out identical, and every expert's
-        # weights depend only on (seed, layer, global expert id), not on the layout.
-        self.model = M6Model(m).to(self.device)
+        # Built on meta, experts sharded, then materialised: no process ever allocates the experts
+        # it does not hold. Same seed everywhere: replicated weights come out identical, and every
+        # expert's weights depend only on (seed, layer, global expert id), not on the layout.
+        with torch.device("meta"):
+            self.model = M6Model(m)
         self.sharded = self.grad_sync = None
         if self.dist:
             layout = build_layout(self.world_size, self.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
                                   self.dist.local_world_size)
             groups = create_process_groups(layout)
             a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
-            self.sharded = apply_plan(self.model, default_plan(self.model), groups, a2a_dtype, m.moe.aux_loss_scope)
+            plan = default_plan(self.model)
+            shard_model(self.model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)
+            self.model.materialize(self.device, cfg.run.seed)
+            self.sharded = classify_parameters(self.model, plan, groups)
             self.grad_sync = GradientSync(self.sharded, int(cfg.parallel.bucket_size_mb * 2**20))
             self.replicated_params = list(self.sharded.replicated_params.values())
             self.expert_params = list(self.sharded.expert_params.values())
             self.expert_group = groups.expert
         else:
+            self.model.materialize(self.device, cfg.run.seed)
             expert_ids = {id(p) for layer in self.model.moe_layers().values() for p in layer.experts.parameters()}
             self.replicated_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
             self.expert_params = [p for p in self.model.parameters() if id(p) in expert_ids]
