@@ -132,9 +132,12 @@ class Trainer:
         self.history: list[dict] = []
 
     # ---- data -------------------------------------------------------------------------------
-    def _collate(self, dataset, indices: list[int]) -> MultimodalBatch:
+    def _collate(self, dataset, indices: list[int]) -> tuple[MultimodalBatch, int]:
+        """The batch on the device, and its real (non-padding) token count, counted on the host."""
         samples = [dataset[i] for i in indices]
-        return collate(samples, self.tokenizer, self.cfg.data.seq_len, self.image_shape).to(self.device)
+        batch = collate(samples, self.tokenizer, self.cfg.data.seq_len, self.image_shape)
+        real = int((batch.segment_ids != 0).sum()) + int(batch.has_image.sum()) * num_patches(self.cfg.model)
+        return batch.to(self.device), real
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -166,29 +169,33 @@ class Trainer:
         t0 = time.perf_counter()
         self.model.train()
         mine = self._rank_slice(self.sampler.take(self.cfg.train.global_batch_size))
-        batches = [self._collate(self.train_set, mine[i:i + self.micro_batch])
+        counted = [self._collate(self.train_set, mine[i:i + self.micro_batch])
                    for i in range(0, self.per_rank_batch, self.micro_batch)]
+        batches = [b for b, _ in counted]
         # Normalise by the target tokens of the whole GLOBAL step, not per micro-batch or rank:
         # the loss is then the same however the batch is split.
         (num_targets,) = self._all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
-        lm_total = aux_total = balance = z = 0.0
-        positions = tokens = 0
+        patches = num_patches(self.cfg.model)
+        # Counted from shapes and host-side counts: no device sync inside the micro-batch loop.
+        positions = sum(b.segment_ids.numel() + b.batch_size * patches for b in batches)
+        tokens = sum(real for _, real in counted)
+        parts = []  # per micro-batch: lm sum, aux, balance, z (device tensors, read once at the end)
         for i, batch in enumerate(batches):
             if self.grad_sync:
                 self.grad_sync.enabled = i == len(batches) - 1  # communicate on the last backward only
             lm_sum, aux = self._forward_loss_sum(batch)
             loss = lm_sum / max(num_targets, 1) + aux / self.accum
             loss.backward()
-            lm_total += lm_sum.item()
-            aux_total += aux.item() / self.accum
-            layers = self.model.moe_layers().values()
-            balance += sum(l.stats.aux_loss.item() for l in layers) / self.accum
-            z += sum(l.stats.z_loss.item() for l in layers) / self.accum
-            positions += batch.segment_ids.numel() + batch.images.shape[0] * num_patches(self.cfg.model)
-            tokens += int((batch.segment_ids != 0).sum()) + int(batch.has_image.sum()) * num_patches(self.cfg.model)
+            layers = list(self.model.moe_layers().values())
+            zero = aux.detach().new_zeros(())
+            balance = sum((l.stats.aux_loss for l in layers), zero)
+            z_sum = sum((l.stats.z_loss for l in layers), zero)
+            parts.append(torch.stack([lm_sum.detach().double(), aux.detach().double(), balance.double(), z_sum.double()]))
         if self.grad_sync:
             self.grad_sync.finish()
-        lm_total, positions, tokens = self._all_reduce_sum([lm_total, float(positions), float(tokens)])
+        lm_local, aux_total, balance, z = torch.stack(parts).sum(0).tolist()  # the step's one host sync
+        aux_total, balance, z = aux_total / self.accum, balance / self.accum, z / self.accum
+        lm_total, positions, tokens = self._all_reduce_sum([lm_local, float(positions), float(tokens)])
         lm_loss = lm_total / max(num_targets, 1)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(self.replicated_params, self.expert_params, clip, self.expert_group)
@@ -243,7 +250,7 @@ class Trainer:
             # Every rank runs every eval batch (the expert all-to-all needs all of them).
             mine = self._rank_slice([i % len(self.eval_set) for i in range(start, start + gb)])
             for i in range(0, len(mine), self.micro_batch):
-                batch = self._collate(self.eval_set, mine[i:i + self.micro_batch])
+                batch, _ = self._collate(self.eval_set, mine[i:i + self.micro_batch])
                 batch.labels[~batch.has_image] = IGNORE_INDEX  # caption loss: image samples only
                 sums["caption_loss"] += self._forward_loss_sum(batch)[0].item()
                 shuffled = shuffled_images(batch, gen) if int(batch.has_image.sum()) > 1 else batch
