@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from bench.harness import machine_info, machine_tag
 from m6.moe import MoELayer
-from m6.moe.all_to_all import all_to_all
+from m6.moe.all_to_all import AllToAllHandle, all_to_all
 from m6.moe.dispatch import combine_tokens, permute_tokens, plan_dispatch
 from m6.parallel import ParallelPlan, apply_plan, build_layout, create_process_groups
 
@@ -56,24 +56,16 @@ def _phases(layer: MoELayer, x_TD: torch.Tensor, group) -> dict[str, float]:
         plan = plan_dispatch(routing.expert_ids_TK, routing.weights_TK, layer.num_experts, layer.capacity(x_TD.shape[0]))
         mark("route")
         d = layer.dispatcher
-        R, L = d.group_size, d.num_local
-        send_RL = plan.counts_E.view(R, L)
-        recv_RL = torch.empty_like(send_RL)
-        dist.all_to_all_single(recv_RL, send_RL.contiguous(), group=group)
-        send, recv = send_RL.sum(1).tolist(), [sum(r) for r in recv_RL.tolist()]
+        send, recv_counts = d.exchange_counts(plan)
+        recv = [sum(row) for row in recv_counts]
         x_ND = permute_tokens(x_TD, plan)
         mark("permute")
         x_recv = all_to_all(x_ND, recv, send, group)
         mark("all2all_dispatch")
-        counts = recv_RL.tolist()
-        local_e = torch.repeat_interleave(torch.arange(L).repeat(R), torch.tensor([c for row in counts for c in row]))
-        order = torch.argsort(local_e, stable=True)
-        x_local = x_recv.index_select(0, order)
-        splits = [sum(counts[r][e] for r in range(R)) for e in range(L)]
-        y_local = layer.experts(x_local, splits)
+        order, splits = d.local_order(recv_counts, x_TD.device)
+        y_local = layer.experts(x_recv.index_select(0, order), splits)
         mark("experts")
-        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local)
-        y_ND = all_to_all(y_recv, send, recv, group)
+        y_ND = d.send_back(y_local, AllToAllHandle(plan, send, recv, order, x_TD.dtype))
         mark("all2all_combine")
         combine_tokens(y_ND, plan, x_TD.dtype)
         mark("combine")
@@ -163,9 +155,13 @@ def render(result: dict) -> str:
              "| E | capacity | EP=1 s/step | EP=2 s/step | EP=2 speedup | a2a MB/step | EP=2 forward phases (ms): route / permute / a2a / experts / a2a back / combine | rounds kept/dropped |",
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
+        cap = "dropless" if r["capacity_factor"] is None else r["capacity_factor"]
+        if not r["rounds_kept"]:
+            lines.append(f"| {r['num_experts']} | {cap} | - | - | - | - | every round degraded (CPU share "
+                         f"< 75%): no figure | 0/{r['rounds_dropped']} |")
+            continue
         ph = r["ep2_forward_phases_s"]
         phases = " / ".join(f"{ph[k] * 1e3:.1f}" for k in ("route", "permute", "all2all_dispatch", "experts", "all2all_combine", "combine"))
-        cap = "dropless" if r["capacity_factor"] is None else r["capacity_factor"]
         lines.append(f"| {r['num_experts']} | {cap} | {r['ep1_median_s']:.3f} [{r['ep1_spread_s'][0]:.3f}-{r['ep1_spread_s'][1]:.3f}] "
                      f"| {r['ep2_median_s']:.3f} [{r['ep2_spread_s'][0]:.3f}-{r['ep2_spread_s'][1]:.3f}] "
                      f"| {r['ep1_median_s'] / r['ep2_median_s']:.2f} | {r['a2a_bytes_per_step_all_ranks'] / 1e6:.1f} "
@@ -176,6 +172,9 @@ def render(result: dict) -> str:
         for cf in (None, 1.25):
             lo = next(r for r in result["rows"] if r["num_experts"] == es[0] and r["capacity_factor"] == cf)
             hi = next(r for r in result["rows"] if r["num_experts"] == es[-1] and r["capacity_factor"] == cf)
+            if not (lo["rounds_kept"] and hi["rounds_kept"]):
+                lines.append(f"| {'dropless' if cf is None else cf} | - | - |")
+                continue
             lines.append(f"| {'dropless' if cf is None else cf} | {hi['ep1_median_s'] / lo['ep1_median_s']:.3f} "
                          f"| {hi['ep2_median_s'] / lo['ep2_median_s']:.3f} |")
     return "\n".join(lines) + "\n"

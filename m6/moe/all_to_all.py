@@ -69,37 +69,46 @@ class AllToAllDispatcher:
         self.num_local = num_experts // self.group_size
         self.a2a_dtype = a2a_dtype
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], AllToAllHandle]:
-        """Rows for this rank's local experts, grouped by local expert, and their counts."""
+    def exchange_counts(self, plan: DispatchPlan) -> tuple[list[int], list[list[int]]]:
+        """Rows this rank sends to each rank, and recv_counts[source rank][local expert]."""
         R, L = self.group_size, self.num_local
         send_counts_RL = plan.counts_E.view(R, L)
         recv_counts_RL = torch.empty_like(send_counts_RL)
-        # Exchange how many rows each (source rank, local expert) pair will carry.
         dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
         # One host copy of the split sizes: all_to_all_single needs them as Python ints.
-        send_splits = send_counts_RL.sum(1).tolist()
-        recv_counts = recv_counts_RL.tolist()
-        recv_splits = [sum(row) for row in recv_counts]
+        return send_counts_RL.sum(1).tolist(), recv_counts_RL.tolist()
 
+    def local_order(self, recv_counts: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
+        """Received rows arrive [source rank][local expert]: the permutation that groups them by
+        local expert, and the rows per local expert."""
+        R, L = self.group_size, self.num_local
+        local_expert_M = torch.repeat_interleave(
+            torch.arange(L, device=device).repeat(R),
+            torch.tensor([c for row in recv_counts for c in row], device=device, dtype=torch.long),
+        )
+        splits = [sum(recv_counts[r][e] for r in range(R)) for e in range(L)]
+        return torch.argsort(local_expert_M, stable=True), splits
+
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], AllToAllHandle]:
+        """Rows for this rank's local experts, grouped by local expert, and their counts."""
+        send_splits, recv_counts = self.exchange_counts(plan)
+        recv_splits = [sum(row) for row in recv_counts]
         payload_dtype = x_TD.dtype
         x_ND = permute_tokens(x_TD, plan)  # grouped by global expert = by destination rank
         if self.a2a_dtype is not None:
             x_ND = x_ND.to(self.a2a_dtype)
         x_recv = all_to_all(x_ND, recv_splits, send_splits, self.group)
-        # Received rows arrive [source rank][local expert]; regroup them [local expert][source rank].
-        local_expert_M = torch.repeat_interleave(
-            torch.arange(L, device=x_TD.device).repeat(R),
-            torch.tensor([c for row in recv_counts for c in row], device=x_TD.device, dtype=torch.long),
-        )
-        local_order_M = torch.argsort(local_expert_M, stable=True)
+        local_order_M, splits = self.local_order(recv_counts, x_TD.device)
         x_local = x_recv.index_select(0, local_order_M).to(payload_dtype)
-        splits = [sum(recv_counts[r][e] for r in range(R)) for e in range(L)]
         return x_local, splits, AllToAllHandle(plan, send_splits, recv_splits, local_order_M, payload_dtype)
 
-    def combine(self, y_local: torch.Tensor, handle: AllToAllHandle, out_dtype: torch.dtype) -> torch.Tensor:
-        """Expert outputs back to their source ranks and token order, weighted by the router."""
+    def send_back(self, y_local: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
+        """Expert outputs back to the ranks (and row order) they came from: [M, D] -> [N, D]."""
         y_recv = torch.empty_like(y_local).index_copy(0, handle.local_order_M, y_local)
         if self.a2a_dtype is not None:
             y_recv = y_recv.to(self.a2a_dtype)
-        y_ND = all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group)
-        return combine_tokens(y_ND.to(handle.payload_dtype), handle.plan, out_dtype)
+        return all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group).to(handle.payload_dtype)
+
+    def combine(self, y_local: torch.Tensor, handle: AllToAllHandle, out_dtype: torch.dtype) -> torch.Tensor:
+        """Expert outputs back to their source ranks and token order, weighted by the router."""
+        return combine_tokens(self.send_back(y_local, handle), handle.plan, out_dtype)

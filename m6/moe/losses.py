@@ -41,15 +41,6 @@ class LocalRoutingStats:
         return counts_E, prob_sum_E, z_sum, num_tokens
 
 
-def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
-    """mean_t logsumexp(logits_t)^2: keeps router logits small so the fp32 softmax stays stable."""
-    if logits_TE.shape[0] == 0:
-        return logits_TE.sum() * 0.0
-    # At least fp32 (a float64 layer keeps float64, for exact reference checks).
-    logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
-    return torch.logsumexp(logits_TE, dim=-1).pow(2).mean()
-
-
 def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
     """Mean per-token entropy (nats) of the normalised router scores; log(E) = undecided router."""
     if probs_TE.shape[0] == 0:
