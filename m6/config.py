@@ -61,14 +61,31 @@ class ModelConfig:
 
 
 @dataclass
-class DataConfig:
-    """Training data. Until the real-data loaders land, the built-in synthetic task."""
+class DataSourceConfig:
+    """One training source: files (paths, globs or brace patterns), their format, and its mixture weight."""
 
-    kind: Literal["synthetic"] = "synthetic"
-    num_samples: int = 20000
-    eval_samples: int = 256
+    path: Union[str, list[str]] = ""
+    format: Literal["tar", "jsonl", "text"] = "tar"
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Training data: the built-in synthetic task, or files (WebDataset tars, JSONL manifests, text)."""
+
+    kind: Literal["synthetic", "files"] = "synthetic"
+    sources: list[DataSourceConfig] = field(default_factory=list)  # kind=files: a weighted mixture
+    tokenizer: Optional[str] = None  # null/"byte" = byte-level; else the path of a tokenizer.json
+    tasks: Optional[dict[str, float]] = None  # M6 task weights (caption, denoise, continue, image_denoise)
+    # Per-channel mean/std of the corpus's [0, 1] pixels (default: ImageNet's, the usual choice for photos).
+    image_mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
+    image_std: list[float] = field(default_factory=lambda: [0.229, 0.224, 0.225])
+    num_workers: int = 2  # DataLoader worker processes per rank (0 = load in the training process)
+    prefetch_factor: int = 2  # micro-batches each worker keeps ready
+    num_samples: int = 20000  # kind=synthetic: samples per epoch
+    eval_samples: int = 256  # held-out image-caption samples for the caption-loss eval
     seq_len: int = 96  # text tokens per sample (source + target), padded
-    text_only_fraction: float = 0.2
+    text_only_fraction: float = 0.2  # kind=synthetic
 
 
 @dataclass
@@ -76,13 +93,28 @@ class TrainConfig:
     max_steps: int = 300
     global_batch_size: int = 32
     micro_batch_size: Optional[int] = None  # null = global_batch_size (no accumulation)
-    precision: Literal["auto", "fp32", "bf16"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # bf16: cast-on-use (fp32 masters, no bf16 weight copy kept for backward); bf16-autocast: plain
+    # torch.autocast (weight casts cached and kept until backward); auto: bf16 on CUDA, fp32 on CPU.
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"
     grad_clip: float = 1.0  # 0 = off
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     eval_every: int = 100  # 0 = only at the end
     eval_batches: int = 4
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: Optional[float] = None  # device peak for MFU when m6 does not know the device
+
+
+@dataclass
+class MemoryConfig:
+    """Memory features (Whale's tricks); each keeps the math unchanged."""
+
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    activation_checkpointing: Literal["none", "full", "auto"] = "none"
+    # auto: recompute the cheapest parts until saved activations fit this budget. Give GiB, or a
+    # fraction of the profiled no-checkpointing activation bytes; neither = 0.5 of them.
+    activation_budget_gb: Optional[float] = None
+    activation_budget_fraction: Optional[float] = None
+    check_checkpointing: bool = False  # step 1: compare gradients with and without checkpointing
 
 
 @dataclass
@@ -95,6 +127,7 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    apply_groups: int = 1  # run the update over N size-balanced parameter groups, one after another
 
 
 @dataclass
@@ -147,6 +180,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def validate(self) -> None:
         """Cross-key checks, each naming every key involved."""
@@ -195,6 +229,25 @@ class Config:
         if m.vocab_size < BYTE_VOCAB_SIZE:
             raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's "
                               f"{BYTE_VOCAB_SIZE} ids (data.kind={d.kind})")
+        if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
+            raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
+                              f"model.image_channels ({m.image_channels}) values each, std > 0")
+        if d.num_workers < 0 or d.prefetch_factor <= 0:
+            raise ConfigError(f"data.num_workers ({d.num_workers}) must be >= 0 and data.prefetch_factor "
+                              f"({d.prefetch_factor}) > 0")
+        if d.kind == "files" and not d.sources:
+            raise ConfigError("data.sources is empty: data.kind=files needs at least one source "
+                              "({path: ..., format: tar|jsonl|text, weight: 1.0})")
+        if d.kind == "synthetic" and d.sources:
+            raise ConfigError("data.sources is set but data.kind is 'synthetic'; set data.kind=files to train on them")
+        for i, src in enumerate(d.sources):
+            paths = [src.path] if isinstance(src.path, str) else list(src.path)
+            if not paths or not all(p.strip() for p in paths):
+                raise ConfigError(f"data.sources[{i}].path is empty")
+            if not src.weight >= 0:
+                raise ConfigError(f"data.sources[{i}].weight must be >= 0, got {src.weight}")
+        if d.sources and not any(src.weight > 0 for src in d.sources):
+            raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
         if not 0.0 <= d.text_only_fraction <= 1.0:
             raise ConfigError(f"data.text_only_fraction must be in [0, 1], got {d.text_only_fraction}")
         if t.micro_batch_size is not None:
@@ -216,6 +269,21 @@ class Config:
             raise ConfigError(f"parallel.expert_parallel_size must be > 0 or 'auto', got {p.expert_parallel_size}")
         if t.peak_tflops is not None and t.peak_tflops <= 0:
             raise ConfigError(f"train.peak_tflops must be > 0 or null, got {t.peak_tflops}")
+        if o.apply_groups <= 0:
+            raise ConfigError(f"optim.apply_groups must be >= 1, got {o.apply_groups}")
+        mem = self.memory
+        if mem.activation_budget_gb is not None and mem.activation_budget_fraction is not None:
+            raise ConfigError("set memory.activation_budget_gb or memory.activation_budget_fraction, not both")
+        if mem.activation_budget_gb is not None and mem.activation_budget_gb <= 0:
+            raise ConfigError(f"memory.activation_budget_gb must be > 0, got {mem.activation_budget_gb}")
+        if mem.activation_budget_fraction is not None and not 0.0 <= mem.activation_budget_fraction <= 1.0:
+            raise ConfigError(f"memory.activation_budget_fraction must be in [0, 1], got {mem.activation_budget_fraction}")
+        budget_set = mem.activation_budget_gb is not None or mem.activation_budget_fraction is not None
+        if budget_set and mem.activation_checkpointing != "auto":
+            raise ConfigError("memory.activation_budget_gb/activation_budget_fraction only apply with "
+                              f"memory.activation_checkpointing=auto (it is {mem.activation_checkpointing!r})")
+        if mem.check_checkpointing and mem.activation_checkpointing == "none":
+            raise ConfigError("memory.check_checkpointing needs memory.activation_checkpointing full or auto")
 
 
 def expert_ffn_dim(model: ModelConfig) -> int:
@@ -262,5 +330,5 @@ def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-           "TrainConfig", "WandbConfig", "CheckpointConfig", "RunConfig", "ParallelConfig", "load", "dump_yaml", "to_dict",
+           "TrainConfig", "WandbConfig", "MemoryConfig", "DataSourceConfig", "CheckpointConfig", "RunConfig", "ParallelConfig", "load", "dump_yaml", "to_dict",
            "expert_ffn_dim", "num_patches", "micro_batch_size", "accumulation_steps", "per_rank_batch_size", "run_dir"]

@@ -14,6 +14,8 @@ from m6 import config as m6config
 from m6.config_loader import ConfigError
 from m6.model.flops import count_parameters, memory_estimate_bytes, training_flops_per_token
 from m6.model.m6_model import M6Model
+from m6.parallel.memory_report import COMPONENTS, estimate_memory
+from m6.train.optim import no_decay_ids
 
 
 def build_meta_model(cfg: m6config.ModelConfig) -> M6Model:
@@ -29,6 +31,10 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.0f}{unit}"
 
 
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
 def report(cfg: m6config.Config) -> dict:
     model = build_meta_model(cfg.model)
     size = count_parameters(model)
@@ -39,6 +45,7 @@ def report(cfg: m6config.Config) -> dict:
         "embedding_params": size.embedding,
         "flops_per_token": training_flops_per_token(cfg.model, size, cfg.data.seq_len),
         "memory_bytes": mem, "micro_batch_size": mb, "moe_layers": len(model.moe_layers()),
+        "memory_with_features": estimate_memory(cfg, model, no_decay_ids(model)),
     }
 
 
@@ -67,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in mem.items():
         print(f"  {k:<15} {v / 2**30:,.1f} GiB")
     print(f"  {'total':<15} {sum(mem.values()) / 2**30:,.1f} GiB")
+    feat = r["memory_with_features"]
+    print(f"with memory features (optim.apply_groups={cfg.optim.apply_groups}, memory.offload={cfg.memory.offload})")
+    print(f"  {'':<30} {'device':>14} {'host':>14}")
+    for k in COMPONENTS:
+        print(f"  {k:<30} {_bytes(feat.device.get(k, 0.0)):>14} {_bytes(feat.host.get(k, 0.0)):>14}")
+    print(f"  {'total':<30} {_bytes(feat.total('device')):>14} {_bytes(feat.total('host')):>14}")
     return 0
 
 

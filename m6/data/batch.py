@@ -106,12 +106,16 @@ def encode_sample_text(
 
 
 def collate(
-    samples: Sequence[Sample],
+    samples: Sequence[Sample | None],
     tokenizer: ByteTokenizer,
     seq_len: int,
     image_shape: tuple[int, int, int],
 ) -> MultimodalBatch:
-    """Pad/truncate ``samples`` into a MultimodalBatch with text [B, seq_len], images [B, *image_shape]."""
+    """Pad/truncate ``samples`` into a MultimodalBatch with text [B, seq_len], images [B, *image_shape].
+
+    A None sample (a record the loader had to skip) becomes an all-padding row: no image, no loss,
+    no routed tokens. The batch keeps its shape, so every rank still runs the same micro-batches.
+    """
     if not samples:
         raise ValueError("collate got an empty list of samples")
     if seq_len < 2:
@@ -124,6 +128,8 @@ def collate(
     labels = torch.full((batch_size, seq_len), IGNORE_INDEX, dtype=torch.int64)
 
     for b, sample in enumerate(samples):
+        if sample is None:
+            continue
         if sample.image is not None:
             if tuple(sample.image.shape) != tuple(image_shape):
                 raise ValueError(

@@ -7,6 +7,8 @@ shorter side to S (bicubic) -> centre crop (eval) or random crop (train) to S x 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import io
 
 import numpy as np
@@ -92,16 +94,18 @@ def crop_square(
     return img.crop((left, top, left + size, top + size))
 
 
-def normalize_image(rgb_HWC: np.ndarray) -> np.ndarray:
-    """Turn uint8 RGB [H, W, 3] into normalised float32 [3, H, W]."""
+def normalize_image(rgb_HWC: np.ndarray, mean: Sequence[float] = IMAGE_MEAN,
+                    std: Sequence[float] = IMAGE_STD) -> np.ndarray:
+    """Turn uint8 RGB [H, W, 3] into normalised float32 [3, H, W] (per-channel mean/std of [0, 1] pixels)."""
     pixels = rgb_HWC.astype(np.float32) / 255.0
-    mean = np.asarray(IMAGE_MEAN, dtype=np.float32)
-    std = np.asarray(IMAGE_STD, dtype=np.float32)
+    mean = np.asarray(mean, dtype=np.float32)
+    std = np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(((pixels - mean) / std).transpose(2, 0, 1))
 
 
 def decode_image(
-    data: bytes, image_size: int, train: bool, rng: np.random.Generator | None
+    data: bytes, image_size: int, train: bool, rng: np.random.Generator | None,
+    mean: Sequence[float] = IMAGE_MEAN, std: Sequence[float] = IMAGE_STD,
 ) -> np.ndarray:
     """Decode encoded image bytes into normalised float32 [3, image_size, image_size]; BadRecord if unusable."""
     if image_size <= 0:
@@ -110,4 +114,4 @@ def decode_image(
         raise ValueError("decode_image(train=True) needs an rng for the random crop")
     img = open_image(data, draft_size=image_size)
     img = crop_square(resize_shorter_side(to_rgb(img), image_size), image_size, train, rng)
-    return normalize_image(np.asarray(img, dtype=np.uint8))
+    return normalize_image(np.asarray(img, dtype=np.uint8), mean, std)

@@ -185,7 +185,7 @@ def split_member_name(name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), ext.lower()
 
 
-def _caption_from(ext: str, data: bytes) -> str | None:
+def caption_from(ext: str, data: bytes) -> str | None:
     """Caption text of a .txt or .json member; None if the JSON has no caption; BadRecord if undecodable."""
     try:
         text = data.decode("utf-8")
@@ -223,7 +223,7 @@ def _finish_group(path: str, group: _Group, skips: SkipCounter) -> RawRecord | N
     for ext in ("txt", "json"):  # .txt wins when both are present
         if ext in group.texts:
             try:
-                text = _caption_from(ext, group.texts[ext])
+                text = caption_from(ext, group.texts[ext])
             except BadRecord as e:
                 skips.record(path, group.key, "undecodable_text", str(e))
                 return None

@@ -83,7 +83,8 @@ def caption_for(specs: list[ShapeSpec]) -> str:
     return " and ".join(spec.phrase() for spec in specs)
 
 
-def render_shapes(specs: list[ShapeSpec], image_size: int, rng: np.random.Generator) -> np.ndarray:
+def render_shapes(specs: list[ShapeSpec], image_size: int, rng: np.random.Generator,
+                  noise_std: float = NOISE_STD) -> np.ndarray:
     """Draw objects on a noisy background; returns raw RGB in [0, 1], float32 [3, image_size, image_size]."""
     cell_px = image_size / GRID_SIZE
     coords = np.arange(image_size, dtype=np.float32) + 0.5  # pixel centres
@@ -104,7 +105,8 @@ def render_shapes(specs: list[ShapeSpec], image_size: int, rng: np.random.Genera
         else:  # triangle, apex up: half-width grows linearly from 0 at the top to r at the base
             mask = (dy >= -r) & (dy <= r) & (np.abs(dx) <= (dy + r) / 2)
         image[:, mask] = np.asarray(COLOURS[spec.colour], dtype=np.float32)[:, None]
-    image += rng.normal(0.0, NOISE_STD, size=image.shape).astype(np.float32)
+    if noise_std:
+        image += rng.normal(0.0, noise_std, size=image.shape).astype(np.float32)
     return np.clip(image, 0.0, 1.0)
 
 

@@ -47,3 +47,12 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self.vocab_size})"
+
+
+if __name__ == "__main__":
+    # `python -m m6.data.tokenizer train ...`: the BPE trainer lives with the BPE wrapper.
+    import sys
+
+    from m6.data.bpe_tokenizer import main
+
+    sys.exit(main())

@@ -9,6 +9,8 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from m6.model.cast_on_use import Conv2d, Linear
+
 
 class TextEmbedding(nn.Module):
     """Token + learned 1-D position embeddings: int [B, L] -> [B, L, D]."""
@@ -37,11 +39,11 @@ class PatchEmbedding(nn.Module):
         self.patch_size, self.grid = patch_size, image_size // patch_size
         self.kind = kind
         if kind == "linear":
-            self.proj = nn.Linear(channels * patch_size * patch_size, d_model)
+            self.proj = Linear(channels * patch_size * patch_size, d_model)
         else:
             stem_dim = max(16, d_model // 4)
-            self.stem = nn.Sequential(nn.Conv2d(channels, stem_dim, 3, padding=1), nn.GELU())
-            self.proj = nn.Conv2d(stem_dim, d_model, patch_size, stride=patch_size)
+            self.stem = nn.Sequential(Conv2d(channels, stem_dim, 3, padding=1), nn.GELU())
+            self.proj = Conv2d(stem_dim, d_model, patch_size, stride=patch_size)
         self.rows = nn.Embedding(self.grid, d_model)
         self.cols = nn.Embedding(self.grid, d_model)
 

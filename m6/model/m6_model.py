@@ -13,6 +13,7 @@ from torch import nn
 
 from m6.config import ModelConfig, expert_ffn_dim
 from m6.model.block import DenseMLP, TransformerBlock
+from m6.model.cast_on_use import linear
 from m6.model.embeddings import PatchEmbedding, TextEmbedding
 from m6.model.mask import SEG_PAD, SEG_SOURCE, prefix_lm_mask
 from m6.moe import MoELayer
@@ -38,6 +39,8 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
 
 class M6Model(nn.Module):
     """Prefix-LM multimodal transformer with MoE FFNs; loss is computed on target text only."""
+
+    cast_on_use: bool = False  # the LM head's weight (m6.model.cast_on_use.set_cast_on_use)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -110,7 +113,9 @@ class M6Model(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., V]."""
         weight = self.text_embed.tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        # The tied [V, D] embedding is the largest weight: a bf16 copy of it kept until backward
+        # is what cast-on-use avoids most.
+        return linear(hidden, weight, None, self.cast_on_use)
 
     def target_loss_sum(self, hidden_BLD: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
         """Sum of cross-entropy over positions with a label; the caller divides by the (global) count.

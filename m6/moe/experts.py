@@ -8,6 +8,10 @@ stacked parameter makes autograd build a full [E, D, F] zero gradient per expert
 (O(E^2) memory traffic), and keeps E small graphs alive. Here each weight gradient is written
 once, straight into its slice of one stacked buffer, with the GEMMs writing into preallocated
 outputs; the elementwise activation runs once over all N rows.
+
+Weights may arrive in a wider dtype than the tokens (cast-on-use mixed precision): each expert's
+slice is then cast right where its GEMM runs, in forward and again in backward, so at most one
+expert's low-precision copy exists at a time and none is kept for backward.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ def _segments(splits: Sequence[int]) -> list[tuple[int, int, int]]:
 
 def _grouped_mm(a_NK: torch.Tensor, w_EKM: torch.Tensor, segs, transpose_w: bool = False,
                 out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-    """out[s:e] (+)= a[s:e] @ w[e] (or @ w[e].T) for each expert segment."""
+    """out[s:e] (+)= a[s:e] @ w[e] (or @ w[e].T) for each expert segment, in a's dtype."""
     M = w_EKM.shape[1] if transpose_w else w_EKM.shape[2]
     if out is None:
         out = a_NK.new_empty(a_NK.shape[0], M)
     for e, s, t in segs:
-        w = w_EKM[e].t() if transpose_w else w_EKM[e]
+        w = w_EKM[e].to(a_NK.dtype)  # cast on use (a no-op when the dtypes agree)
+        w = w.t() if transpose_w else w
         if accumulate:
             out[s:t].addmm_(a_NK[s:t], w)
         else:
@@ -47,7 +52,8 @@ def _grouped_mm(a_NK: torch.Tensor, w_EKM: torch.Tensor, segs, transpose_w: bool
 
 
 def _grouped_weight_grad(a_NK: torch.Tensor, g_NM: torch.Tensor, segs, num_experts: int) -> torch.Tensor:
-    """grad_w[e] = a[s:e].T @ g[s:e]; experts with no tokens get exact zeros (not a missing grad)."""
+    """grad_w[e] = a[s:e].T @ g[s:e] in a's dtype; experts with no tokens get exact zeros (not a
+    missing grad)."""
     grad = a_NK.new_empty(num_experts, a_NK.shape[1], g_NM.shape[1])
     seen = set()
     for e, s, t in segs:
@@ -60,7 +66,10 @@ def _grouped_weight_grad(a_NK: torch.Tensor, g_NM: torch.Tensor, segs, num_exper
 
 
 class _GroupedFFN(torch.autograd.Function):
-    """y = act(x @ w_in [, x @ w_gate]) @ w_out, per expert segment, with an explicit backward."""
+    """y = act(x @ w_in [, x @ w_gate]) @ w_out, per expert segment, with an explicit backward.
+
+    Computes in x's dtype; weight gradients are returned in the weights' own dtype.
+    """
 
     @staticmethod
     def forward(ctx, x_ND, splits, activation, w_in_EDF, w_out_EFD, w_gate_EDF):
@@ -86,18 +95,18 @@ class _GroupedFFN(torch.autograd.Function):
             ctx.needs_input_grad[5],
         )
         dy_ND = dy_ND.contiguous()
-        grad_w_out = _grouped_weight_grad(a_NF, dy_ND, segs, E) if need_w_out else None
+        grad_w_out = _grouped_weight_grad(a_NF, dy_ND, segs, E).to(w_out.dtype) if need_w_out else None
         da_NF = _grouped_mm(dy_ND, w_out, segs, transpose_w=True)
         grad_w_gate = dx_ND = None
         if ctx.activation == "swiglu":
             dh_NF = da_NF * F.silu(g_NF)
             dg_NF = torch.ops.aten.silu_backward(da_NF * h_NF, g_NF)
             if need_w_gate:
-                grad_w_gate = _grouped_weight_grad(x_ND, dg_NF, segs, E)
+                grad_w_gate = _grouped_weight_grad(x_ND, dg_NF, segs, E).to(w_gate.dtype)
         else:
             # In place into da: saves one [N, F] buffer at the backward peak.
             dh_NF = torch.ops.aten.gelu_backward.grad_input(da_NF, h_NF, grad_input=da_NF)
-        grad_w_in = _grouped_weight_grad(x_ND, dh_NF, segs, E) if need_w_in else None
+        grad_w_in = _grouped_weight_grad(x_ND, dh_NF, segs, E).to(w_in.dtype) if need_w_in else None
         if need_x:
             dx_ND = _grouped_mm(dh_NF, w_in, segs, transpose_w=True)
             if ctx.activation == "swiglu":
@@ -112,6 +121,8 @@ class GroupedExperts(nn.Module):
     expert (host ints; they must sum to N). No biases: as in most large MoE models, and it keeps
     every expert's work a pure GEMM.
     """
+
+    cast_on_use: bool = False  # under autocast: keep no low-precision weight copy (m6.model.cast_on_use)
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int, activation: Activation = "gelu",
                  init_std: float = 0.02, init_seed: int = 0, first_expert: int = 0) -> None:
@@ -153,10 +164,11 @@ class GroupedExperts(nn.Module):
         device_type = x_ND.device.type
         weights = [self.w_in, self.w_out, self.w_gate]
         if torch.is_autocast_enabled(device_type):
-            # Cast on use: low-precision copies live only for this call (and its saved tensors).
             dtype = torch.get_autocast_dtype(device_type)
             x_ND = x_ND.to(dtype)
-            weights = [w.to(dtype) if w is not None else None for w in weights]
+            if not self.cast_on_use:
+                # Whole-tensor casts: autograd saves them, so they live until backward.
+                weights = [w.to(dtype) if w is not None else None for w in weights]
         with torch.autocast(device_type=device_type, enabled=False):
             return _GroupedFFN.apply(x_ND.contiguous(), tuple(int(n) for n in splits), self.activation,
                                      *weights)

@@ -16,9 +16,14 @@ from torch import nn
 from m6.parallel.plan import ShardedModel
 
 
-def _optimizer_index(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, int]:
-    """Param name -> its integer key in optimizer.state_dict()['state']."""
-    name_of = {id(p): n for n, p in model.named_parameters()}
+def _optimizer_index(optimizer: torch.optim.Optimizer, model: nn.Module,
+                     names: dict[int, str] | None = None) -> dict[str, int]:
+    """Param name -> its integer key in optimizer.state_dict()['state'].
+
+    ``names``: id of each tensor the optimizer updates -> the model parameter's name, for an
+    optimizer over copies (offloaded host masters); default: the model's own parameters.
+    """
+    name_of = names if names is not None else {id(p): n for n, p in model.named_parameters()}
     index, i = {}, 0
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -38,7 +43,8 @@ def _gather_rows(t: torch.Tensor, group) -> torch.Tensor | None:
     return torch.cat(parts) if parts is not None else None
 
 
-def full_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer) -> tuple[dict, dict] | None:
+def full_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer,
+                                   names: dict[int, str] | None = None) -> tuple[dict, dict] | None:
     """Model and optimizer state dicts with whole expert tensors, on global rank 0 (None elsewhere).
 
     Every rank must call it (collectives inside).
@@ -46,7 +52,7 @@ def full_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim
     model, groups = sharded.model, sharded.groups
     model_sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     optim_sd = optimizer.state_dict()
-    index = _optimizer_index(optimizer, model)
+    index = _optimizer_index(optimizer, model, names)
     for name in sharded.expert_params:
         full = _gather_rows(model_sd[name], groups.expert)
         state = optim_sd["state"].get(index[name], {})
@@ -59,10 +65,11 @@ def full_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim
 
 
 def local_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer,
-                                    model_sd: dict, optim_sd: dict) -> tuple[dict, dict]:
+                                    model_sd: dict, optim_sd: dict,
+                                    names: dict[int, str] | None = None) -> tuple[dict, dict]:
     """Slice this rank's experts out of a layout-free checkpoint (model and optimizer)."""
     model_sd, optim_sd = dict(model_sd), {**optim_sd, "state": dict(optim_sd["state"])}
-    index = _optimizer_index(optimizer, sharded.model)
+    index = _optimizer_index(optimizer, sharded.model, names)
     for name, param in sharded.expert_params.items():
         if name not in model_sd:
             continue  # load_model_state reports missing keys

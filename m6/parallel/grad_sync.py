@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,12 +38,15 @@ class GradientSync:
 
     Set ``enabled = False`` for the micro-batches of an accumulation step that are not the last,
     so only the final backward communicates; call ``finish()`` after the last backward.
+    ``on_grads_final`` (e.g. CPU offload streaming gradients to the host) receives each bucket's
+    params once their gradients are reduced, so nothing moves an unreduced gradient.
     """
 
     sharded: ShardedModel
     bucket_bytes: int
     buckets: list[_Bucket] = field(default_factory=list)
     enabled: bool = True
+    on_grads_final: Optional[Callable[[list[nn.Parameter]], None]] = None
 
     def __post_init__(self) -> None:
         groups = self.sharded.groups
@@ -99,6 +103,8 @@ class GradientSync:
                     n = p.numel()
                     p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
                     offset += n
+            if self.on_grads_final is not None:
+                self.on_grads_final(bucket.params)
             bucket.ready, bucket.flat, bucket.work, bucket.launched = 0, None, None, False
 
 
@@ -118,7 +124,10 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
     """
     sq_rep, sq_exp = _sum_sq(replicated), _sum_sq(experts)
     if expert_group is not None and dist.get_world_size(expert_group) > 1:
+        if sq_exp.device.type == "cpu" and dist.get_backend(expert_group) == "nccl":
+            sq_exp = sq_exp.cuda()  # offloaded grads live on the host; NCCL reduces device tensors
         dist.all_reduce(sq_exp, group=expert_group)
+        sq_exp = sq_exp.to(sq_rep.device)
     total = float((sq_rep + sq_exp).sqrt())
     if math.isfinite(total) and max_norm < math.inf:
         coef = min(1.0, max_norm / (total + 1e-6))

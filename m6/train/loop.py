@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -16,18 +17,25 @@ import torch.distributed as dist
 
 from m6.config import (Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches,
                        per_rank_batch_size, run_dir, to_dict)
-from m6.data.batch import IGNORE_INDEX, MultimodalBatch, collate
-from m6.data.sampler import ResumableSampler
-from m6.data.synthetic import SyntheticImageCaptionDataset, shuffled_images
-from m6.data.tokenizer import ByteTokenizer
+from m6.data.batch import IGNORE_INDEX, MultimodalBatch
+from m6.data.pipeline import build_training_data
+from m6.data.record_dataset import RUNTIME_SKIP_REASONS, LoadedItem
+from m6.data.sources import SkipCounter
+from m6.data.synthetic import shuffled_images
 from m6.model import M6Model
+from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import count_parameters, training_flops_per_token
 from m6.train.checkpoint import CheckpointManager, load_model_state, resolve_resume, rng_state, set_rng_state
 from m6.train.loggers import MetricsLogger
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
 from m6.parallel import (GradientSync, build_layout, classify_parameters, clip_grad_norm, create_process_groups,
                          default_plan, init_distributed, launched_distributed, shard_model)
+from m6.parallel.activation_checkpoint import ActivationCheckpointing, check_recompute
+from m6.parallel.activation_meter import SavedActivationMeter
+from m6.parallel.activation_plan import budget_bytes, choose_recompute, full_plan, profile_parts
 from m6.parallel.checkpoint_state import full_model_and_optimizer_state, local_model_and_optimizer_state
+from m6.parallel.offload import build_offload
+from m6.parallel.optimizer_apply import GroupedApply
 from m6.train.optim import build_optimizer, build_scheduler
 
 
@@ -47,7 +55,7 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     """Autocast dtype, or None for plain fp32. auto = bf16 on CUDA, fp32 on CPU."""
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
-    return torch.bfloat16 if precision == "bf16" else None
+    return torch.bfloat16 if precision in ("bf16", "bf16-autocast") else None
 
 
 def seed_everything(seed: int) -> None:
@@ -69,6 +77,8 @@ class Trainer:
         if self.device.type == "cuda" and self.dist:
             self.device = torch.device("cuda", self.dist.local_rank)
         self.autocast_dtype = resolve_precision(cfg.train.precision, self.device)
+        # bf16 (and auto on CUDA) = cast-on-use; bf16-autocast = plain autocast, kept to compare.
+        self.cast_on_use = self.autocast_dtype is not None and cfg.train.precision != "bf16-autocast"
         self.per_rank_batch = per_rank_batch_size(cfg.train, self.world_size)
         self.micro_batch = micro_batch_size(cfg.train, self.world_size)
         self.accum = accumulation_steps(cfg.train, self.world_size)
@@ -79,18 +89,20 @@ class Trainer:
             dump_yaml(cfg, self.run_dir / "config.yaml")
 
         m, d = cfg.model, cfg.data
-        self.tokenizer = ByteTokenizer()
-        self.image_shape = (m.image_channels, m.image_size, m.image_size)
-        self.train_set = SyntheticImageCaptionDataset(d.num_samples, m.image_size, seed=cfg.run.seed,
-                                                      text_only_fraction=d.text_only_fraction)
-        # A different seed: held-out samples drawn from the same distribution.
-        self.eval_set = SyntheticImageCaptionDataset(max(d.eval_samples, 1), m.image_size, seed=cfg.run.seed + 7919,
-                                                     text_only_fraction=0.0)
-        self.sampler = ResumableSampler(len(self.train_set), seed=cfg.run.seed)
+        self.data = build_training_data(cfg, self.rank, self.world_size, pin_memory=self.device.type == "cuda")
+        self.loader, self.eval_set = self.data.loader, self.data.eval_set
+        self.skips = SkipCounter()  # records this rank's loader skipped (indexing skips are in self.data)
+        self.skipped_records = self.data.index_skips.total  # job-wide, indexing included
+        self.restored_skip_reasons: dict[str, int] = {}  # loader skips before the resumed checkpoint
+        if self.is_main:
+            self._report_skips(self.data.index_skips, "while indexing data.sources")
 
         # Built on meta, experts sharded, then materialised: no process ever allocates the experts
         # it does not hold. Same seed everywhere: replicated weights come out identical, and every
         # expert's weights depend only on (seed, layer, global expert id), not on the layout.
+        # optimizer+params keeps the blocks' weights on the host: initialise there, so the device
+        # never holds the whole model (m6.parallel.offload moves the rest to the device).
+        init_device = torch.device("cpu") if cfg.memory.offload == "optimizer+params" else self.device
         with torch.device("meta"):
             self.model = M6Model(m)
         self.sharded = self.grad_sync = None
@@ -101,19 +113,35 @@ class Trainer:
             a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
             plan = default_plan(self.model)
             shard_model(self.model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)
-            self.model.materialize(self.device, cfg.run.seed)
+            self.model.materialize(init_device, cfg.run.seed)
             self.sharded = classify_parameters(self.model, plan, groups)
             self.grad_sync = GradientSync(self.sharded, int(cfg.parallel.bucket_size_mb * 2**20))
             self.replicated_params = list(self.sharded.replicated_params.values())
             self.expert_params = list(self.sharded.expert_params.values())
             self.expert_group = groups.expert
         else:
-            self.model.materialize(self.device, cfg.run.seed)
+            self.model.materialize(init_device, cfg.run.seed)
             expert_ids = {id(p) for layer in self.model.moe_layers().values() for p in layer.experts.parameters()}
             self.replicated_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
             self.expert_params = [p for p in self.model.parameters() if id(p) in expert_ids]
             self.expert_group = None
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        set_cast_on_use(self.model, self.cast_on_use)
+        # Checkpointing wraps parts of the materialised model from outside; which parts is
+        # decided on the first step, from a profile (m6.parallel.activation_plan).
+        self.checkpointing = (ActivationCheckpointing(self.model)
+                              if cfg.memory.activation_checkpointing != "none" else None)
+        self.checkpoint_plan = None
+        self.offload = build_offload(cfg.memory.offload, [p for p in self.model.parameters() if p.requires_grad],
+                                     self.device, stream_in_backward=self.grad_sync is None,
+                                     streamed_layers=list(self.model.blocks))
+        if self.offload:
+            if self.grad_sync:
+                self.grad_sync.on_grads_final = self.offload.grads_final  # reduce first, then offload
+            # The host masters hold the gradients once offloaded: clip and update those.
+            self.replicated_params = self.offload.masters_of(self.replicated_params)
+            self.expert_params = self.offload.masters_of(self.expert_params)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.offload.master if self.offload else None)
+        self.apply = GroupedApply(self.optimizer, self.replicated_params, self.expert_params, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         self.size = count_parameters(self.model)
         self.flops_per_position = training_flops_per_token(m, self.size, d.seq_len)
@@ -132,23 +160,47 @@ class Trainer:
         self.history: list[dict] = []
 
     # ---- data -------------------------------------------------------------------------------
-    def _collate(self, dataset, indices: list[int]) -> tuple[MultimodalBatch, int]:
-        """The batch on the device, and its real (non-padding) token count, counted on the host."""
-        samples = [dataset[i] for i in indices]
-        batch = collate(samples, self.tokenizer, self.cfg.data.seq_len, self.image_shape)
-        real = int((batch.segment_ids != 0).sum()) + int(batch.has_image.sum()) * num_patches(self.cfg.model)
-        return batch.to(self.device), real
+    def _eval_batch(self, indices: list[int]) -> MultimodalBatch:
+        return self.data.collator([LoadedItem(self.eval_set[i]) for i in indices]).batch.to(self.device)
+
+    def _report_skips(self, skips, where: str) -> None:
+        """Print the first few skipped records (file and key) so bad data is visible, not just counted."""
+        for ex in skips.examples:
+            print(f"skipped record {where} (rank {self.rank}): {ex.source} [{ex.key}] {ex.reason}: {ex.detail}",
+                  flush=True)
 
     def _autocast(self):
         if self.autocast_dtype is None:
             return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        # Cast-on-use ops keep no weight copy; an uncached autocast keeps none for the forward either.
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=not self.cast_on_use)
 
     def _forward_loss_sum(self, batch: MultimodalBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of target-token cross-entropy, summed MoE aux loss) for one micro-batch."""
         with self._autocast():
             hidden, aux = self.model(batch.images, batch.has_image, batch.text_ids, batch.segment_ids)
             return self.model.target_loss_sum(hidden, batch.labels), aux
+
+    def _count_skips(self, loaded) -> int:
+        """Add the records skipped in this step's micro-batches to this rank's counter; returns how many."""
+        before, shown = self.skips.total, len(self.skips.examples)
+        for lb in loaded:
+            for ex in lb.skips:
+                self.skips.record(*ex)
+        if len(self.skips.examples) > shown:
+            fresh = SkipCounter()
+            fresh.examples = self.skips.examples[shown:]
+            self._report_skips(fresh, f"at step {self.step + 1}")
+        return self.skips.total - before
+
+    def _skip_reasons(self) -> dict:
+        """Skipped records by reason: indexing (once) plus every rank's loader, summed over ranks."""
+        assert set(self.skips.counts) <= set(RUNTIME_SKIP_REASONS), self.skips.counts
+        # A fixed list: every rank must pass the same number of values to the collective.
+        runtime = self._all_reduce_sum([float(self.skips.counts[r]) for r in RUNTIME_SKIP_REASONS])
+        totals = Counter(self.data.index_skips.counts) + Counter(self.restored_skip_reasons)
+        totals.update({r: int(n) for r, n in zip(RUNTIME_SKIP_REASONS, runtime)})
+        return {r: n for r, n in sorted(totals.items()) if n}
 
     # ---- one optimizer step -------------------------------------------------------------------
     def _all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -168,22 +220,30 @@ class Trainer:
         """Forward/backward over the accumulation micro-batches, clip, and update (unless non-finite)."""
         t0 = time.perf_counter()
         self.model.train()
-        mine = self._rank_slice(self.sampler.take(self.cfg.train.global_batch_size))
-        counted = [self._collate(self.train_set, mine[i:i + self.micro_batch])
-                   for i in range(0, self.per_rank_batch, self.micro_batch)]
-        batches = [b for b, _ in counted]
+        loaded, data_wait = self.loader.next_step()
+        batches = [lb.batch.to(self.device, non_blocking=True) for lb in loaded]
+        new_skips = self._count_skips(loaded)
         # Normalise by the target tokens of the whole GLOBAL step, not per micro-batch or rank:
         # the loss is then the same however the batch is split.
         (num_targets,) = self._all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
         patches = num_patches(self.cfg.model)
         # Counted from shapes and host-side counts: no device sync inside the micro-batch loop.
         positions = sum(b.segment_ids.numel() + b.batch_size * patches for b in batches)
-        tokens = sum(real for _, real in counted)
+        tokens = sum(lb.real_tokens for lb in loaded)
+        if self.checkpointing is not None and self.checkpoint_plan is None:
+            self._plan_checkpointing(batches[0], num_targets)
+        saved_bytes = 0  # activations kept for backward, largest over the micro-batches (this rank)
         parts = []  # per micro-batch: lm sum, aux, balance, z (device tensors, read once at the end)
         for i, batch in enumerate(batches):
             if self.grad_sync:
                 self.grad_sync.enabled = i == len(batches) - 1  # communicate on the last backward only
-            lm_sum, aux = self._forward_loss_sum(batch)
+            if self.offload:
+                self.offload.final_backward = i == len(batches) - 1  # stream gradients once final
+            meter = SavedActivationMeter(self.model.parameters()) if self.checkpointing else nullcontext()
+            with meter:
+                lm_sum, aux = self._forward_loss_sum(batch)
+            if self.checkpointing:
+                saved_bytes = max(saved_bytes, meter.held_bytes())
             loss = lm_sum / max(num_targets, 1) + aux / self.accum
             loss.backward()
             layers = list(self.model.moe_layers().values())
@@ -193,21 +253,30 @@ class Trainer:
             parts.append(torch.stack([lm_sum.detach().double(), aux.detach().double(), balance.double(), z_sum.double()]))
         if self.grad_sync:
             self.grad_sync.finish()
+        if self.offload:
+            self.offload.finish_backward()  # all gradients on the host before the norm is taken
         lm_local, aux_total, balance, z = torch.stack(parts).sum(0).tolist()  # the step's one host sync
         aux_total, balance, z = aux_total / self.accum, balance / self.accum, z / self.accum
-        lm_total, positions, tokens = self._all_reduce_sum([lm_local, float(positions), float(tokens)])
+        lm_total, positions, tokens, new_skips = self._all_reduce_sum(
+            [lm_local, float(positions), float(tokens), float(new_skips)])
+        self.skipped_records += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
         clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
         grad_norm = clip_grad_norm(self.replicated_params, self.expert_params, clip, self.expert_group)
         finite = math.isfinite(lm_loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         if finite:
-            self.optimizer.step()
+            if self.offload:
+                self.offload.step(self.apply)
+            else:
+                self.apply.step()
             self.bad_steps = 0
         else:
             self.bad_steps += 1
             self.skipped_steps += 1
         self.optimizer.zero_grad(set_to_none=True)
+        if self.offload:
+            self.offload.zero_grad()
         self.scheduler.step()  # lr follows the step count, skipped steps included
         self.step += 1
         if self.device.type == "cuda":
@@ -221,10 +290,12 @@ class Trainer:
             "balance_loss": balance, "z_loss": z, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens / dt, "samples_per_s": self.cfg.train.global_batch_size / dt,
             "step_time_s": dt, "tflops": tflops, "peak_mem_gb": peak_memory_gb(self.device),
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": self.skipped_steps, "data_wait_s": data_wait, "skipped_records": self.skipped_records,
         }
         if self.peak_tflops:
             metrics["mfu"] = tflops / (self.peak_tflops * self.world_size)
+        if self.checkpointing:
+            metrics["activation_saved_mb"] = saved_bytes / 2**20
         if not finite and self.bad_steps >= self.cfg.train.max_bad_steps:
             raise TrainingDiverged(
                 f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (last at step "
@@ -232,6 +303,35 @@ class Trainer:
                 f"The last good checkpoint is {self.checkpoints.latest() or 'none (none was saved yet)'}."
             )
         return metrics
+
+    def _plan_checkpointing(self, batch: MultimodalBatch, num_targets: float) -> None:
+        """First step of this process: check the recompute (memory.check_checkpointing), profile the
+        recomputable parts on ``batch``, choose and apply the plan. Every rank gets here together
+        (the forwards below run the model's collectives); training math and RNG are untouched."""
+        ckpt, mem = self.checkpointing, self.cfg.memory
+        if mem.check_checkpointing:
+            def forward_backward() -> None:
+                lm_sum, aux = self._forward_loss_sum(batch)
+                (lm_sum / max(num_targets, 1) + aux / self.accum).backward()
+
+            # Local gradients only: nothing all-reduced or streamed to the host during the check.
+            if self.grad_sync:
+                self.grad_sync.enabled = False
+            if self.offload:
+                self.offload.final_backward = False
+            line = check_recompute(ckpt, forward_backward, dict(self.model.named_parameters()), self.device,
+                                   self.autocast_dtype, dist.group.WORLD if self.dist else None)
+            if self.is_main:
+                print(line, flush=True)
+        profile = profile_parts(ckpt, lambda: self._forward_loss_sum(batch), self.model.parameters(), self.device)
+        if mem.activation_checkpointing == "full":
+            plan = full_plan(profile)
+        else:
+            plan = choose_recompute(profile, budget_bytes(mem, profile.saved_bytes(())))
+        ckpt.apply(plan.recompute)
+        self.checkpoint_plan = plan
+        if self.is_main:
+            print(f"{plan.summary(len(ckpt.parts))} (rank 0, profiled on its first micro-batch)", flush=True)
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()
@@ -246,11 +346,13 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.run.seed)
         sums = {"caption_loss": 0.0, "caption_loss_shuffled_images": 0.0}
         count = 0
+        if not len(self.eval_set):
+            return {}
         for start in range(0, n, gb):
             # Every rank runs every eval batch (the expert all-to-all needs all of them).
             mine = self._rank_slice([i % len(self.eval_set) for i in range(start, start + gb)])
             for i in range(0, len(mine), self.micro_batch):
-                batch, _ = self._collate(self.eval_set, mine[i:i + self.micro_batch])
+                batch = self._eval_batch(mine[i:i + self.micro_batch])
                 batch.labels[~batch.has_image] = IGNORE_INDEX  # caption loss: image samples only
                 sums["caption_loss"] += self._forward_loss_sum(batch)[0].item()
                 shuffled = shuffled_images(batch, gen) if int(batch.has_image.sum()) > 1 else batch
@@ -267,36 +369,49 @@ class Trainer:
     def save_checkpoint(self) -> Path | None:
         """Rank 0 writes one layout-free checkpoint (whole expert tensors); every rank must call it."""
         if self.sharded is not None:
-            full = full_model_and_optimizer_state(self.sharded, self.optimizer)
+            full = full_model_and_optimizer_state(self.sharded, self.optimizer, self._optimizer_names())
         else:
             full = (self.model.state_dict(), self.optimizer.state_dict())
+        skip_reasons = self._skip_reasons()  # a collective: before the rank-0-only part
         path = None
         if self.is_main:
             model_sd, optim_sd = full
             state = {
                 "model": model_sd, "optimizer": optim_sd,
-                "scheduler": self.scheduler.state_dict(), "step": self.step, "data": self.sampler.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": self.step, "data": self.loader.state_dict(),
                 "rng": rng_state(), "config": to_dict(self.cfg), "world_size": self.world_size,
-                "counters": {"bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps},
+                "counters": {"bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
+                             "skipped_records": self.skipped_records},
+                "skipped_records_by_reason": {r: n - self.data.index_skips.counts.get(r, 0)
+                                              for r, n in skip_reasons.items()},
             }
             path = self.checkpoints.save(self.step, state)
         if self.dist:
             dist.barrier()
         return path
 
+    def _optimizer_names(self) -> dict[int, str] | None:
+        """Offload: the optimizer updates host masters, named after their model parameters."""
+        return self.offload.master_names(self.model) if self.offload else None
+
     def _restore(self, path: Path) -> None:
         state = self.checkpoints.load(path, map_location="cpu")
         model_sd, optim_sd = state["model"], state["optimizer"]
         if self.sharded is not None:
-            model_sd, optim_sd = local_model_and_optimizer_state(self.sharded, self.optimizer, model_sd, optim_sd)
+            model_sd, optim_sd = local_model_and_optimizer_state(self.sharded, self.optimizer, model_sd, optim_sd,
+                                                                 self._optimizer_names())
         load_model_state(self.model, model_sd, str(path))
+        if self.offload:
+            self.offload.pull_masters()
         self.optimizer.load_state_dict(optim_sd)
         self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["data"])
+        self.loader.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.step = state["step"]
         self.bad_steps = state["counters"]["bad_steps"]
         self.skipped_steps = state["counters"]["skipped_steps"]
+        self.skipped_records = state["counters"].get("skipped_records", self.skipped_records)
+        self.restored_skip_reasons = {r: n for r, n in state.get("skipped_records_by_reason", {}).items() if n}
         if self.is_main:
             print(f"resumed from {path} at step {self.step} (saved at world size {state.get('world_size', 1)}, "
                   f"now {self.world_size})", flush=True)
@@ -314,15 +429,17 @@ class Trainer:
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
                     self.logger.log(self.step, {**metrics, **load_scalars})
                     self.logger.log_expert_load(self.step, load_counts)
-                if (cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last:
+                if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                     self.save_checkpoint()
             final = self.history[-1] if self.history else {}
             self.logger.summary({"final_loss": final.get("loss"), "steps": self.step,
                                  "skipped_steps": self.skipped_steps, "total_params": self.size.total,
-                                 "active_params": self.size.active})
+                                 "active_params": self.size.active, "skipped_records": self.skipped_records,
+                                 "skipped_records_by_reason": self._skip_reasons()})
         finally:
+            self.loader.close()
             self.logger.close()
         return self.history
 

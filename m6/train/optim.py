@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from torch import nn
 from m6.config import OptimConfig
 
 
-def _no_decay_ids(model: nn.Module) -> set[int]:
+def no_decay_ids(model: nn.Module) -> set[int]:
     """Norm weights, biases and embedding tables: decaying them hurts and saves nothing."""
     ids = set()
     for module in model.modules():
@@ -22,14 +23,22 @@ def _no_decay_ids(model: nn.Module) -> set[int]:
     return ids
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """Two parameter groups: weight-decayed matrices and everything else."""
-    skip = _no_decay_ids(model)
-    decay = [p for p in model.parameters() if p.requires_grad and id(p) not in skip]
-    no_decay = [p for p in model.parameters() if p.requires_grad and id(p) in skip]
+def build_optimizer(model: nn.Module, cfg: OptimConfig,
+                    master: Callable[[nn.Parameter], torch.Tensor] | None = None) -> torch.optim.AdamW:
+    """Two parameter groups: weight-decayed matrices and everything else.
+
+    ``master`` maps a model parameter to the tensor the optimizer updates instead (CPU offload's
+    host copy); the groups and their order stay those of the model, so checkpoints keep one layout.
+    The multi-tensor (foreach) implementation on every device: the same kernels on CPU and GPU,
+    offloaded or not, and its temporaries are what ``optim.apply_groups`` bounds.
+    """
+    skip = no_decay_ids(model)
+    target = master if master is not None else (lambda p: p)
+    decay = [target(p) for p in model.parameters() if p.requires_grad and id(p) not in skip]
+    no_decay = [target(p) for p in model.parameters() if p.requires_grad and id(p) in skip]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

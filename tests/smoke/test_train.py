@@ -19,6 +19,7 @@ SMALL = [
     "model.max_text_len=80", "model.moe.every=1", "model.moe.num_experts=4",
     "data.num_samples=512", "data.eval_samples=16", "train.global_batch_size=8",
     "train.eval_batches=1", "logging.every=5", "logging.console=false", "checkpoint.keep=3",
+    "data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "data.seq_len=80",
 ]
 
 

@@ -1,0 +1,141 @@
+"""Training samples from configured sources: index lookup -> read -> decode -> M6 task.
+
+``build_file_datasets(cfg.data, ...)`` indexes every source once at start-up (failing there, naming
+the config key, for a missing path or an empty source list), holds a few image records out for
+evaluation, and returns the map-style training dataset the loader draws ``(source, record, epoch)``
+items from. A record that cannot be used becomes ``None`` plus a SkipExample, never an exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from m6.config import DataConfig, DataSourceConfig
+from m6.config_loader import ConfigError
+from m6.data.batch import Sample
+from m6.data.images import BadRecord, decode_image
+from m6.data.record_index import ManifestIndex, RecordIndex, TarIndex, build_index
+from m6.data.sources import SkipCounter, SkipExample
+from m6.data.synthetic import CAPTION_PROMPT, SyntheticImageCaptionDataset
+from m6.data.tasks import NoApplicableTask, TaskMix
+
+
+# Why RecordDataset can skip a record while reading it (indexing skips are counted in record_index).
+RUNTIME_SKIP_REASONS = ("corrupt_image", "missing_caption", "missing_file", "no_task", "too_long",
+                        "undecodable_text")
+
+
+@dataclass
+class LoadedItem:
+    """One drawn item: its Sample, or None with the reason it was skipped."""
+
+    sample: Sample | None
+    skip: SkipExample | None = None
+    origin: tuple[str, str] = ("", "")  # (file, key) of the record, for reports
+
+
+def _skip(source: str, key: str, reason: str, detail: str) -> LoadedItem:
+    return LoadedItem(None, SkipExample(source, key, reason, detail), (source, key))
+
+
+class RecordDataset:
+    """Map-style: ``(source, record, epoch)`` -> LoadedItem; a sample depends only on (seed, item)."""
+
+    def __init__(self, indexes: Sequence[RecordIndex], sizes: Sequence[int], tasks: TaskMix, image_size: int,
+                 seed: int, image_mean: Sequence[float], image_std: Sequence[float]) -> None:
+        self.indexes, self.sizes = list(indexes), list(sizes)
+        self.tasks, self.image_size, self.seed = tasks, image_size, seed
+        self.image_mean, self.image_std = tuple(image_mean), tuple(image_std)
+
+    def __getitem__(self, item: tuple[int, int, int]) -> LoadedItem:
+        source, record, epoch = item
+        index = self.indexes[source]
+        # Per (seed, source, record, epoch): crops and tasks vary by epoch, never by rank or worker.
+        rng = np.random.default_rng([self.seed, source, record, epoch])
+        try:
+            raw = index.read(record)
+        except BadRecord as e:
+            reason = "missing_file" if isinstance(index, ManifestIndex) else "undecodable_text"
+            return _skip(*index.where(record), reason, str(e))
+        text = raw.text.strip() if raw.text is not None else ""
+        if not text:
+            return _skip(raw.source, raw.key, "missing_caption", "no caption" if raw.text is None else "empty caption")
+        image = None
+        if raw.image_bytes is not None:
+            try:
+                image = decode_image(raw.image_bytes, self.image_size, True, rng, self.image_mean, self.image_std)
+            except BadRecord as e:
+                return _skip(raw.source, raw.key, "corrupt_image", str(e))
+        try:
+            return LoadedItem(self.tasks.build(image, text, rng), origin=(raw.source, raw.key))
+        except NoApplicableTask as e:
+            return _skip(raw.source, raw.key, NoApplicableTask.reason, str(e))
+
+
+class SyntheticRecords:
+    """The built-in synthetic task behind the same ``(source, record, epoch)`` interface."""
+
+    def __init__(self, dataset: SyntheticImageCaptionDataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, item: tuple[int, int, int]) -> LoadedItem:
+        return LoadedItem(self.dataset.sample_at(item[1]), origin=("synthetic", f"sample {item[1]}"))
+
+
+@dataclass
+class FileData:
+    """What the trainer needs from configured files: training items, source sizes and weights, eval samples."""
+
+    train: RecordDataset
+    sizes: list[int]
+    weights: list[float]
+    eval_samples: list[Sample]
+    index_skips: SkipCounter  # counted while indexing (identical on every rank)
+
+
+def _index_source(i: int, src: DataSourceConfig, skips: SkipCounter) -> RecordIndex:
+    key = f"data.sources[{i}]"
+    try:
+        index = build_index(src.format, src.path, skips)
+    except FileNotFoundError as e:
+        raise ConfigError(f"{key}.path: {e}") from e
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
+    if len(index) == 0:
+        raise ConfigError(f"{key}.path {src.path!r} holds no usable record ({skips.total} skipped: "
+                          f"{dict(skips.counts)})")
+    return index
+
+
+def build_file_datasets(data: DataConfig, image_size: int, seed: int) -> FileData:
+    """Index ``data.sources``; the last ``data.eval_samples`` records of the first image source are held out."""
+    if not data.sources:
+        raise ConfigError("data.sources is empty: data.kind=files needs at least one source "
+                          "(path + format tar|jsonl|text)")
+    skips = SkipCounter()
+    indexes = [_index_source(i, src, skips) for i, src in enumerate(data.sources)]
+    sizes = [len(ix) for ix in indexes]
+    eval_samples: list[Sample] = []
+    image_source = next((i for i, ix in enumerate(indexes) if isinstance(ix, (TarIndex, ManifestIndex))), None)
+    if data.eval_samples and image_source is not None:
+        held = min(data.eval_samples, sizes[image_source] // 2)
+        sizes[image_source] -= held  # training draws records [0, size - held) of that source
+        ix = indexes[image_source]
+        for record in range(sizes[image_source], sizes[image_source] + held):
+            try:
+                raw = ix.read(record)
+                image = decode_image(raw.image_bytes, image_size, False, None, data.image_mean, data.image_std)
+            except BadRecord as e:
+                skips.record(*ix.where(record), "corrupt_image", str(e))
+                continue
+            if raw.text and raw.text.strip():
+                eval_samples.append(Sample(image=image, source=CAPTION_PROMPT, target=raw.text.strip()))
+    try:
+        tasks = TaskMix(data.tasks, seed=seed)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return FileData(RecordDataset(indexes, sizes, tasks, image_size, seed, data.image_mean, data.image_std), sizes,
+                    [float(s.weight) for s in data.sources], eval_samples, skips)

@@ -1,0 +1,239 @@
+"""Random-access indexes over training sources: where each record's bytes are, found once at start-up.
+
+An index lets any rank or DataLoader worker read record ``i`` directly (a seek and a read), so the
+loader can shard one seeded global order by rank and worker with no sample read twice or skipped,
+and resume mid-epoch by position alone. Problems visible from the structure (a key with no image,
+a damaged or empty shard, a bad manifest line, a missing image file) are counted here, once;
+problems in the contents (an undecodable image or caption) are counted when the record is read.
+
+Formats: uncompressed WebDataset tars (``key.jpg|png|webp`` + ``key.txt|json``), JSONL manifests
+(``{"image": relpath, "text": caption}``), and text corpora (one document per non-empty line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tarfile
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from m6.data.images import BadRecord
+from m6.data.sources import (IMAGE_EXTENSIONS, SHARD_KEY, TAR_ERRORS, TEXT_EXTENSIONS, RawRecord, SkipCounter,
+                             caption_from, expand_shards, split_member_name)
+
+NO_MEMBER = -1  # offset of an absent member (a tar key with no caption file)
+
+
+@dataclass
+class TarIndex:
+    """Records of WebDataset tar shards: per record its shard, key, and (offset, size) of image and text."""
+
+    shards: list[str]
+    shard_of: np.ndarray  # [N] int32
+    keys: list[str]
+    image_at: np.ndarray  # [N, 2] int64 (offset, size) of the image member's data
+    text_at: np.ndarray  # [N, 2] int64, NO_MEMBER when the key has no caption member
+    text_ext: list[str]  # "txt" | "json" | "" per record
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def where(self, i: int) -> tuple[str, str]:
+        """(shard, key) of record ``i``, for reports."""
+        return self.shards[int(self.shard_of[i])], self.keys[i]
+
+    def read(self, i: int) -> RawRecord:
+        """Record ``i``'s bytes, read with two seeks; BadRecord if the caption bytes cannot be decoded."""
+        path = self.shards[int(self.shard_of[i])]
+        with open(path, "rb") as f:
+            f.seek(int(self.image_at[i, 0]))
+            image = f.read(int(self.image_at[i, 1]))
+            text = None
+            if self.text_at[i, 0] != NO_MEMBER:
+                f.seek(int(self.text_at[i, 0]))
+                text = caption_from(self.text_ext[i], f.read(int(self.text_at[i, 1])))
+        return RawRecord(path, self.keys[i], image, text)
+
+
+@dataclass
+class ManifestIndex:
+    """Records of JSONL manifests: image path (resolved) and caption per line."""
+
+    sources: list[str] = field(default_factory=list)  # the manifest each record came from
+    keys: list[str] = field(default_factory=list)
+    image_paths: list[str] = field(default_factory=list)
+    texts: list[str | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def where(self, i: int) -> tuple[str, str]:
+        return self.sources[i], self.keys[i]
+
+    def read(self, i: int) -> RawRecord:
+        try:
+            with open(self.image_paths[i], "rb") as f:
+                image = f.read()
+        except OSError as e:  # deleted after start-up
+            raise BadRecord(f"cannot read {self.image_paths[i]}: {e}") from e
+        return RawRecord(self.sources[i], self.keys[i], image, self.texts[i])
+
+
+@dataclass
+class TextIndex:
+    """Non-empty lines of text files: file, byte offset and length per document."""
+
+    files: list[str]
+    file_of: np.ndarray  # [N] int32
+    span: np.ndarray  # [N, 2] int64 (offset, size)
+    line_no: np.ndarray  # [N] int64, for reports
+
+    def __len__(self) -> int:
+        return len(self.file_of)
+
+    def where(self, i: int) -> tuple[str, str]:
+        return self.files[int(self.file_of[i])], f"line {int(self.line_no[i])}"
+
+    def read(self, i: int) -> RawRecord:
+        path = self.files[int(self.file_of[i])]
+        with open(path, "rb") as f:
+            f.seek(int(self.span[i, 0]))
+            raw = f.read(int(self.span[i, 1]))
+        key = f"line {int(self.line_no[i])}"
+        try:
+            text = raw.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise BadRecord(f"line is not valid UTF-8: {e}") from e
+        return RawRecord(path, key, None, text)
+
+
+RecordIndex = TarIndex | ManifestIndex | TextIndex
+
+
+class _TarKey:
+    """Members of one key while scanning a tar's headers."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.image: tuple[int, int] | None = None
+        self.texts: dict[str, tuple[int, int]] = {}
+
+
+def index_tar_shards(paths: list[str], skips: SkipCounter) -> TarIndex:
+    """Scan the headers (not the data) of uncompressed tars; ValueError for a compressed one."""
+    shard_of, keys, image_at, text_at, text_ext = [], [], [], [], []
+
+    def finish(shard: int, group: _TarKey) -> None:
+        if group.image is None:
+            skips.record(paths[shard], group.key, "missing_image", "no .jpg/.jpeg/.png/.webp member")
+            return
+        ext = "txt" if "txt" in group.texts else ("json" if "json" in group.texts else "")
+        shard_of.append(shard)
+        keys.append(group.key)
+        image_at.append(group.image)
+        text_at.append(group.texts[ext] if ext else (NO_MEMBER, 0))
+        text_ext.append(ext)
+
+    for shard, path in enumerate(paths):
+        if os.path.getsize(path) == 0:
+            skips.record(path, SHARD_KEY, "empty_shard", "file is empty")
+            continue
+        with open(path, "rb") as f:
+            magic = f.read(6)
+        if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
+            raise ValueError(f"{path}: compressed tar shards cannot be read by offset; store shards "
+                             "uncompressed (python -m m6.data.prepare writes plain .tar)")
+        group: _TarKey | None = None
+        seen = set()
+        try:
+            with tarfile.open(path, mode="r:") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    key, ext = split_member_name(member.name)
+                    if not key.rsplit("/", 1)[-1]:
+                        skips.record(path, member.name, "bad_member_name", "member name has an empty key")
+                        continue
+                    if group is None or group.key != key:
+                        if group is not None:
+                            finish(shard, group)
+                        group = _TarKey(key)
+                        seen.add(key)
+                    span = (member.offset_data, member.size)
+                    if ext in IMAGE_EXTENSIONS:
+                        if group.image is not None:
+                            skips.record(path, key, "duplicate_member", f"second image member {member.name}")
+                            continue
+                        group.image = span
+                    elif ext in TEXT_EXTENSIONS:
+                        group.texts.setdefault(ext, span)
+        except TAR_ERRORS as e:
+            # Members whose headers were read before the damage keep their offsets; the rest is lost.
+            skips.record(path, SHARD_KEY, "corrupt_shard", f"{type(e).__name__}: {e}")
+        if group is not None:
+            finish(shard, group)
+        if not seen:
+            skips.record(path, SHARD_KEY, "empty_shard", "tar has no file members")
+    return TarIndex(paths, np.asarray(shard_of, dtype=np.int32), keys,
+                    np.asarray(image_at, dtype=np.int64).reshape(-1, 2),
+                    np.asarray(text_at, dtype=np.int64).reshape(-1, 2), text_ext)
+
+
+def index_manifests(paths: list[str], skips: SkipCounter) -> ManifestIndex:
+    """Parse JSONL manifests; lines that are not records, or whose image file is missing, are counted."""
+    index = ManifestIndex()
+    for path in paths:
+        base_dir = os.path.dirname(os.path.abspath(path))
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if not raw.strip():
+                    continue
+                line_key = f"line {line_no}"
+                try:
+                    obj = json.loads(raw.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    skips.record(path, line_key, "bad_manifest_line", f"{type(e).__name__}: {e}")
+                    continue
+                if not isinstance(obj, dict) or not isinstance(obj.get("image"), str):
+                    skips.record(path, line_key, "bad_manifest_line", 'expected an object with a string "image"')
+                    continue
+                image_path = os.path.join(base_dir, obj["image"])
+                key = f"{line_key}: {obj['image']}"
+                if not os.path.isfile(image_path):
+                    skips.record(path, key, "missing_file", f"no such image file {image_path}")
+                    continue
+                index.sources.append(path)
+                index.keys.append(key)
+                index.image_paths.append(image_path)
+                index.texts.append(next((obj[k] for k in ("text", "caption") if isinstance(obj.get(k), str)), None))
+    return index
+
+
+def index_text_files(paths: list[str]) -> TextIndex:
+    """Byte spans of the non-blank lines of each file (blank lines separate nothing and are not records)."""
+    file_of, spans, line_nos = [], [], []
+    for file_id, path in enumerate(paths):
+        offset = 0
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if raw.strip():
+                    file_of.append(file_id)
+                    spans.append((offset, len(raw)))
+                    line_nos.append(line_no)
+                offset += len(raw)
+    return TextIndex(paths, np.asarray(file_of, dtype=np.int32), np.asarray(spans, dtype=np.int64).reshape(-1, 2),
+                     np.asarray(line_nos, dtype=np.int64))
+
+
+def build_index(kind: str, spec: str | list[str], skips: SkipCounter) -> RecordIndex:
+    """Index of one source: ``kind`` is tar | jsonl | text, ``spec`` paths, globs or brace patterns."""
+    paths = expand_shards(spec)
+    if kind == "tar":
+        return index_tar_shards(paths, skips)
+    if kind == "jsonl":
+        return index_manifests(paths, skips)
+    if kind == "text":
+        return index_text_files(paths)
+    raise ValueError(f"unknown source format {kind!r} (expected tar, jsonl or text)")

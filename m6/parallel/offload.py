@@ -1,0 +1,303 @@
+"""CPU offload of model states (``memory.offload``): the update runs on the host, weights stream back.
+
+optimizer:        fp32 master weights, their gradients and the AdamW moments live in host memory
+                  (pinned when CUDA is present, so copies are asynchronous). A gradient streams to
+                  the host as soon as it is final: in the last micro-batch's backward (one process)
+                  or when its all-reduce bucket is done (GradientSync calls ``grads_final``), since
+                  an unreduced gradient must not leave the device (so with accumulation the device
+                  keeps gradients until the last micro-batch, as the all-reduce does). The copies
+                  overlap the backward; clipping needs the global norm, so they are all awaited once
+                  before the first group updates. The update runs on the CPU, group by group; group
+                  i's new weights copy back to the device (side stream) while group i + 1 updates.
+optimizer+params: as above, and the parameters of the streamed layers (the transformer blocks)
+                  live on the host too: a layer's weights are copied to the device just before its
+                  forward (the next layer's copy is prefetched), released right after it, and
+                  fetched again before the layer's backward.
+
+With device == cpu the host copies are separate CPU tensors, so every path (hooks, gradient
+streaming, separate master, update, copy back, fetch / release) runs and is tested on CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from m6.parallel.optimizer_apply import GroupedApply
+
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A detached fp32 host copy of ``t`` (pinned when ``pin``), never sharing ``t``'s storage."""
+    out = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+    out.copy_(t.detach())
+    return out
+
+
+class _OnBackward(torch.autograd.Function):
+    """Identity on ``tensors``; calls ``callback`` when the gradients of all of them are ready."""
+
+    @staticmethod
+    def forward(ctx, callback: Callable[[], None], *tensors: torch.Tensor):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.callback()
+        return (None, *grads)
+
+
+def _wrap_tensors(values: tuple, callback: Callable[[], None]) -> tuple:
+    """``values`` with every tensor that requires grad routed through one _OnBackward node."""
+    positions = [i for i, v in enumerate(values) if torch.is_tensor(v) and v.requires_grad]
+    if not positions:
+        return values
+    wrapped = _OnBackward.apply(callback, *(values[i] for i in positions))
+    out = list(values)
+    for i, w in zip(positions, wrapped):
+        out[i] = w
+    return tuple(out)
+
+
+class _StreamedLayer:
+    """One layer's parameters: host home (the master), and a device buffer freed when unused."""
+
+    def __init__(self, params: list[nn.Parameter], device: torch.device, pin: bool) -> None:
+        self.params = params
+        self.homes = [_host_copy(p, pin) for p in params]
+        self.buffers = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in params]
+        self.ready: torch.cuda.Event | None = None
+        self.resident = True
+        self.release()
+
+    def release(self) -> None:
+        """Point the params at their host homes and free the device storage.
+
+        Autograd saved the layer's weights (or views of them); those share the buffers' storage,
+        which ``fetch`` re-allocates and refills before the layer's backward reads it.
+        """
+        if not self.resident:
+            return
+        if self.ready is not None:  # a prefetch never waited for: its copy must land before the free
+            torch.cuda.current_stream().wait_event(self.ready)
+            self.ready = None
+        for p, home, buf in zip(self.params, self.homes, self.buffers):
+            p.data = home
+            buf.untyped_storage().resize_(0)
+        self.resident = False
+
+
+class ParamStreamer:
+    """Keeps ``layers``' parameters on the host, each layer on the device only around its use.
+
+    Module hooks applied from outside: the model's code is unchanged. Forward pre-hook: fetch
+    this layer (waiting for its copy) and prefetch the next; forward hook: release. In training,
+    an autograd node on the layer's outputs fetches it again before its backward (and prefetches
+    the previous layer), and one on its inputs releases it once its backward has run: every
+    backward node of the layer lies between the two, whatever order autograd runs them in.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], device: torch.device, copy_stream) -> None:
+        self.device = device
+        self.copy_stream = copy_stream
+        pin = device.type == "cuda"
+        self.layers = [_StreamedLayer([p for p in layer.parameters() if p.requires_grad], device, pin)
+                       for layer in layers]
+        self.handles = []
+        for i, layer in enumerate(layers):
+            self.handles.append(layer.register_forward_pre_hook(self._pre_forward(i), with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(self._post_forward(i)))
+
+    def homes(self) -> dict[int, torch.Tensor]:
+        """id(param) -> its host home, which is also its master copy for the optimizer."""
+        return {id(p): h for layer in self.layers for p, h in zip(layer.params, layer.homes)}
+
+    def fetch(self, i: int, wait: bool) -> None:
+        """Allocate layer i's device buffers and copy the host weights in (async on CUDA)."""
+        if not 0 <= i < len(self.layers):
+            return
+        layer = self.layers[i]
+        if not layer.resident:
+            for buf, home in zip(layer.buffers, layer.homes):
+                # Allocated on the compute stream, so releasing it there later is ordered after use.
+                buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+            if self.copy_stream is not None:
+                self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(self.copy_stream):
+                    for buf, home in zip(layer.buffers, layer.homes):
+                        buf.copy_(home, non_blocking=True)
+                    layer.ready = torch.cuda.Event()
+                    layer.ready.record()
+            else:
+                for buf, home in zip(layer.buffers, layer.homes):
+                    buf.copy_(home)
+            for p, buf in zip(layer.params, layer.buffers):
+                p.data = buf
+            layer.resident = True
+        if wait and layer.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(layer.ready)
+            layer.ready = None
+
+    def release_all(self) -> None:
+        for layer in self.layers:
+            layer.release()
+
+    def _pre_forward(self, i: int):
+        def hook(module, args, kwargs):
+            self.fetch(i, wait=True)
+            self.fetch(i + 1, wait=False)  # prefetch: its copy overlaps this layer's compute
+            if torch.is_grad_enabled():
+                args = _wrap_tensors(tuple(args), lambda: self.layers[i].release())
+            return args, kwargs
+        return hook
+
+    def _post_forward(self, i: int):
+        def refetch() -> None:
+            self.fetch(i, wait=True)
+            self.fetch(i - 1, wait=False)  # backward runs the layers in reverse
+
+        def hook(module, args, output):
+            self.layers[i].release()
+            if not torch.is_grad_enabled():
+                return output
+            if torch.is_tensor(output):
+                return _wrap_tensors((output,), refetch)[0]
+            return type(output)(_wrap_tensors(tuple(output), refetch))
+        return hook
+
+
+class HostOffload:
+    """Master weights, gradients and optimizer state on the host; the update runs there.
+
+    ``params`` are the model's trainable parameters in model order; the optimizer is built over
+    ``master(p)`` for each, so its state_dict has the layout of a plain run's (checkpoints are
+    interchangeable). ``stream_in_backward``: stream gradients from post-accumulate-grad hooks
+    (one process); otherwise the gradient sync hands them over via ``grads_final`` once reduced.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], device: torch.device, stream_in_backward: bool,
+                 streamed_layers: Sequence[nn.Module] = ()) -> None:
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        pin = device.type == "cuda"
+        self.streamer = ParamStreamer(streamed_layers, device, self.copy_stream) if streamed_layers else None
+        homes = self.streamer.homes() if self.streamer else {}
+        self.params = list(params)
+        self.masters: dict[int, torch.Tensor] = {}
+        self.resident: list[tuple[nn.Parameter, torch.Tensor]] = []  # device params copied back each step
+        for p in self.params:
+            if id(p) in homes:
+                self.masters[id(p)] = homes[id(p)]
+            else:
+                if p.device != device:  # materialised on the host for optimizer+params
+                    p.data = p.data.to(device)
+                self.masters[id(p)] = _host_copy(p, pin)
+                self.resident.append((p, self.masters[id(p)]))
+        self._grad_buffers = {id(p): torch.empty(p.shape, dtype=torch.float32, pin_memory=pin) for p in self.params}
+        self._grad_ready: dict[int, torch.cuda.Event] = {}
+        self.final_backward = True  # the trainer sets False for micro-batches that only accumulate
+        if stream_in_backward:
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+
+    def master(self, p: nn.Parameter) -> torch.Tensor:
+        return self.masters[id(p)]
+
+    def masters_of(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        return [self.masters[id(p)] for p in params]
+
+    def master_names(self, model: nn.Module) -> dict[int, str]:
+        """id(master) -> the model parameter's name (checkpoints index optimizer state by name)."""
+        return {id(self.masters[id(p)]): n for n, p in model.named_parameters() if id(p) in self.masters}
+
+    # ---- gradients: device -> host ------------------------------------------------------------
+    def _on_grad_accumulated(self, p: nn.Parameter) -> None:
+        if self.final_backward:
+            self._stream_grad(p)
+
+    def grads_final(self, params: Sequence[nn.Parameter]) -> None:
+        """Called by the gradient sync once these params' gradients are reduced: stream them now."""
+        for p in params:
+            if p.grad is not None and id(p) in self.masters:
+                self._stream_grad(p)
+
+    def _stream_grad(self, p: nn.Parameter) -> None:
+        grad, buf = p.grad, self._grad_buffers[id(p)]
+        if self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                buf.copy_(grad, non_blocking=True)
+                grad.record_stream(self.copy_stream)  # the allocator keeps it until the copy is done
+                event = torch.cuda.Event()
+                event.record()
+            self._grad_ready[id(p)] = event
+        else:
+            buf.copy_(grad)
+        self.masters[id(p)].grad = buf
+        p.grad = None  # the device copy is no longer needed: this is the memory offload saves
+
+    # ---- the step -----------------------------------------------------------------------------
+    def finish_backward(self) -> None:
+        """After the step's last backward (and gradient sync): every gradient is on the host.
+
+        Streams what is still on the device (a param whose hook did not fire) and waits for the
+        copies. Clipping needs the global norm before any group updates, hence a full wait here;
+        the copies themselves overlapped the backward.
+        """
+        for p in self.params:
+            if p.grad is not None:
+                self._stream_grad(p)
+        for event in self._grad_ready.values():
+            event.synchronize()
+        self._grad_ready.clear()
+
+    def _copy_back(self, masters: Sequence[torch.Tensor]) -> None:
+        ids = {id(m) for m in masters}
+        todo = [(p, m) for p, m in self.resident if id(m) in ids]
+        if self.copy_stream is not None:
+            # Backward kernels still queued may read these weights: overwrite them after those.
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                for p, m in todo:
+                    p.data.copy_(m, non_blocking=True)
+        else:
+            for p, m in todo:
+                p.data.copy_(m)
+
+    def step(self, apply: GroupedApply) -> None:
+        """Run the host update group by group; group i's weights copy back while group i+1 updates."""
+        self.finish_backward()  # a no-op when the trainer already called it before clipping
+        apply.step(after_group=lambda i: self._copy_back(apply.groups[i]))
+        if self.copy_stream is not None:
+            # Asynchronous: the next forward's kernels wait for the copies, the host does not.
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def zero_grad(self) -> None:
+        """Drop the host gradients (their buffers are kept) and any device gradient left over."""
+        for p in self.params:
+            self.masters[id(p)].grad = None
+            p.grad = None
+        self._grad_ready.clear()
+
+    def pull_masters(self) -> None:
+        """After loading weights into the model (resume): refresh the host masters from them."""
+        for p, m in self.resident:
+            m.copy_(p.detach())
+        if self.streamer is not None:
+            # Streamed params point at their homes while idle, so the load already wrote there.
+            self.streamer.release_all()
+
+
+def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device, stream_in_backward: bool,
+                  streamed_layers: Sequence[nn.Module]) -> HostOffload | None:
+    """The offload for ``memory.offload``; None for "none"."""
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"memory.offload must be one of {OFFLOAD_MODES}, got {mode!r}")
+    if mode == "none":
+        return None
+    layers = list(streamed_layers) if mode == "optimizer+params" else []
+    return HostOffload(params, device, stream_in_backward, layers)

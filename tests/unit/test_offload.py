@@ -1,0 +1,188 @@
+"""CPU offload (memory.offload) and group-wise apply in the Trainer: 5 fp32 CPU steps equal the
+plain run bitwise, the offload paths really run (separate host masters, gradients streamed,
+layers fetched and released around their use), resume is exact, and the memory report's model
+states match the tensors a step leaves behind."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from m6.config import load
+from m6.parallel.memory_report import estimate_memory
+from m6.train.loop import Trainer
+from m6.train.optim import no_decay_ids
+
+SMALL = [
+    "model.d_model=32", "model.num_layers=3", "model.num_heads=2", "model.ffn_dim=64", "model.max_text_len=48",
+    "model.image_size=16", "model.moe.every=2", "model.moe.num_experts=4", "data.kind=synthetic",
+    "data.num_workers=0", "data.num_samples=256", "data.eval_samples=8", "data.seq_len=48",
+    "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32",
+    "train.device=cpu", "logging.console=false", "checkpoint.every=0",
+]
+VARIANTS = {
+    "apply_groups": ["optim.apply_groups=4"],
+    "offload_optimizer": ["memory.offload=optimizer"],
+    "offload_params": ["memory.offload=optimizer+params"],
+    "offload_params_groups": ["memory.offload=optimizer+params", "optim.apply_groups=3"],
+    # Recompute in backward reads the weights of a layer the streamer fetched back for it.
+    "offload_params_checkpointing": ["memory.offload=optimizer+params", "memory.activation_checkpointing=full"],
+}
+STEPS = 5
+
+
+def trainer(tmp_path, *extra: str) -> Trainer:
+    return Trainer(load(None, [*SMALL, f"run.dir={tmp_path}", *extra]))
+
+
+def run(tr: Trainer, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
+    losses = [tr.train_step()["loss"] for _ in range(steps)]
+    return losses, {k: v.detach().clone() for k, v in tr.model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run(trainer(tmp_path_factory.mktemp("plain")))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_variant_equals_the_plain_run_bitwise(reference, tmp_path, name):
+    losses, weights = run(trainer(tmp_path, *VARIANTS[name]))
+    assert losses == reference[0]
+    assert weights.keys() == reference[1].keys()
+    for k, v in weights.items():
+        assert torch.equal(v, reference[1][k]), k
+
+
+def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
+    tr = trainer(tmp_path, "memory.offload=optimizer", "optim.apply_groups=2")
+    off = tr.offload
+    params = list(tr.model.parameters())
+    optimized = [p for g in tr.optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in optimized} == {id(off.master(p)) for p in params}  # the update runs on masters
+    assert all(off.master(p).untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in params)
+    tr.train_step()
+    # After a step the device grads are gone (streamed), the masters updated and copied back.
+    assert all(p.grad is None for p in params)
+    assert all(torch.equal(off.master(p), p.detach()) for p in params)
+    # The gradient hooks stream only the final micro-batch's (accumulated) gradient.
+    batch = next(iter([tr.loader.next_step()[0][0].batch]))
+    off.final_backward = False
+    lm, aux = tr._forward_loss_sum(batch)
+    (lm + aux).backward()
+    first = {id(p): p.grad.clone() for p in params}
+    assert all(off.master(p).grad is None for p in params)
+    off.final_backward = True
+    lm, aux = tr._forward_loss_sum(batch)
+    (lm + aux).backward()
+    assert all(p.grad is None for p in params)
+    for p in params:
+        torch.testing.assert_close(off.master(p).grad, 2 * first[id(p)], rtol=1e-5, atol=1e-8)
+
+
+def test_offloaded_params_live_on_the_host_and_visit_the_device_per_block(tmp_path):
+    tr = trainer(tmp_path, "memory.offload=optimizer+params")
+    streamer = tr.offload.streamer
+    layers = streamer.layers
+    blocks = list(tr.model.blocks)
+    assert len(layers) == len(blocks) == 3
+
+    def state() -> list[bool]:
+        """Per block: are its weights in the device buffers (True) or at their host homes?"""
+        out = []
+        for layer in layers:
+            on_device = [p.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and b.untyped_storage().nbytes() > 0
+                         for p, b in zip(layer.params, layer.buffers)]
+            at_home = [p.untyped_storage().data_ptr() == h.untyped_storage().data_ptr()
+                       for p, h in zip(layer.params, layer.homes)]
+            assert all(on_device) or all(at_home)
+            out.append(all(on_device))
+        return out
+
+    seen_forward, seen_backward = [], []
+    for i, block in enumerate(blocks):
+        block.register_forward_pre_hook(lambda m, a, i=i: seen_forward.append((i, state())))
+        # Runs inside the block's backward: the block's weights must be on the device then.
+        block.ffn_norm.weight.register_hook(lambda g, i=i: seen_backward.append((i, state())) or g)
+    assert state() == [False, False, False]
+    tr.train_step()
+    # Forward: block i present and block i + 1 prefetched, earlier blocks released.
+    assert seen_forward[:3] == [(0, [True, True, False]), (1, [False, True, True]), (2, [False, False, True])]
+    assert [i for i, _ in seen_backward[:3]] == [2, 1, 0]
+    for i, resident in seen_backward[:3]:
+        assert resident[i] and all(not r for j, r in enumerate(resident) if j > i)
+    assert state() == [False, False, False]  # all released after the step
+    assert all(b.untyped_storage().nbytes() == 0 for layer in layers for b in layer.buffers)
+    # Eval (no grad) streams too, and state_dict reads the host homes.
+    tr.evaluate()
+    assert state() == [False, False, False]
+    sd = tr.model.state_dict()
+    assert torch.equal(sd["blocks.1.attn_norm.weight"], layers[1].homes[[id(p) for p in layers[1].params].index(
+        id(blocks[1].attn_norm.weight))])
+
+
+@pytest.mark.parametrize("saver, resumer", [("memory.offload=optimizer+params", "memory.offload=none"),
+                                            ("memory.offload=none", "memory.offload=optimizer")])
+def test_resume_is_exact_across_offload_settings(reference, tmp_path, saver, resumer):
+    first = trainer(tmp_path, saver, "optim.apply_groups=2", f"train.max_steps={STEPS}")
+    losses = [first.train_step()["loss"] for _ in range(2)]
+    first.save_checkpoint()
+    resumed = trainer(tmp_path, resumer, "checkpoint.resume=auto", f"train.max_steps={STEPS}")
+    assert resumed.step == 2
+    more, weights = run(resumed, STEPS - 2)
+    assert losses + more == reference[0]
+    for k, v in weights.items():
+        assert torch.equal(v, reference[1][k]), k
+
+
+def test_non_finite_step_is_skipped_with_offload(tmp_path):
+    tr = trainer(tmp_path, "memory.offload=optimizer+params", "optim.apply_groups=2")
+    tr.train_step()
+    masters = {id(p): tr.offload.master(p).clone() for p in tr.model.parameters()}
+    with torch.no_grad():
+        tr.model.final_norm.weight.fill_(float("nan"))  # a resident (not streamed) parameter
+    m = tr.train_step()
+    assert m["skipped_steps"] == 1 and not math.isfinite(m["loss"])
+    for p in tr.model.parameters():
+        assert torch.equal(tr.offload.master(p), masters[id(p)])  # no update reached the masters
+        assert p.grad is None and tr.offload.master(p).grad is None
+
+
+def test_memory_report_matches_the_tensors_of_a_step(tmp_path):
+    tr = trainer(tmp_path, "memory.offload=optimizer", "optim.apply_groups=3")
+    tr.train_step()
+    cfg, model, off = tr.cfg, tr.model, tr.offload
+    est = estimate_memory(cfg, model, no_decay_ids(model))
+    params = list(model.parameters())
+    nbytes = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)  # noqa: E731
+    state_tensors = [v for s in tr.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert est.device["params"] == nbytes(params)
+    assert est.host["params"] == nbytes(off.masters_of(params))
+    assert est.host["grads"] == nbytes(off._grad_buffers.values())
+    assert est.host["optimizer state"] == nbytes(state_tensors)
+    # The step's temporaries, measured with the allocation counter of test_optimizer_apply.
+    from test_optimizer_apply import LiveBytes
+
+    for p in params:
+        off.master(p).grad = torch.randn_like(off.master(p))
+    with LiveBytes() as counter:
+        tr.apply.step()
+    assert counter.peak <= est.host["optimizer step temporaries"] + 1024
+    assert counter.peak >= est.host["optimizer step temporaries"]
+    plain = estimate_memory(load(None, [*SMALL, f"run.dir={tmp_path}"]), model, no_decay_ids(model))
+    assert est.host["optimizer step temporaries"] < 0.5 * plain.device["optimizer step temporaries"]
+    assert "optimizer state" not in est.device and plain.host == {}
+
+
+def test_inspect_prints_device_and_host_bytes(capsys):
+    from m6 import inspect as m6inspect
+
+    assert m6inspect.main([str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"), "memory.offload=optimizer", "optim.apply_groups=4"]) == 0
+    out = capsys.readouterr().out
+    assert "with memory features (optim.apply_groups=4, memory.offload=optimizer)" in out
+    line = next(l for l in out.splitlines() if l.strip().startswith("optimizer state") and "MiB" in l)
+    device, host = line.split()[-4], line.split()[-2]
+    assert float(device) == 0.0 and float(host) > 0.0  # moved to the host
