@@ -21,7 +21,7 @@ SMALL = [
     "data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "data.seq_len=80",
 ]
 # The embedded sample through the real loader (tar shards + text file, 2 workers per rank).
-FILES = ["data.kind=files", "data.num_workers=2", "data.eval_samples=8",
+FILES = ["data.kind=files", "data.num_workers=2", "data.eval_samples=8", "model.max_text_len=128", "data.seq_len=128",
          'data.sources=[{path: "data/sample/sample-{000000..000002}.tar", weight: 0.9}, '
          '{path: data/sample/text.txt, format: text, weight: 0.1}]']
 
