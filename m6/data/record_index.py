@@ -12,7 +12,6 @@ Formats: uncompressed WebDataset tars (``key.jpg|png|webp`` + ``key.txt|json``),
 
 from __future__ import annotations
 
-import json
 import os
 import tarfile
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 
 from m6.data.images import BadRecord
 from m6.data.sources import (IMAGE_EXTENSIONS, SHARD_KEY, TAR_ERRORS, TEXT_EXTENSIONS, RawRecord, SkipCounter,
-                             caption_from, expand_shards, split_member_name)
+                             caption_from, expand_shards, parse_manifest_line, split_member_name)
 
 NO_MEMBER = -1  # offset of an absent member (a tar key with no caption file)
 
@@ -190,24 +189,17 @@ def index_manifests(paths: list[str], skips: SkipCounter) -> ManifestIndex:
             for line_no, raw in enumerate(f, start=1):
                 if not raw.strip():
                     continue
-                line_key = f"line {line_no}"
-                try:
-                    obj = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    skips.record(path, line_key, "bad_manifest_line", f"{type(e).__name__}: {e}")
+                parsed = parse_manifest_line(path, base_dir, line_no, raw, skips)
+                if parsed is None:
                     continue
-                if not isinstance(obj, dict) or not isinstance(obj.get("image"), str):
-                    skips.record(path, line_key, "bad_manifest_line", 'expected an object with a string "image"')
-                    continue
-                image_path = os.path.join(base_dir, obj["image"])
-                key = f"{line_key}: {obj['image']}"
+                key, image_path, text = parsed
                 if not os.path.isfile(image_path):
                     skips.record(path, key, "missing_file", f"no such image file {image_path}")
                     continue
                 index.sources.append(path)
                 index.keys.append(key)
                 index.image_paths.append(image_path)
-                index.texts.append(next((obj[k] for k in ("text", "caption") if isinstance(obj.get(k), str)), None))
+                index.texts.append(text)
     return index
 
 

@@ -282,6 +282,22 @@ def iter_tar_samples(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
 
 
 # ---------------------------------------------------------------- manifests and text
+def parse_manifest_line(path: str, base_dir: str, line_no: int, raw: bytes,
+                        skips: SkipCounter) -> tuple[str, str, str | None] | None:
+    """(key, image path, caption or None) of one manifest line; None (counted) if it is not a record."""
+    line_key = f"line {line_no}"
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        skips.record(path, line_key, "bad_manifest_line", f"{type(e).__name__}: {e}")
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("image"), str):
+        skips.record(path, line_key, "bad_manifest_line", 'expected an object with a string "image"')
+        return None
+    text = next((obj[k] for k in ("text", "caption") if isinstance(obj.get(k), str)), None)
+    return f"{line_key}: {obj['image']}", os.path.join(base_dir, obj["image"]), text
+
+
 def iter_jsonl_manifest(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
     """Yield records of a JSONL manifest of ``{"image": relpath, "text": caption}`` lines (paths relative to it)."""
     base_dir = os.path.dirname(os.path.abspath(path))
@@ -289,24 +305,16 @@ def iter_jsonl_manifest(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
-            line_key = f"line {line_no}"
-            try:
-                obj = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                skips.record(path, line_key, "bad_manifest_line", f"{type(e).__name__}: {e}")
+            parsed = parse_manifest_line(path, base_dir, line_no, raw, skips)
+            if parsed is None:
                 continue
-            if not isinstance(obj, dict) or not isinstance(obj.get("image"), str):
-                skips.record(path, line_key, "bad_manifest_line", 'expected an object with a string "image"')
-                continue
-            image_path = os.path.join(base_dir, obj["image"])
-            key = f"{line_key}: {obj['image']}"
+            key, image_path, text = parsed
             try:
                 with open(image_path, "rb") as image_file:
                     image_bytes = image_file.read()
             except OSError as e:
                 skips.record(path, key, "missing_file", f"{type(e).__name__}: {e}")
                 continue
-            text = next((obj[k] for k in ("text", "caption") if isinstance(obj.get(k), str)), None)
             yield RawRecord(path, key, image_bytes, text)
 
 
