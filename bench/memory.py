@@ -50,6 +50,7 @@ from m6.config import load
 from m6.parallel.activation_meter import SavedActivationMeter
 from m6.train.loop import Trainer
 
+MIN_CLEAN_ROUNDS = 5  # timed steps per variant below which the timing targets are not judged
 PIN_ENV = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores", "MALLOC_MMAP_MAX_": "0"}
 GROUPS = "optim.apply_groups=8"
 AUTO = ["memory.activation_checkpointing=auto", "memory.activation_budget_fraction=0.5"]
@@ -320,6 +321,9 @@ def run(args, device: torch.device) -> dict:
 def targets(result: dict) -> list[dict]:
     """The issue's targets, each measured / missed / not measurable here."""
     rows, n = result["rows"], result["num_params"]
+    # Too few clean rounds (another process took a core): the ratios are reported, not judged.
+    timed = result["rounds_kept"] >= MIN_CLEAN_ROUNDS
+    noisy = f"inconclusive: {result['rounds_kept']} clean rounds < {MIN_CLEAN_ROUNDS}"
     plain, groups, auto, full = rows["plain"], rows["apply_groups=8"], rows["auto@50%"], rows["full"]
     out = []
     cut = 1 - groups["optimizer_step_temp_bytes"] / plain["optimizer_step_temp_bytes"]
@@ -339,10 +343,10 @@ def targets(result: dict) -> list[dict]:
     r = auto["time_vs_plain"]["median"]
     out.append({"target": "auto@50% step time <= 1.25x plain",
                 "measured": f"{r:.2f}x [{auto['time_vs_plain']['min']:.2f}-{auto['time_vs_plain']['max']:.2f}]",
-                "status": "met" if r <= 1.25 else "missed"})
+                "status": ("met" if r <= 1.25 else "missed") if timed else noisy})
     out.append({"target": "auto@50% faster than full",
                 "measured": f"{auto['median_s']:.3f} s vs {full['median_s']:.3f} s",
-                "status": "met" if auto["median_s"] < full["median_s"] else "missed"})
+                "status": ("met" if auto["median_s"] < full["median_s"] else "missed") if timed else noisy})
     gpu = result["device"] == "cuda"
     per_param = {k: rows[k]["peak_device_side_state_bytes"] / n for k in ("plain", "offload=optimizer",
                                                                           "offload=optimizer+params")}
@@ -358,7 +362,7 @@ def targets(result: dict) -> list[dict]:
                 "measured": ("" if gpu else "CPU: copies run inline, nothing overlaps: ") +
                             f"{times['offload=optimizer+params']:.2f}x (optimizer+params), "
                             f"{times['offload=optimizer']:.2f}x (optimizer)",
-                "status": ("met" if max(times.values()) <= 1.3 else "missed") if gpu
+                "status": (("met" if max(times.values()) <= 1.3 else "missed") if timed else noisy) if gpu
                 else "not measurable on CPU (no GPU)"})
     return out
 
