@@ -36,17 +36,15 @@ import os
 import sys
 import tempfile
 import time
-import weakref
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from bench.harness import machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, time_round_robin
 from m6.config import load
+from m6.parallel.live_bytes import LiveBytes
 from m6.parallel.activation_meter import SavedActivationMeter
 from m6.train.loop import Trainer
 
@@ -76,41 +74,6 @@ MODEL = {
 COMMON = ["data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "data.eval_samples=8",
           "train.precision=fp32", "train.eval_every=0", "train.max_steps=10000",
           "checkpoint.every=0", "logging.console=false", "logging.wandb.enabled=false"]
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the storages ops allocate inside the mode that are still alive, and their peak.
-
-    An op's output sharing an input's storage (in-place, views) allocates nothing; each new
-    storage is subtracted when it is freed. Storages resized outside aten (the offload streamer's
-    weight buffers) are model states, counted by ModelStateBytes instead.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._tracked: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._tracked.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if not torch.is_tensor(t):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in inputs or key in self._tracked or storage.nbytes() == 0:
-                continue
-            self._tracked.add(key)
-            self.live += storage.nbytes()
-            weakref.finalize(storage, self._free, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 class ModelStateBytes:

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import itertools
 import random
-import weakref
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from m6.config import OptimConfig
+from m6.parallel.live_bytes import LiveBytes
 from m6.parallel.optimizer_apply import GroupedApply, partition_contiguous, split_apply_groups
 from m6.train.optim import build_optimizer, build_scheduler
 
@@ -129,40 +127,6 @@ def test_grouped_apply_equals_a_single_apply_bitwise(num_groups):
             assert torch.equal(state[name], ref_sd["state"][k][name])
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert sched.get_last_lr() == ref[2].get_last_lr()
-
-
-class LiveBytes(TorchDispatchMode):
-    """Counts the bytes of tensors created inside the mode that are still alive, and their peak.
-
-    Only storages an op allocated (not its inputs' storages, so in-place updates count nothing);
-    each is subtracted when Python frees it.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = self.peak = 0
-        self._tracked: set[int] = set()
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self._tracked.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
-        out = func(*args, **kwargs)
-        for t in tree_leaves(out):
-            if not torch.is_tensor(t):
-                continue
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in inputs or key in self._tracked or storage.nbytes() == 0:
-                continue
-            self._tracked.add(key)
-            self.live += storage.nbytes()
-            weakref.finalize(storage, self._free, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 def step_temporaries(num_groups: int) -> tuple[int, GroupedApply]:

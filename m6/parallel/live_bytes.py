@@ -1,0 +1,46 @@
+"""Peak live bytes of the tensors allocated inside a region, counted exactly on any device.
+
+Used to measure the optimizer step's temporaries (group-wise apply) in tests and bench/memory.py.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts the bytes of tensors created inside the mode that are still alive, and their peak.
+
+    Only storages an op allocated (not its inputs' storages, so in-place updates count nothing);
+    each is subtracted when Python frees it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._tracked: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._tracked.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if not torch.is_tensor(t):
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self._tracked or storage.nbytes() == 0:
+                continue
+            self._tracked.add(key)
+            self.live += storage.nbytes()
+            weakref.finalize(storage, self._free, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
