@@ -111,7 +111,8 @@ class MemoryConfig:
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     activation_checkpointing: Literal["none", "full", "auto"] = "none"
     # auto: recompute the cheapest parts until saved activations fit this budget. Give GiB, or a
-    # fraction of the profiled no-checkpointing activation bytes; neither = 0.5 of them.
+    # fraction of the no-checkpointing activation bytes of the densest micro-batch (no padding,
+    # profiled on step 1); neither = 0.5 of them.
     activation_budget_gb: Optional[float] = None
     activation_budget_fraction: Optional[float] = None
     check_checkpointing: bool = False  # step 1: compare gradients with and without checkpointing

@@ -69,6 +69,17 @@ class MultimodalBatch:
         """Number of text positions L."""
         return self.text_ids.shape[1]
 
+    def densest(self) -> MultimodalBatch:
+        """A batch of this shape that keeps the most activations for backward: an image in every
+        row, no padding (MoE layers route every position) and a label at every text position but
+        the last (the LM head and loss see the most targets). For sizing memory, not for training."""
+        segments = torch.full_like(self.segment_ids, SEG_TARGET)
+        segments[:, 0] = SEG_SOURCE
+        labels = torch.full_like(self.labels, IGNORE_INDEX)
+        labels[:, :-1] = self.text_ids[:, 1:]
+        return MultimodalBatch(self.images, torch.ones_like(self.has_image), self.text_ids, segments, labels,
+                               num_target_tokens=self.batch_size * (self.seq_len - 1))
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> MultimodalBatch:
         """Return a copy with every tensor on ``device``; the token count is carried, not recounted."""
         moved = {

@@ -62,6 +62,18 @@ def checkpointed(fn: Callable) -> Callable:
 
 
 Wrapper = Callable[[RecomputablePart, Callable], Callable]
+Escalate = Callable[[str], bool]  # part name -> recompute it this call too (asked as the part starts)
+
+
+def escalating(name: str, fn: Callable, escalate: Escalate) -> Callable:
+    """``fn`` recomputed on the calls where ``escalate(name)`` says so, run plainly on the others."""
+    recompute = checkpointed(fn)
+
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled() and escalate(name):
+            return recompute(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
 
 
 class ActivationCheckpointing:
@@ -70,6 +82,7 @@ class ActivationCheckpointing:
     def __init__(self, model: M6Model) -> None:
         self.parts = {p.name: p for p in recomputable_parts(model)}
         self.recomputed: tuple[str, ...] = ()
+        self.escalate: Optional[Escalate] = None
 
     @staticmethod
     def _original(part: RecomputablePart) -> Callable:
@@ -82,26 +95,32 @@ class ActivationCheckpointing:
         if fn is not None:
             part.module.__dict__[part.method] = fn  # an instance attribute shadows the class method
 
-    def apply(self, names: Iterable[str]) -> None:
-        """Recompute exactly the parts ``names`` (an empty list turns checkpointing off)."""
+    def apply(self, names: Iterable[str], escalate: Optional[Escalate] = None) -> None:
+        """Recompute the parts ``names`` (an empty list turns checkpointing off); with ``escalate``,
+        each other part asks it as it starts whether to be recomputed on that call too."""
         names = tuple(names)
         unknown = [n for n in names if n not in self.parts]
         if unknown:
             raise ValueError(f"unknown recomputable parts {unknown}; this model has {list(self.parts)}")
         for name, part in self.parts.items():
-            self._install(part, checkpointed(self._original(part)) if name in names else None)
+            original = self._original(part)
+            if name in names:
+                self._install(part, checkpointed(original))
+            else:
+                self._install(part, None if escalate is None else escalating(name, original, escalate))
         self.recomputed = tuple(n for n in self.parts if n in names)
+        self.escalate = escalate
 
     @contextmanager
     def wrapped(self, wrap: Wrapper) -> Iterator[None]:
         """Run every part through ``wrap(part, original_method)`` for a while (profiling)."""
-        previous = self.recomputed
+        previous, escalate = self.recomputed, self.escalate
         try:
             for part in self.parts.values():
                 self._install(part, wrap(part, self._original(part)))
             yield
         finally:
-            self.apply(previous)
+            self.apply(previous, escalate)
 
 
 class CheckpointingMismatch(RuntimeError):
@@ -140,7 +159,7 @@ def gradient_difference(checkpointing: ActivationCheckpointing, names: Iterable[
     """
     names = tuple(names)
     stash = {n: p.grad for n, p in parameters.items()}
-    previous = checkpointing.recomputed
+    previous, escalate = checkpointing.recomputed, checkpointing.escalate
     start = _rng_snapshot(device)
     grads = []
     try:
@@ -152,7 +171,7 @@ def gradient_difference(checkpointing: ActivationCheckpointing, names: Iterable[
             forward_backward()
             grads.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in parameters.items()})
     finally:
-        checkpointing.apply(previous)
+        checkpointing.apply(previous, escalate)
         _rng_restore(start, device)
         for n, p in parameters.items():
             p.grad = stash[n]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Iterable, Optional
 
 import torch
@@ -39,16 +39,37 @@ class PartProfile:
 
 @dataclass
 class ActivationProfile:
-    """Storages kept for backward in one profiled forward, outside the parts and per part."""
+    """Storages kept for backward in one profiled forward, outside the parts and per part (in
+    forward order), and which storages were already kept when each part started."""
 
     outside: Held
     parts: dict[str, PartProfile]
+    entry: dict[str, frozenset] = field(default_factory=dict)  # part -> keys held as it started
 
     def saved_bytes(self, recompute: Collection[str]) -> int:
         """Bytes kept for backward when exactly the parts ``recompute`` are recomputed."""
         held = dict(self.outside)
         for name, part in self.parts.items():
             held.update(part.inputs if name in recompute else part.saved)
+        return sum(held.values())
+
+    def tail_bytes(self) -> int:
+        """Bytes kept outside every part after the last part started (the last MoE combine, final
+        norm, LM head, loss): no recompute choice can change them once they are reached."""
+        if not self.parts or not self.entry:
+            return 0
+        before = self.entry.get(list(self.parts)[-1], frozenset())
+        in_parts = set().union(*(p.inputs.keys() | p.saved.keys() for p in self.parts.values()))
+        return sum(b for k, b in self.outside.items() if k not in before and k not in in_parts)
+
+    def bytes_at_entry(self, name: str, recompute: Collection[str]) -> int:
+        """Bytes kept for backward as part ``name`` starts, when the parts ``recompute`` are recomputed."""
+        before = self.entry.get(name, frozenset())
+        held = {k: b for k, b in self.outside.items() if k in before}
+        for other, part in self.parts.items():
+            if other == name:
+                break
+            held.update(part.inputs if other in recompute else part.saved)
         return sum(held.values())
 
 
@@ -68,11 +89,13 @@ def profile_parts(checkpointing: ActivationCheckpointing, forward: Callable[[], 
     params = list(parameters)
     outer = SavedActivationMeter(params)
     measured: dict[str, tuple[Held, float]] = {}
+    entry: dict[str, frozenset] = {}
 
     def wrap(part: RecomputablePart, original: Callable) -> Callable:
         recompute = checkpointed(original)
 
         def run(*args, **kwargs):
+            entry[part.name] = frozenset(outer.held())
             outer.region = part.name  # the meter sees only what the checkpoint keeps: the inputs
             try:
                 out = recompute(*args, **kwargs)
@@ -112,6 +135,7 @@ def profile_parts(checkpointing: ActivationCheckpointing, forward: Callable[[], 
     return ActivationProfile(
         outside=by_region.get(None, {}),
         parts={n: PartProfile(by_region.get(n, {}), *measured[n]) for n in checkpointing.parts},
+        entry=entry,
     )
 
 
@@ -125,14 +149,17 @@ class CheckpointPlan:
     no_checkpoint_bytes: int
     all_checkpoint_bytes: int
     recompute_s: float  # profiled forward time of the recomputed parts, added to every backward
+    margin: float = 1.0  # chosen to fit budget_bytes / margin (batches that keep more than the profiled one)
 
     @property
     def fits(self) -> bool:
-        return self.budget_bytes is None or self.predicted_bytes <= self.budget_bytes
+        return self.budget_bytes is None or self.predicted_bytes * self.margin <= self.budget_bytes
 
     def summary(self, num_parts: int) -> str:
         mb = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
         budget = "none (full)" if self.budget_bytes is None else mb(self.budget_bytes)
+        if self.margin != 1.0:
+            budget += f" planned with margin x{self.margin:.3f}"
         text = (f"activation checkpointing: recompute {len(self.recompute)}/{num_parts} parts "
                 f"[{', '.join(self.recompute) or '-'}]; saved activations {mb(self.predicted_bytes)} "
                 f"(profiled: {mb(self.no_checkpoint_bytes)} without checkpointing, "
@@ -164,8 +191,8 @@ def full_plan(profile: ActivationProfile) -> CheckpointPlan:
     return _plan(profile, profile.parts, None)
 
 
-def choose_recompute(profile: ActivationProfile, budget: int) -> CheckpointPlan:
-    """The cheapest set of parts whose recompute brings the kept bytes under ``budget``.
+def choose_recompute(profile: ActivationProfile, budget: int, margin: float = 1.0) -> CheckpointPlan:
+    """The cheapest set of parts whose recompute brings the kept bytes under ``budget / margin``.
 
     A 0/1 knapsack (free >= need bytes at the least time). Greedy: repeatedly recompute the part
     that frees the most bytes per second of recompute *given the parts already chosen* (shared
@@ -200,8 +227,9 @@ def choose_recompute(profile: ActivationProfile, budget: int) -> CheckpointPlan:
         holders.subtract(drop.keys())
         holders.update(add.keys())
 
+    budget_for_profile = int(budget / margin)
     chosen: list[str] = []
-    while total > budget:
+    while total > budget_for_profile:
         best, best_rate, best_delta = None, 0.0, 0
         for name, part in profile.parts.items():
             if name in chosen:
@@ -217,8 +245,8 @@ def choose_recompute(profile: ActivationProfile, budget: int) -> CheckpointPlan:
         total += best_delta
     for name in sorted(chosen, key=lambda n: -profile.parts[n].forward_s):
         d = delta(profile.parts[name], False)
-        if total + d <= budget:
+        if total + d <= budget_for_profile:
             switch(profile.parts[name], False)
             chosen.remove(name)
             total += d
-    return _plan(profile, chosen, budget)
+    return replace(_plan(profile, chosen, budget), margin=margin)

@@ -32,7 +32,8 @@ from m6.parallel import (GradientSync, build_layout, classify_parameters, clip_g
                          default_plan, init_distributed, launched_distributed, shard_model)
 from m6.parallel.activation_checkpoint import ActivationCheckpointing, check_recompute
 from m6.parallel.activation_meter import SavedActivationMeter
-from m6.parallel.activation_plan import budget_bytes, choose_recompute, full_plan, profile_parts
+from m6.parallel.activation_guard import ActivationBudgetGuard
+from m6.parallel.activation_plan import budget_bytes, full_plan, profile_parts
 from m6.parallel.checkpoint_state import full_model_and_optimizer_state, local_model_and_optimizer_state
 from m6.parallel.offload import build_offload
 from m6.parallel.optimizer_apply import GroupedApply
@@ -131,6 +132,7 @@ class Trainer:
         self.checkpointing = (ActivationCheckpointing(self.model)
                               if cfg.memory.activation_checkpointing != "none" else None)
         self.checkpoint_plan = None
+        self.budget_guard: ActivationBudgetGuard | None = None  # activation_checkpointing=auto
         self.offload = build_offload(cfg.memory.offload, [p for p in self.model.parameters() if p.requires_grad],
                                      self.device, stream_in_backward=self.grad_sync is None,
                                      streamed_layers=list(self.model.blocks))
@@ -239,11 +241,14 @@ class Trainer:
                 self.grad_sync.enabled = i == len(batches) - 1  # communicate on the last backward only
             if self.offload:
                 self.offload.final_backward = i == len(batches) - 1  # stream gradients once final
-            meter = SavedActivationMeter(self.model.parameters()) if self.checkpointing else nullcontext()
-            with meter:
+            if self.budget_guard:
+                meter = self.budget_guard.micro_batch(batch.num_target_tokens)
+            else:
+                meter = SavedActivationMeter(self.model.parameters()) if self.checkpointing else nullcontext()
+            with meter as metered:
                 lm_sum, aux = self._forward_loss_sum(batch)
             if self.checkpointing:
-                saved_bytes = max(saved_bytes, meter.held_bytes())
+                saved_bytes = max(saved_bytes, metered.held_bytes())
             loss = lm_sum / max(num_targets, 1) + aux / self.accum
             loss.backward()
             layers = list(self.model.moe_layers().values())
@@ -296,6 +301,14 @@ class Trainer:
             metrics["mfu"] = tflops / (self.peak_tflops * self.world_size)
         if self.checkpointing:
             metrics["activation_saved_mb"] = saved_bytes / 2**20
+        if self.budget_guard:
+            metrics["activation_extra_recomputes"] = self.budget_guard.step_extras
+            new_plan = self.budget_guard.end_step()
+            if new_plan is not None:
+                self.checkpoint_plan = new_plan
+                if self.is_main:
+                    print(f"{new_plan.summary(len(self.checkpointing.parts))} (rank 0, re-planned after step "
+                          f"{self.step}: a micro-batch kept x{new_plan.margin:.3f} the predicted bytes)", flush=True)
         if not finite and self.bad_steps >= self.cfg.train.max_bad_steps:
             raise TrainingDiverged(
                 f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (last at step "
@@ -323,15 +336,22 @@ class Trainer:
                                    self.autocast_dtype, dist.group.WORLD if self.dist else None)
             if self.is_main:
                 print(line, flush=True)
-        profile = profile_parts(ckpt, lambda: self._forward_loss_sum(batch), self.model.parameters(), self.device)
+        # Profiled on the densest batch of this shape (no padding, a label at every text
+        # position): the most a micro-batch can keep, so later batches fit the plan; what routing
+        # can still add under expert parallelism (a rank receiving more tokens) the guard handles.
+        densest = batch.densest()
+        profile = profile_parts(ckpt, lambda: self._forward_loss_sum(densest), self.model.parameters(), self.device)
         if mem.activation_checkpointing == "full":
             plan = full_plan(profile)
+            ckpt.apply(plan.recompute)
         else:
-            plan = choose_recompute(profile, budget_bytes(mem, profile.saved_bytes(())))
-        ckpt.apply(plan.recompute)
+            self.budget_guard = ActivationBudgetGuard(ckpt, profile, budget_bytes(mem, profile.saved_bytes(())),
+                                                      self.model.parameters(), densest.num_target_tokens)
+            plan = self.budget_guard.plan
         self.checkpoint_plan = plan
         if self.is_main:
-            print(f"{plan.summary(len(ckpt.parts))} (rank 0, profiled on its first micro-batch)", flush=True)
+            print(f"{plan.summary(len(ckpt.parts))} (rank 0, profiled on the densest micro-batch of its shape)",
+                  flush=True)
 
     # ---- evaluation -----------------------------------------------------------------------------
     @torch.no_grad()

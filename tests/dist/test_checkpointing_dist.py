@@ -65,9 +65,10 @@ def _checks(rank: int, world: int, root: str) -> None:
             torch.testing.assert_close(v, plain[2][k], rtol=1e-6, atol=0, msg=f"{name} {k}")
     auto = runs["auto"][0]
     plan = auto.checkpoint_plan
-    # Exact for the profiled micro-batch (the first); the metric is the larger of the two.
+    # Every step under the budget (the plan is profiled on the densest batch; a rank that
+    # receives more routed tokens than then gets extra recomputes from the guard).
     assert plan.recompute and plan.predicted_bytes <= plan.budget_bytes
-    assert auto.history[0]["activation_saved_mb"] * 2**20 >= plan.predicted_bytes
+    assert all(h["activation_saved_mb"] * 2**20 <= plan.budget_bytes for h in auto.history), auto.history
 
     # The same forward and backward issue the same all-to-alls with every part recomputed: per
     # MoE layer 3 in forward (counts, tokens, results) and 2 in backward (the token exchanges).

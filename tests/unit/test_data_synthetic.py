@@ -117,6 +117,19 @@ def test_batch_to_keeps_count() -> None:
     assert isinstance(moved, MultimodalBatch)
 
 
+def test_densest_batch_has_no_padding_and_the_most_targets() -> None:
+    batch = collate([Sample(np.ones((3, 2, 2), np.float32), "ab", "xy"), Sample(None, "", "z")], TOK, 9, (3, 2, 2))
+    dense = batch.densest()
+    assert dense.has_image.tolist() == [True, True]
+    assert dense.segment_ids.tolist() == [[1] + [2] * 8] * 2
+    assert dense.labels[:, :-1].tolist() == batch.text_ids[:, 1:].tolist()
+    assert (dense.labels[:, -1] == IGNORE_INDEX).all()
+    for row in range(2):  # the collate rule holds: a label where the next position is a target
+        assert dense.labels[row].tolist() == reference_labels(dense.text_ids[row].tolist(), dense.segment_ids[row].tolist())
+    assert dense.num_target_tokens == int((dense.labels != IGNORE_INDEX).sum()) == 2 * 8 > batch.num_target_tokens
+    assert dense.images is batch.images and dense.text_ids is batch.text_ids
+
+
 # ---------------------------------------------------------------- synthetic task
 def samples_equal(a: Sample, b: Sample) -> bool:
     same_image = (a.image is None and b.image is None) or (
