@@ -10,6 +10,7 @@ and reported on their own, because they are memory the forward created.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Optional
@@ -85,6 +86,11 @@ class SavedActivationMeter(torch.autograd.graph.saved_tensors_hooks):
         self._param_keys = {storage_key(p) for p in parameters}
         self._shared, self._prefix = shared_keys, private_prefix
         self._records: list[_Record] = []
+        # Live count per storage and their byte total, kept as slots die (weakref callbacks, which
+        # may run on autograd's device threads): held_bytes() is O(1), cheap enough to ask often.
+        self._lock = threading.Lock()
+        self._refs: dict[StorageKey, int] = {}
+        self._total = 0
         self.region: Optional[str] = None
         super().__init__(self._pack, self._unpack)
 
@@ -105,9 +111,22 @@ class SavedActivationMeter(torch.autograd.graph.saved_tensors_hooks):
         is_param = key in self._param_keys or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
         if not is_param:
             low_precision_cast = t.is_floating_point() and t.element_size() < 4 and is_parameter_cast(t)
-            self._records.append(_Record(weakref.ref(saved), self._key(t), t.untyped_storage().nbytes(),
-                                         self.region, low_precision_cast))
+            key, nbytes = self._key(t), t.untyped_storage().nbytes()
+            with self._lock:
+                if key not in self._refs:
+                    self._refs[key] = 0
+                    self._total += nbytes
+                self._refs[key] += 1
+            holder = weakref.ref(saved, lambda _, key=key, nbytes=nbytes: self._release(key, nbytes))
+            self._records.append(_Record(holder, key, nbytes, self.region, low_precision_cast))
         return saved
+
+    def _release(self, key: StorageKey, nbytes: int) -> None:
+        with self._lock:
+            self._refs[key] -= 1
+            if not self._refs[key]:
+                del self._refs[key]
+                self._total -= nbytes
 
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
@@ -130,7 +149,7 @@ class SavedActivationMeter(torch.autograd.graph.saved_tensors_hooks):
 
     def held_bytes(self) -> int:
         """Bytes of all distinct storages still kept for backward."""
-        return sum(self.held().values())
+        return self._total
 
     def parameter_cast_bytes(self) -> int:
         """Bytes of low-precision parameter copies still kept for backward (autocast's weight casts)."""
