@@ -13,14 +13,13 @@ Formats: uncompressed WebDataset tars (``key.jpg|png|webp`` + ``key.txt|json``),
 from __future__ import annotations
 
 import os
-import tarfile
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from m6.data.images import BadRecord
-from m6.data.sources import (IMAGE_EXTENSIONS, SHARD_KEY, TAR_ERRORS, TEXT_EXTENSIONS, RawRecord, SkipCounter,
-                             caption_from, expand_shards, parse_manifest_line, split_member_name)
+from m6.data.sources import (RawRecord, SkipCounter, caption_from, expand_shards, iter_member_groups,
+                             parse_manifest_line)
 
 NO_MEMBER = -1  # offset of an absent member (a tar key with no caption file)
 
@@ -111,70 +110,26 @@ class TextIndex:
 RecordIndex = TarIndex | ManifestIndex | TextIndex
 
 
-class _TarKey:
-    """Members of one key while scanning a tar's headers."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self.image: tuple[int, int] | None = None
-        self.texts: dict[str, tuple[int, int]] = {}
-
-
 def index_tar_shards(paths: list[str], skips: SkipCounter) -> TarIndex:
     """Scan the headers (not the data) of uncompressed tars; ValueError for a compressed one."""
     shard_of, keys, image_at, text_at, text_ext = [], [], [], [], []
 
-    def finish(shard: int, group: _TarKey) -> None:
-        if group.image is None:
-            skips.record(paths[shard], group.key, "missing_image", "no .jpg/.jpeg/.png/.webp member")
-            return
-        ext = "txt" if "txt" in group.texts else ("json" if "json" in group.texts else "")
-        shard_of.append(shard)
-        keys.append(group.key)
-        image_at.append(group.image)
-        text_at.append(group.texts[ext] if ext else (NO_MEMBER, 0))
-        text_ext.append(ext)
-
     for shard, path in enumerate(paths):
-        if os.path.getsize(path) == 0:
-            skips.record(path, SHARD_KEY, "empty_shard", "file is empty")
-            continue
-        with open(path, "rb") as f:
-            magic = f.read(6)
-        if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
-            raise ValueError(f"{path}: compressed tar shards cannot be read by offset; store shards "
-                             "uncompressed (python -m m6.data.prepare writes plain .tar)")
-        group: _TarKey | None = None
-        seen = set()
-        try:
-            with tarfile.open(path, mode="r:") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        continue
-                    key, ext = split_member_name(member.name)
-                    if not key.rsplit("/", 1)[-1]:
-                        skips.record(path, member.name, "bad_member_name", "member name has an empty key")
-                        continue
-                    if group is None or group.key != key:
-                        if group is not None:
-                            finish(shard, group)
-                        group = _TarKey(key)
-                        seen.add(key)
-                    span = (member.offset_data, member.size)
-                    if ext in IMAGE_EXTENSIONS:
-                        if group.image is not None:
-                            skips.record(path, key, "duplicate_member", f"second image member {member.name}")
-                            continue
-                        group.image = span
-                    elif ext in TEXT_EXTENSIONS:
-                        group.texts.setdefault(ext, span)
-        except TAR_ERRORS as e:
-            # Members whose headers were read before the damage keep their offsets; the rest is lost.
-            skips.record(path, SHARD_KEY, "corrupt_shard", f"{type(e).__name__}: {e}")
-        if group is not None:
-            finish(shard, group)
-        if not seen:
-            skips.record(path, SHARD_KEY, "empty_shard", "tar has no file members")
+        if os.path.getsize(path) > 0:
+            with open(path, "rb") as f:
+                magic = f.read(6)
+            if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
+                raise ValueError(f"{path}: compressed tar shards cannot be read by offset; store shards "
+                                 "uncompressed (python -m m6.data.prepare writes plain .tar)")
+        # Headers only: a member's value is where its data lies. Members whose headers were read
+        # before any damage keep their offsets; the rest is lost.
+        for group in iter_member_groups(path, "r:", skips, lambda _, m: (m.offset_data, m.size)):
+            ext = "txt" if "txt" in group.texts else ("json" if "json" in group.texts else "")
+            shard_of.append(shard)
+            keys.append(group.key)
+            image_at.append(group.image)
+            text_at.append(group.texts[ext] if ext else (NO_MEMBER, 0))
+            text_ext.append(ext)
     return TarIndex(paths, np.asarray(shard_of, dtype=np.int32), keys,
                     np.asarray(image_at, dtype=np.int64).reshape(-1, 2),
                     np.asarray(text_at, dtype=np.int64).reshape(-1, 2), text_ext)

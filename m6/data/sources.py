@@ -15,7 +15,7 @@ import re
 import tarfile
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -204,21 +204,70 @@ def caption_from(ext: str, data: bytes) -> str | None:
     return None
 
 
-class _Group:
-    """Members of one key collected while streaming a tar."""
+class MemberGroup:
+    """The members of one WebDataset key gathered while reading a tar: its image and its .txt /
+    .json, each as the reader's value (the bytes when streaming, (offset, size) when indexing)."""
 
     def __init__(self, key: str) -> None:
         self.key = key
-        self.image: bytes | None = None
-        self.texts: dict[str, bytes] = {}
-        self.num_members = 0
+        self.image = None
+        self.texts: dict[str, object] = {}
 
 
-def _finish_group(path: str, group: _Group, skips: SkipCounter) -> RawRecord | None:
+def iter_member_groups(path: str, mode: str, skips: SkipCounter,
+                       value: Callable[[tarfile.TarFile, tarfile.TarInfo], object]) -> Iterator[MemberGroup]:
+    """Consecutive file members of the tar ``path`` grouped by key, each member stored as
+    ``value(tar, member)``: the first image, the first .txt and .json (other extensions are extra
+    fields m6 does not use). A member with an empty key or a second image, a damaged shard (the
+    groups read before the damage are kept), a key without an image (not yielded) and a tar without
+    file members are counted in ``skips``."""
+    if os.path.exists(path) and os.path.getsize(path) == 0:
+        skips.record(path, SHARD_KEY, "empty_shard", "file is empty")
+        return
+    def complete(group: MemberGroup) -> bool:
+        if group.image is None:
+            skips.record(path, group.key, "missing_image", "no .jpg/.jpeg/.png/.webp member")
+        return group.image is not None
+
+    group: MemberGroup | None = None
+    seen = False
+    try:
+        with tarfile.open(path, mode=mode) as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                key, ext = split_member_name(member.name)
+                if not key.rsplit("/", 1)[-1]:
+                    skips.record(path, member.name, "bad_member_name", "member name has an empty key")
+                    continue
+                data = value(tar, member)  # a stream must be read before the next member
+                if group is None or group.key != key:
+                    if group is not None and complete(group):
+                        yield group
+                    group, seen = MemberGroup(key), True
+                if ext in IMAGE_EXTENSIONS:
+                    if group.image is not None:
+                        skips.record(path, key, "duplicate_member", f"second image member {member.name}")
+                        continue
+                    group.image = data
+                elif ext in TEXT_EXTENSIONS:
+                    group.texts.setdefault(ext, data)
+    except TAR_ERRORS as e:
+        skips.record(path, SHARD_KEY, "corrupt_shard", f"{type(e).__name__}: {e}")
+        seen = True  # counted once, as damaged
+    if group is not None and complete(group):
+        yield group
+    if not seen:
+        skips.record(path, SHARD_KEY, "empty_shard", "tar has no file members")
+
+
+def _member_bytes(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
+    fileobj = tar.extractfile(member)
+    return fileobj.read() if fileobj is not None else b""
+
+
+def _finish_group(path: str, group: MemberGroup, skips: SkipCounter) -> RawRecord | None:
     """Turn a collected group into a RawRecord, or count why it cannot be one."""
-    if group.image is None:
-        skips.record(path, group.key, "missing_image", "no .jpg/.jpeg/.png/.webp member")
-        return None
     text = None
     for ext in ("txt", "json"):  # .txt wins when both are present
         if ext in group.texts:
@@ -233,52 +282,10 @@ def _finish_group(path: str, group: _Group, skips: SkipCounter) -> RawRecord | N
 
 def iter_tar_samples(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
     """Stream a WebDataset tar, yielding one RawRecord per key; damaged shards are counted, not raised."""
-    group: _Group | None = None
-    num_groups = 0
-    try:
-        with tarfile.open(path, mode="r|*") as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, ext = split_member_name(member.name)
-                if not key.rsplit("/", 1)[-1]:
-                    skips.record(path, member.name, "bad_member_name", "member name has an empty key")
-                    continue
-                fileobj = tar.extractfile(member)
-                data = fileobj.read() if fileobj is not None else b""
-                if group is None or group.key != key:
-                    if group is not None:
-                        record = _finish_group(path, group, skips)
-                        if record is not None:
-                            yield record
-                    group = _Group(key)
-                    num_groups += 1
-                group.num_members += 1
-                if ext in IMAGE_EXTENSIONS:
-                    if group.image is not None:
-                        skips.record(path, key, "duplicate_member", f"second image member {member.name}")
-                        continue
-                    group.image = data
-                elif ext in TEXT_EXTENSIONS:
-                    group.texts.setdefault(ext, data)
-                # Other extensions (.cls, .npy, ...) are extra fields this reader does not use.
-    except TAR_ERRORS as e:
-        if os.path.exists(path) and os.path.getsize(path) == 0:
-            skips.record(path, SHARD_KEY, "empty_shard", "file is empty")
-            return
-        # Members read completely before the damage are kept; whatever follows is lost with the shard.
-        skips.record(path, SHARD_KEY, "corrupt_shard", f"{type(e).__name__}: {e}")
-        if group is not None:
-            record = _finish_group(path, group, skips)
-            if record is not None:
-                yield record
-        return
-    if group is not None:
+    for group in iter_member_groups(path, "r|*", skips, _member_bytes):
         record = _finish_group(path, group, skips)
         if record is not None:
             yield record
-    if num_groups == 0:
-        skips.record(path, SHARD_KEY, "empty_shard", "tar has no file members")
 
 
 # ---------------------------------------------------------------- manifests and text

@@ -43,6 +43,7 @@ class ActivationBudgetGuard:
         self.profiled_targets = profiled_targets
         self._tail = profile.tail_bytes()
         self._tail_scale = 1.0
+        self._cache: dict[tuple[str, frozenset], tuple[int, int]] = {}
         self.plan: CheckpointPlan = choose_recompute(profile, budget)
         self.checkpointing.apply(self.plan.recompute, escalate=self._escalate)
         self._meter: Optional[SavedActivationMeter] = None
@@ -76,14 +77,22 @@ class ActivationBudgetGuard:
         if self._meter is None:  # not a metered training forward (profiling, the check, evaluation)
             return False
         held = self._meter.held_bytes()
-        expected = self.profile.bytes_at_entry(name, self._recompute)
+        expected, rest = self._profiled(name, frozenset(self._recompute))
         scale = max(1.0, held / expected) if expected else 1.0
-        rest = self.profile.saved_bytes(self._recompute) - expected - self._tail
         if held + scale * rest + max(scale, self._tail_scale) * self._tail <= self.budget:
             return False
         self._recompute.add(name)
         self.step_extras += 1
         return True
+
+    def _profiled(self, name: str, recompute: frozenset) -> tuple[int, int]:
+        """(bytes kept as part ``name`` starts, bytes kept from then to the tail) in the profile;
+        cached: the same few recompute sets recur every micro-batch, and each sum walks every storage."""
+        key = (name, recompute)
+        if key not in self._cache:
+            expected = self.profile.bytes_at_entry(name, recompute)
+            self._cache[key] = expected, self.profile.saved_bytes(recompute) - expected - self._tail
+        return self._cache[key]
 
     def end_step(self) -> Optional[CheckpointPlan]:
         """Close a step's accounting; returns the new plan when the step made the guard re-plan."""
