@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from m6.data.images import BadRecord
-from m6.data.sources import (RawRecord, SkipCounter, caption_from, expand_shards, iter_member_groups,
-                             parse_manifest_line)
+from m6.data.sources import (RawRecord, SkipCounter, caption_from, expand_shards, iter_manifest_entries,
+                             iter_member_groups)
 
 NO_MEMBER = -1  # offset of an absent member (a tar key with no caption file)
 
@@ -139,22 +139,14 @@ def index_manifests(paths: list[str], skips: SkipCounter) -> ManifestIndex:
     """Parse JSONL manifests; lines that are not records, or whose image file is missing, are counted."""
     index = ManifestIndex()
     for path in paths:
-        base_dir = os.path.dirname(os.path.abspath(path))
-        with open(path, "rb") as f:
-            for line_no, raw in enumerate(f, start=1):
-                if not raw.strip():
-                    continue
-                parsed = parse_manifest_line(path, base_dir, line_no, raw, skips)
-                if parsed is None:
-                    continue
-                key, image_path, text = parsed
-                if not os.path.isfile(image_path):
-                    skips.record(path, key, "missing_file", f"no such image file {image_path}")
-                    continue
-                index.sources.append(path)
-                index.keys.append(key)
-                index.image_paths.append(image_path)
-                index.texts.append(text)
+        for key, image_path, text in iter_manifest_entries(path, skips):
+            if not os.path.isfile(image_path):
+                skips.record(path, key, "missing_file", f"no such image file {image_path}")
+                continue
+            index.sources.append(path)
+            index.keys.append(key)
+            index.image_paths.append(image_path)
+            index.texts.append(text)
     return index
 
 

@@ -305,24 +305,28 @@ def parse_manifest_line(path: str, base_dir: str, line_no: int, raw: bytes,
     return f"{line_key}: {obj['image']}", os.path.join(base_dir, obj["image"]), text
 
 
-def iter_jsonl_manifest(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
-    """Yield records of a JSONL manifest of ``{"image": relpath, "text": caption}`` lines (paths relative to it)."""
+def iter_manifest_entries(path: str, skips: SkipCounter) -> Iterator[tuple[str, str, str | None]]:
+    """(key, image path, caption or None) of every record line of a JSONL manifest; blank lines
+    are skipped, lines that are not records counted."""
     base_dir = os.path.dirname(os.path.abspath(path))
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            parsed = parse_manifest_line(path, base_dir, line_no, raw, skips)
-            if parsed is None:
-                continue
-            key, image_path, text = parsed
-            try:
-                with open(image_path, "rb") as image_file:
-                    image_bytes = image_file.read()
-            except OSError as e:
-                skips.record(path, key, "missing_file", f"{type(e).__name__}: {e}")
-                continue
-            yield RawRecord(path, key, image_bytes, text)
+            if raw.strip():
+                parsed = parse_manifest_line(path, base_dir, line_no, raw, skips)
+                if parsed is not None:
+                    yield parsed
+
+
+def iter_jsonl_manifest(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
+    """Yield records of a JSONL manifest of ``{"image": relpath, "text": caption}`` lines (paths relative to it)."""
+    for key, image_path, text in iter_manifest_entries(path, skips):
+        try:
+            with open(image_path, "rb") as image_file:
+                image_bytes = image_file.read()
+        except OSError as e:
+            skips.record(path, key, "missing_file", f"{type(e).__name__}: {e}")
+            continue
+        yield RawRecord(path, key, image_bytes, text)
 
 
 def iter_text_corpus(spec: str | list[str], skips: SkipCounter) -> Iterator[RawRecord]:

@@ -43,7 +43,7 @@ class ActivationBudgetGuard:
         self.profiled_targets = profiled_targets
         self._tail = profile.tail_bytes()
         self._tail_scale = 1.0
-        self._cache: dict[tuple[str, frozenset], tuple[int, int]] = {}
+        self._cache: dict = {}  # (part, recompute set) -> _profiled; recompute set -> _predicted
         self.plan: CheckpointPlan = choose_recompute(profile, budget)
         self.checkpointing.apply(self.plan.recompute, escalate=self._escalate)
         self._meter: Optional[SavedActivationMeter] = None
@@ -67,7 +67,7 @@ class ActivationBudgetGuard:
             finally:
                 self._meter = None
         held = meter.held_bytes()
-        predicted = self.profile.saved_bytes(self._recompute)
+        predicted = self._predicted(frozenset(self._recompute))
         self.step_peak_bytes = max(self.step_peak_bytes, held)
         if predicted:
             self._step_ratio = max(self._step_ratio, held / predicted)
@@ -85,13 +85,19 @@ class ActivationBudgetGuard:
         self.step_extras += 1
         return True
 
+    def _predicted(self, recompute: frozenset) -> int:
+        """Profiled bytes kept with ``recompute`` (cached like ``_profiled``)."""
+        if recompute not in self._cache:
+            self._cache[recompute] = self.profile.saved_bytes(recompute)
+        return self._cache[recompute]
+
     def _profiled(self, name: str, recompute: frozenset) -> tuple[int, int]:
         """(bytes kept as part ``name`` starts, bytes kept from then to the tail) in the profile;
         cached: the same few recompute sets recur every micro-batch, and each sum walks every storage."""
         key = (name, recompute)
         if key not in self._cache:
             expected = self.profile.bytes_at_entry(name, recompute)
-            self._cache[key] = expected, self.profile.saved_bytes(recompute) - expected - self._tail
+            self._cache[key] = expected, self._predicted(recompute) - expected - self._tail
         return self._cache[key]
 
     def end_step(self) -> Optional[CheckpointPlan]:
