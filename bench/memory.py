@@ -17,7 +17,7 @@ mark of one variant includes what the others freed and glibc kept (it is recorde
 - saved activations: bytes autograd keeps for backward (SavedActivationMeter; for the
   checkpointing variants the trainer's own ``activation_saved_mb``, every timed step too);
 - optimizer step temporaries: peak live bytes allocated inside the update (a TorchDispatchMode
-  counter around ``trainer.apply.step``), i.e. the optimizer step's peak above the model states;
+  counter around ``trainer.update.apply.step``), i.e. the optimizer step's peak above the model states;
 - step allocations: the same counter over the whole ``train_step`` (activations, gradients,
   temporaries; storages that existed before the step - weights, moments, offload buffers - excluded);
 - model-state bytes per parameter (params + grads + AdamW state): by torch device, and by side of
@@ -44,8 +44,8 @@ import torch
 
 from bench.harness import machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, time_round_robin
 from m6.config import load
-from m6.parallel.live_bytes import LiveBytes
-from m6.parallel.activation_meter import SavedActivationMeter
+from m6.memory.live_bytes import LiveBytes
+from m6.memory.activation_meter import SavedActivationMeter
 from m6.train.loop import Trainer
 
 MIN_CLEAN_ROUNDS = 5  # timed steps per variant below which the timing targets are not judged
@@ -85,7 +85,7 @@ class ModelStateBytes:
         self.peak_device_side = 0
 
     def _host_side(self) -> list[torch.Tensor]:
-        off, opt = self.trainer.offload, self.trainer.optimizer
+        off, opt = self.trainer.update.offload, self.trainer.update.optimizer
         if off is None:
             return []
         masters = list(off.masters.values())
@@ -95,8 +95,8 @@ class ModelStateBytes:
 
     def _device_side(self) -> list[torch.Tensor]:
         out = [t for p in self.params for t in (p.data, p.grad) if t is not None]
-        if self.trainer.offload is None:
-            out += [v for s in self.trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        if self.trainer.update.offload is None:
+            out += [v for s in self.trainer.update.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
         return out
 
     @staticmethod
@@ -152,8 +152,8 @@ def metered_forward(tr: Trainer, held: list[int]) -> Iterator[None]:
     Only for a trainer without checkpointing: one with it meters itself, and only the innermost
     saved-tensor hooks see a tensor, so a meter here would blind the trainer's own.
     """
-    assert tr.checkpointing is None
-    original = tr._forward_loss_sum
+    assert tr.activations.recompute is None
+    original = tr.forward_loss
 
     def forward(batch):
         with SavedActivationMeter(tr.model.parameters()) as meter:
@@ -161,11 +161,11 @@ def metered_forward(tr: Trainer, held: list[int]) -> Iterator[None]:
         held.append(meter.held_bytes())
         return out
 
-    tr._forward_loss_sum = forward  # an instance attribute shadows the method
+    tr.forward_loss = forward  # an instance attribute shadows the method
     try:
         yield
     finally:
-        del tr._forward_loss_sum
+        del tr.forward_loss
 
 
 def build(name: str, model: list[str], root: str, device: torch.device) -> Trainer:
@@ -178,7 +178,7 @@ def instrumented_step(tr: Trainer) -> dict:
     """One train_step with every counter attached; the trainer is left as it was."""
     states = ModelStateBytes(tr)
     rec: dict = {}
-    original_apply = tr.apply.step
+    original_apply = tr.update.apply.step
 
     def apply_step(after_group=None) -> None:
         rec["states_before_update"] = states.sample()
@@ -187,7 +187,7 @@ def instrumented_step(tr: Trainer) -> dict:
         rec["optimizer_step_temp_bytes"] = live.peak
         rec["states_after_update"] = states.sample()
 
-    tr.apply.step = apply_step
+    tr.update.apply.step = apply_step
     saved: list[int] = []
     handles = states.watch()
     gc.collect()
@@ -201,12 +201,12 @@ def instrumented_step(tr: Trainer) -> dict:
         reset_peak_rss()
         rss0 = peak_rss_bytes()
     try:
-        with metered_forward(tr, saved) if tr.checkpointing is None else nullcontext(), LiveBytes() as whole:
+        with metered_forward(tr, saved) if tr.activations.recompute is None else nullcontext(), LiveBytes() as whole:
             metrics = tr.train_step()
     finally:
         for h in handles:
             h.remove()
-        del tr.apply.step  # the instance attribute; the class's method is back
+        del tr.update.apply.step  # the instance attribute; the class's method is back
     if cuda:  # exact: allocated (not reserved) bytes; the other trainers' states are in the baseline
         rec["cuda_peak_rise_bytes"] = torch.cuda.max_memory_allocated(tr.device) - allocated0
     else:
@@ -253,7 +253,7 @@ def run(args, device: torch.device) -> dict:
         rec = instrumented_step(tr)
         lo, hi = timings.spread(name)
         ratio = timings.paired_ratio(name, "plain")
-        plan = tr.checkpoint_plan
+        plan = tr.activations.plan
         timed_saved = [round(m["activation_saved_mb"] * 2**20) for m in logs[name] if "activation_saved_mb" in m]
         extras = [m["activation_extra_recomputes"] for m in logs[name] if "activation_extra_recomputes" in m]
         rows[name] = {
@@ -265,7 +265,7 @@ def run(args, device: torch.device) -> dict:
             "timed_steps_saved_activation_bytes": timed_saved or None,  # warm-up included, in step order
             "timed_steps_extra_recomputes": extras or None,  # the budget guard's, per step
             "checkpoint_plan": None if plan is None else {
-                "recompute": list(plan.recompute), "num_parts": len(tr.checkpointing.parts),
+                "recompute": list(plan.recompute), "num_parts": len(tr.activations.recompute.parts),
                 "budget_bytes": plan.budget_bytes, "predicted_bytes": plan.predicted_bytes,
                 "profiled_no_checkpoint_bytes": plan.no_checkpoint_bytes,
                 "profiled_all_checkpoint_bytes": plan.all_checkpoint_bytes, "recompute_s": plan.recompute_s,

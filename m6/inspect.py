@@ -14,7 +14,7 @@ from m6 import config as m6config
 from m6.config_loader import ConfigError
 from m6.model.flops import count_parameters, memory_estimate_bytes, training_flops_per_token
 from m6.model.m6_model import M6Model
-from m6.parallel.memory_report import COMPONENTS, estimate_memory
+from m6.memory.estimate import COMPONENTS, estimate_memory
 from m6.train.optim import no_decay_ids
 
 

@@ -23,12 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from m6.batch_format import IGNORE_INDEX, SEG_PAD, SEG_SOURCE, SEG_TARGET  # re-exported: the batch format
 from m6.data.tokenizer import ByteTokenizer
 
-SEG_PAD = 0
-SEG_SOURCE = 1  # prefix: attended bidirectionally, no loss
-SEG_TARGET = 2  # causal, loss-bearing
-IGNORE_INDEX = -100  # matches torch.nn.functional.cross_entropy's default ignore_index
 
 
 @dataclass

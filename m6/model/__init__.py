@@ -1,3 +1,7 @@
-from m6.model.m6_model import M6Model, build_ffn
+"""The M6 transformer: embeddings, prefix-LM attention, blocks with dense or MoE FFNs, FLOP and
+parameter accounting. Knows nothing of process groups; declares its recomputable parts."""
 
-__all__ = ['M6Model', 'build_ffn']
+from m6.model.m6_model import M6Model, build_ffn
+from m6.model.recomputable import RecomputablePart
+
+__all__ = ["M6Model", "RecomputablePart", "build_ffn"]

@@ -11,14 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m6.batch_format import IGNORE_INDEX, SEG_PAD, SEG_SOURCE
 from m6.config import ModelConfig, expert_ffn_dim
 from m6.model.block import DenseMLP, TransformerBlock
 from m6.model.cast_on_use import linear
 from m6.model.embeddings import PatchEmbedding, TextEmbedding
-from m6.model.mask import SEG_PAD, SEG_SOURCE, prefix_lm_mask
+from m6.model.mask import prefix_lm_mask
+from m6.model.recomputable import RecomputablePart
 from m6.moe import MoELayer
 
-IGNORE_INDEX = -100
 IMAGE, TEXT = 0, 1  # rows of the modality embedding
 
 
@@ -86,6 +87,19 @@ class M6Model(nn.Module):
             if module is not self and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
         self.reset_parameters()
+
+    def recomputable_parts(self) -> list[RecomputablePart]:
+        """Every region that may be recomputed in backward, in forward order: each block's
+        attention sub-block, and its FFN's local computation (the experts on the tokens this
+        process received, not the routing, dispatch or combine; or the dense MLP)."""
+        parts = []
+        for i, block in enumerate(self.blocks):
+            parts.append(RecomputablePart(f"blocks.{i}.attention", block, "attention_residual"))
+            if block.is_moe:
+                parts.append(RecomputablePart(f"blocks.{i}.experts", block.ffn.experts, "forward"))
+            else:
+                parts.append(RecomputablePart(f"blocks.{i}.mlp", block.ffn, "forward"))
+        return parts
 
     def moe_layers(self) -> dict[str, MoELayer]:
         """Name -> MoE layer, for routing statistics."""

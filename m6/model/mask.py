@@ -1,6 +1,6 @@
 """Prefix-LM attention mask built from per-position segment ids.
 
-Segments (m6.data.batch): PAD=0, SOURCE=1 (prefix: image patches and source text), TARGET=2.
+Segments (m6.batch_format): PAD=0, SOURCE=1 (prefix: image patches and source text), TARGET=2.
 Rules: prefix attends bidirectionally to the prefix; target attends to the whole prefix and
 causally to target positions at or before it; prefix never attends to target; padding is never
 attended to. A padding query may only see itself: an all-masked row would make the softmax NaN,
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-SEG_PAD, SEG_SOURCE, SEG_TARGET = 0, 1, 2
+from m6.batch_format import SEG_PAD, SEG_SOURCE, SEG_TARGET
 
 
 def prefix_lm_mask(segment_ids_BS: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Layout-free checkpoint state: expert tensors stored whole, indexed by global expert id.
 
 Saving gathers each expert parameter (and its optimizer moments) over the expert-parallel group to
-rank 0, which writes the same format a single process writes. Loading slices this rank's experts
+rank 0, which writes the same format a single process writes (one process: nothing to gather). Loading slices this rank's experts
 [first, first + local) out of it. So a checkpoint saved at one (world size, EP size) loads at any
 other valid one, single process included. Rank 0 holds one full copy while saving: fine up to
 models whose states fit in one host's memory.
@@ -32,9 +32,8 @@ def _optimizer_index(optimizer: torch.optim.Optimizer, model: nn.Module,
     return index
 
 
-def _gather_rows(t: torch.Tensor, group) -> torch.Tensor | None:
-    """Concatenate ``t`` over the group's ranks along dim 0 on the group's first rank."""
-    size = dist.get_world_size(group)
+def _gather_rows(t: torch.Tensor, group, size: int) -> torch.Tensor | None:
+    """Concatenate ``t`` over the group's ``size`` ranks along dim 0 on the group's first rank."""
     if size == 1:
         return t
     first = dist.get_global_rank(group, 0)
@@ -43,42 +42,69 @@ def _gather_rows(t: torch.Tensor, group) -> torch.Tensor | None:
     return torch.cat(parts) if parts is not None else None
 
 
-def full_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer,
-                                   names: dict[int, str] | None = None) -> tuple[dict, dict] | None:
-    """Model and optimizer state dicts with whole expert tensors, on global rank 0 (None elsewhere).
+def full_model_state(sharded: ShardedModel) -> dict | None:
+    """The model's state dict with whole expert tensors, on global rank 0 (None elsewhere).
 
     Every rank must call it (collectives inside).
     """
-    model, groups = sharded.model, sharded.groups
-    model_sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    optim_sd = optimizer.state_dict()
-    index = _optimizer_index(optimizer, model, names)
+    groups = sharded.groups
+    model_sd = {k: v.detach().cpu() for k, v in sharded.model.state_dict().items()}
     for name in sharded.expert_params:
-        full = _gather_rows(model_sd[name], groups.expert)
-        state = optim_sd["state"].get(index[name], {})
-        moments = {k: _gather_rows(v.detach().cpu(), groups.expert) for k, v in state.items()
-                   if torch.is_tensor(v) and v.dim() > 0}
+        full = _gather_rows(model_sd[name], groups.expert, groups.layout.expert_parallel_size)
         if full is not None:
             model_sd[name] = full
-            optim_sd["state"][index[name]] = {**state, **moments}
-    return (model_sd, optim_sd) if dist.get_rank() == 0 else None
+    return model_sd if groups.layout.rank == 0 else None
 
 
-def local_model_and_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer,
-                                    model_sd: dict, optim_sd: dict,
-                                    names: dict[int, str] | None = None) -> tuple[dict, dict]:
-    """Slice this rank's experts out of a layout-free checkpoint (model and optimizer)."""
-    model_sd, optim_sd = dict(model_sd), {**optim_sd, "state": dict(optim_sd["state"])}
+def full_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer,
+                         names: dict[int, str] | None = None) -> dict | None:
+    """The optimizer's state dict with whole expert moments, on global rank 0 (None elsewhere).
+
+    ``names``: see _optimizer_index. Every rank must call it (collectives inside).
+    """
+    groups = sharded.groups
+    optim_sd = optimizer.state_dict()
     index = _optimizer_index(optimizer, sharded.model, names)
-    for name, param in sharded.expert_params.items():
+    for name in sharded.expert_params:
+        state = optim_sd["state"].get(index[name], {})
+        moments = {k: _gather_rows(v.detach().cpu(), groups.expert, groups.layout.expert_parallel_size)
+                   for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+        if groups.layout.rank == 0:
+            optim_sd["state"][index[name]] = {**state, **moments}
+    return optim_sd if groups.layout.rank == 0 else None
+
+
+def _expert_rows(sharded: ShardedModel, name: str, saved: torch.Tensor) -> slice | None:
+    """This rank's rows of a whole expert tensor; None when the saved tensor cannot hold them (a
+    different expert count: load_model_state reports the shape mismatch)."""
+    first, count = sharded.first_expert(name), sharded.expert_params[name].shape[0]
+    return slice(first, first + count) if saved.shape[0] >= first + count else None
+
+
+def local_model_state(sharded: ShardedModel, model_sd: dict) -> dict:
+    """Slice this rank's experts out of a layout-free model state dict."""
+    model_sd = dict(model_sd)
+    for name in sharded.expert_params:
         if name not in model_sd:
             continue  # load_model_state reports missing keys
-        first, count = sharded.first_expert(name), param.shape[0]
-        if model_sd[name].shape[0] < first + count:
-            continue  # a different expert count: load_model_state reports the shape mismatch
-        model_sd[name] = model_sd[name][first:first + count]
+        rows = _expert_rows(sharded, name, model_sd[name])
+        if rows is not None:
+            model_sd[name] = model_sd[name][rows]
+    return model_sd
+
+
+def local_optimizer_state(sharded: ShardedModel, optimizer: torch.optim.Optimizer, optim_sd: dict,
+                          names: dict[int, str] | None = None) -> dict:
+    """Slice this rank's experts' moments out of a layout-free optimizer state dict."""
+    optim_sd = {**optim_sd, "state": dict(optim_sd["state"])}
+    index = _optimizer_index(optimizer, sharded.model, names)
+    for name in sharded.expert_params:
         state = optim_sd["state"].get(index[name])
-        if state is not None:
+        if state is None:
+            continue
+        moments = [v for v in state.values() if torch.is_tensor(v) and v.dim() > 0]
+        rows = _expert_rows(sharded, name, moments[0]) if moments else None
+        if rows is not None:
             optim_sd["state"][index[name]] = {
-                k: (v[first:first + count] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in state.items()}
-    return model_sd, optim_sd
+                k: (v[rows] if torch.is_tensor(v) and v.dim() > 0 else v) for k, v in state.items()}
+    return optim_sd

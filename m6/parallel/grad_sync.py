@@ -39,27 +39,29 @@ class GradientSync:
     Set ``enabled = False`` for the micro-batches of an accumulation step that are not the last,
     so only the final backward communicates; call ``finish()`` after the last backward.
     ``on_grads_final`` (e.g. CPU offload streaming gradients to the host) receives each bucket's
-    params once their gradients are reduced, so nothing moves an unreduced gradient.
+    params once their gradients are final: right away for a bucket whose group is this process
+    alone (one process, or experts no other rank holds), after its all-reduce otherwise, so
+    nothing moves an unreduced gradient. One process is the same object with nothing to reduce.
     """
 
     sharded: ShardedModel
     bucket_bytes: int
+    on_grads_final: Optional[Callable[[list[nn.Parameter]], None]] = None
     buckets: list[_Bucket] = field(default_factory=list)
     enabled: bool = True
-    on_grads_final: Optional[Callable[[list[nn.Parameter]], None]] = None
 
     def __post_init__(self) -> None:
-        groups = self.sharded.groups
+        groups, layout = self.sharded.groups, self.sharded.groups.layout
         # Reverse registration order approximates the order backward produces gradients.
-        self._make_buckets(list(self.sharded.replicated_params.values())[::-1], groups.world)
-        self._make_buckets(list(self.sharded.expert_params.values())[::-1], groups.expert_data)
+        self._make_buckets(list(self.sharded.replicated_params.values())[::-1], groups.world, layout.world_size)
+        self._make_buckets(list(self.sharded.expert_params.values())[::-1], groups.expert_data,
+                           layout.expert_data_parallel_size)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
-    def _make_buckets(self, params: list[nn.Parameter], group) -> None:
-        size = dist.get_world_size(group)
+    def _make_buckets(self, params: list[nn.Parameter], group, size: int) -> None:
         current, current_bytes = [], 0
         for p in params:
             if not p.requires_grad:
@@ -86,9 +88,14 @@ class GradientSync:
                 p.grad = torch.zeros_like(p)
         bucket.launched = True
         if bucket.group_size == 1:
+            self._final(bucket)  # nothing to add: final as soon as backward wrote it
             return
         bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+
+    def _final(self, bucket: _Bucket) -> None:
+        if self.on_grads_final is not None:
+            self.on_grads_final(bucket.params)
 
     def finish(self) -> None:
         """Launch what backward did not (unused params), wait, and write the sums into .grad."""
@@ -103,8 +110,7 @@ class GradientSync:
                     n = p.numel()
                     p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
                     offset += n
-            if self.on_grads_final is not None:
-                self.on_grads_final(bucket.params)
+                self._final(bucket)
             bucket.ready, bucket.flat, bucket.work, bucket.launched = 0, None, None, False
 
 

@@ -19,6 +19,12 @@ class DistEnv:
     backend: str
 
 
+    @staticmethod
+    def single_process() -> "DistEnv":
+        """One process without torch.distributed: the trivial job."""
+        return DistEnv(0, 1, 0, 1, "none")
+
+
 def launched_distributed() -> bool:
     """True under torchrun / the deepspeed launcher (they export RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -44,3 +50,9 @@ def init_distributed(timeout_s: int) -> DistEnv:
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
     return DistEnv(rank, world, local_rank, local_world, backend)
+
+
+def join_job(timeout_s: int) -> DistEnv:
+    """The job this process belongs to: the launcher's process group when launched distributed
+    (torchrun, deepspeed, Slurm via torchrun), else a single process."""
+    return init_distributed(timeout_s) if launched_distributed() else DistEnv.single_process()

@@ -1,9 +1,11 @@
-"""Parallel layout: which ranks share experts, and the process groups that follow from it.
+"""Parallel layout: which ranks share experts, and the device mesh that follows from it.
 
-The ONLY place m6 creates process groups. Ranks are laid out expert-parallel (EP) first:
-EP group g = ranks [g*ep, (g+1)*ep), so with ep <= processes per node the all-to-all stays
-inside a node. The expert-data-parallel (EDP) groups join the ranks holding the same experts
-(same position in their EP group); replicated parameters are data parallel over all ranks.
+The ONLY place m6 creates process groups: one torch DeviceMesh with named dims
+("edp", "ep") over ranks arange(world).view(edp, ep). Ranks are laid out expert-parallel (EP)
+first: EP group g = ranks [g*ep, (g+1)*ep) (a row of the mesh), so with ep <= processes per node
+the all-to-all stays inside a node. The expert-data-parallel (EDP) groups (columns) join the
+ranks holding the same experts; replicated parameters are data parallel over all ranks. One
+process without torch.distributed is the trivial layout (world 1, EP 1) with no mesh.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 class LayoutError(ValueError):
@@ -32,10 +35,6 @@ class ParallelLayout:
     @property
     def ep_rank(self) -> int:
         return self.rank % self.expert_parallel_size
-
-    @property
-    def ep_group_index(self) -> int:
-        return self.rank // self.expert_parallel_size
 
     @property
     def expert_data_parallel_size(self) -> int:
@@ -86,27 +85,44 @@ def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, st
     return ParallelLayout(world_size, rank, ep, num_experts, local_world_size)
 
 
-@dataclass
+MESH_DIMS = ("edp", "ep")  # expert-data-parallel (same experts), expert-parallel (all-to-all)
+
+
+@dataclass(frozen=True)
 class ProcessGroups:
-    """The groups this rank belongs to (None entries: the default world group)."""
+    """This rank's groups, read off the job's device mesh; every group is None for one process
+    without torch.distributed (then nothing communicates)."""
 
     layout: ParallelLayout
-    world: object  # replicated params' data-parallel group
-    expert: object  # this rank's EP group (all-to-all)
-    expert_data: object  # ranks holding the same experts (expert grad sync)
+    mesh: Optional[DeviceMesh]
+
+    @property
+    def world(self):
+        """All ranks: the replicated parameters' data-parallel group."""
+        return dist.group.WORLD if self.mesh is not None else None
+
+    @property
+    def expert(self):
+        """This rank's expert-parallel group (the all-to-all)."""
+        return self.mesh.get_group("ep") if self.mesh is not None else None
+
+    @property
+    def expert_data(self):
+        """The ranks holding the same experts (expert gradient sync)."""
+        return self.mesh.get_group("edp") if self.mesh is not None else None
 
 
 def create_process_groups(layout: ParallelLayout) -> ProcessGroups:
-    """Create the EP and EDP groups; every rank calls new_group for every group in the same order."""
+    """Build the job's device mesh (a collective: every rank calls it at the same point).
+
+    One process without torch.distributed gets no mesh; under torch.distributed, even at world
+    size 1, the mesh is built on the default group's device type (cuda for NCCL, cpu for gloo).
+    """
     if not dist.is_initialized():
+        if layout.world_size == 1:
+            return ProcessGroups(layout, None)
         raise RuntimeError("torch.distributed is not initialised; call m6.parallel.init_distributed() first")
-    expert = expert_data = None
-    for ranks in layout.ep_group_ranks():
-        group = dist.new_group(ranks)
-        if layout.rank in ranks:
-            expert = group
-    for ranks in layout.edp_group_ranks():
-        group = dist.new_group(ranks)
-        if layout.rank in ranks:
-            expert_data = group
-    return ProcessGroups(layout, dist.group.WORLD, expert, expert_data)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (layout.expert_data_parallel_size, layout.expert_parallel_size),
+                            mesh_dim_names=MESH_DIMS)
+    return ProcessGroups(layout, mesh)

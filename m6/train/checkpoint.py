@@ -331,7 +331,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict, source: str) -> N
         shown = "\n  ".join(diffs[:_MAX_LISTED_DIFFS])
         more = f"\n  ... and {len(diffs) - _MAX_LISTED_DIFFS} more" if len(diffs) > _MAX_LISTED_DIFFS else ""
         raise CheckpointError(
-            f"checkpoint {source} was written for a different model shape "
+            f"checkpoint{' ' + source if source else ''} was written for a different model shape "
             f"({len(diffs)} difference(s)); check the model config matches the run that saved it:\n"
             f"  {shown}{more}"
         )

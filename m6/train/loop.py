@@ -1,43 +1,37 @@
-"""The pretraining loop on one process: data -> forward/backward (with accumulation) -> clip ->
-AdamW -> metrics, eval, checkpoints. Readable top to bottom in ``Trainer.fit``."""
+"""The pretraining loop: data -> forward/backward (with accumulation) -> clip -> update ->
+metrics, eval, checkpoints. ``Trainer.train_step`` reads top to bottom; the collaborators it
+calls each own one concern (m6.parallel builds the model's share, ParameterUpdate everything from
+the last backward to the next forward, ActivationMemory the recompute plan, TrainingState what a
+checkpoint holds)."""
 
 from __future__ import annotations
 
 import math
 import random
 import time
-from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
-
 import torch.distributed as dist
 
-from m6.config import (Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches,
-                       per_rank_batch_size, run_dir, to_dict)
-from m6.data.batch import IGNORE_INDEX, MultimodalBatch
+from m6.config import (Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches, per_rank_batch_size,
+                       run_dir, to_dict)
+from m6.data.batch import MultimodalBatch
 from m6.data.pipeline import build_training_data
-from m6.data.record_dataset import RUNTIME_SKIP_REASONS, LoadedItem
-from m6.data.sources import SkipCounter
-from m6.data.synthetic import shuffled_images
-from m6.model import M6Model
+from m6.data.record_dataset import LoadedItem
+from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import count_parameters, training_flops_per_token
-from m6.train.checkpoint import CheckpointManager, load_model_state, resolve_resume, rng_state, set_rng_state
+from m6.parallel import build_parallel, join_job
+from m6.train.checkpoint import CheckpointManager, resolve_resume
+from m6.train.eval import evaluate_captions, rank_slice
 from m6.train.loggers import MetricsLogger
+from m6.train.loss import forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
-from m6.parallel import (GradientSync, build_layout, classify_parameters, clip_grad_norm, create_process_groups,
-                         default_plan, init_distributed, launched_distributed, shard_model)
-from m6.parallel.activation_checkpoint import ActivationCheckpointing, check_recompute
-from m6.parallel.activation_meter import SavedActivationMeter
-from m6.parallel.activation_guard import ActivationBudgetGuard
-from m6.parallel.activation_plan import budget_bytes, full_plan, profile_parts
-from m6.parallel.checkpoint_state import full_model_and_optimizer_state, local_model_and_optimizer_state
-from m6.parallel.offload import build_offload
-from m6.parallel.optimizer_apply import GroupedApply
-from m6.train.optim import build_optimizer, build_scheduler
+from m6.train.state import (ModelState, OptimizerState, RNGState, SkipLedger, TrainerCounters, TrainingState)
+from m6.train.update import ParameterUpdate
 
 
 class TrainingDiverged(RuntimeError):
@@ -66,93 +60,54 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """Owns the model, optimizer, data position and outputs of one run."""
+    """Owns the model, its update, the data position and the outputs of one run."""
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.dist = init_distributed(cfg.parallel.timeout_s) if launched_distributed() else None
-        self.rank = self.dist.rank if self.dist else 0
-        self.world_size = self.dist.world_size if self.dist else 1
+        self.env = join_job(cfg.parallel.timeout_s)
+        self.rank, self.world_size = self.env.rank, self.env.world_size
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg.train.device)
-        if self.device.type == "cuda" and self.dist:
-            self.device = torch.device("cuda", self.dist.local_rank)
+        if self.device.type == "cuda" and self.world_size > 1:
+            self.device = torch.device("cuda", self.env.local_rank)
         self.autocast_dtype = resolve_precision(cfg.train.precision, self.device)
         # bf16 (and auto on CUDA) = cast-on-use; bf16-autocast = plain autocast, kept to compare.
         self.cast_on_use = self.autocast_dtype is not None and cfg.train.precision != "bf16-autocast"
-        self.per_rank_batch = per_rank_batch_size(cfg.train, self.world_size)
         self.micro_batch = micro_batch_size(cfg.train, self.world_size)
         self.accum = accumulation_steps(cfg.train, self.world_size)
+        assert per_rank_batch_size(cfg.train, self.world_size) == self.micro_batch * self.accum
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
 
-        m, d = cfg.model, cfg.data
         self.data = build_training_data(cfg, self.rank, self.world_size, pin_memory=self.device.type == "cuda")
         self.loader, self.eval_set = self.data.loader, self.data.eval_set
-        self.skips = SkipCounter()  # records this rank's loader skipped (indexing skips are in self.data)
-        self.skipped_records = self.data.index_skips.total  # job-wide, indexing included
-        self.restored_skip_reasons: dict[str, int] = {}  # loader skips before the resumed checkpoint
+        self.skips = SkipLedger(self.data.index_skips, self.all_reduce_sum, self.rank)
         if self.is_main:
-            self._report_skips(self.data.index_skips, "while indexing data.sources")
+            self.skips.report(self.data.index_skips, "while indexing data.sources")
 
-        # Built on meta, experts sharded, then materialised: no process ever allocates the experts
-        # it does not hold. Same seed everywhere: replicated weights come out identical, and every
-        # expert's weights depend only on (seed, layer, global expert id), not on the layout.
         # optimizer+params keeps the blocks' weights on the host: initialise there, so the device
-        # never holds the whole model (m6.parallel.offload moves the rest to the device).
+        # never holds the whole model (m6.memory.offload moves the rest to the device).
         init_device = torch.device("cpu") if cfg.memory.offload == "optimizer+params" else self.device
-        with torch.device("meta"):
-            self.model = M6Model(m)
-        self.sharded = self.grad_sync = None
-        if self.dist:
-            layout = build_layout(self.world_size, self.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
-                                  self.dist.local_world_size)
-            groups = create_process_groups(layout)
-            a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
-            plan = default_plan(self.model)
-            shard_model(self.model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)
-            self.model.materialize(init_device, cfg.run.seed)
-            self.sharded = classify_parameters(self.model, plan, groups)
-            self.grad_sync = GradientSync(self.sharded, int(cfg.parallel.bucket_size_mb * 2**20))
-            self.replicated_params = list(self.sharded.replicated_params.values())
-            self.expert_params = list(self.sharded.expert_params.values())
-            self.expert_group = groups.expert
-        else:
-            self.model.materialize(init_device, cfg.run.seed)
-            expert_ids = {id(p) for layer in self.model.moe_layers().values() for p in layer.experts.parameters()}
-            self.replicated_params = [p for p in self.model.parameters() if id(p) not in expert_ids]
-            self.expert_params = [p for p in self.model.parameters() if id(p) in expert_ids]
-            self.expert_group = None
+        self.sharded = build_parallel(cfg, self.device, self.env, init_device)
+        self.model = self.sharded.model
         set_cast_on_use(self.model, self.cast_on_use)
-        # Checkpointing wraps parts of the materialised model from outside; which parts is
-        # decided on the first step, from a profile (m6.parallel.activation_plan).
-        self.checkpointing = (ActivationCheckpointing(self.model)
-                              if cfg.memory.activation_checkpointing != "none" else None)
-        self.checkpoint_plan = None
-        self.budget_guard: ActivationBudgetGuard | None = None  # activation_checkpointing=auto
-        self.offload = build_offload(cfg.memory.offload, [p for p in self.model.parameters() if p.requires_grad],
-                                     self.device, stream_in_backward=self.grad_sync is None,
-                                     streamed_layers=list(self.model.blocks))
-        if self.offload:
-            if self.grad_sync:
-                self.grad_sync.on_grads_final = self.offload.grads_final  # reduce first, then offload
-            # The host masters hold the gradients once offloaded: clip and update those.
-            self.replicated_params = self.offload.masters_of(self.replicated_params)
-            self.expert_params = self.offload.masters_of(self.expert_params)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.offload.master if self.offload else None)
-        self.apply = GroupedApply(self.optimizer, self.replicated_params, self.expert_params, cfg.optim.apply_groups)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
+                                            log=self._print_main)
+        self.update = ParameterUpdate(self.sharded, cfg, self.device)
         self.size = count_parameters(self.model)
-        self.flops_per_position = training_flops_per_token(m, self.size, d.seq_len)
-        peak_dtype = self.autocast_dtype or torch.float32
-        self.peak_tflops = device_peak_tflops(self.device, peak_dtype, cfg.train.peak_tflops)
+        self.flops_per_position = training_flops_per_token(cfg.model, self.size, cfg.data.seq_len)
+        self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
-        self.step = 0
-        self.bad_steps = 0
-        self.skipped_steps = 0
+        self.counters = TrainerCounters()
+        self.state = TrainingState(
+            {"model": ModelState(self.sharded, self.update.offload),
+             "optimizer": OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
+             "scheduler": self.update.scheduler, "data": self.loader, "rng": RNGState(),
+             "counters": self.counters, "skips": self.skips},
+            metadata={"config": to_dict(cfg), "world_size": self.world_size})
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep)
         resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpoints)
         if resume_from is not None:
@@ -161,15 +116,21 @@ class Trainer:
                                     console=cfg.logging.console, is_main_process=self.is_main)
         self.history: list[dict] = []
 
-    # ---- data -------------------------------------------------------------------------------
-    def _eval_batch(self, indices: list[int]) -> MultimodalBatch:
-        return self.data.collator([LoadedItem(self.eval_set[i]) for i in indices]).batch.to(self.device)
+    @property
+    def step(self) -> int:
+        return self.counters.step
 
-    def _report_skips(self, skips, where: str) -> None:
-        """Print the first few skipped records (file and key) so bad data is visible, not just counted."""
-        for ex in skips.examples:
-            print(f"skipped record {where} (rank {self.rank}): {ex.source} [{ex.key}] {ex.reason}: {ex.detail}",
-                  flush=True)
+    def _print_main(self, line: str) -> None:
+        if self.is_main:
+            print(line, flush=True)
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        """Sum scalars over all ranks (one collective, on the compute device); identity on one process."""
+        if self.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -177,264 +138,124 @@ class Trainer:
         # Cast-on-use ops keep no weight copy; an uncached autocast keeps none for the forward either.
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=not self.cast_on_use)
 
-    def _forward_loss_sum(self, batch: MultimodalBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_loss(self, batch: MultimodalBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of target-token cross-entropy, summed MoE aux loss) for one micro-batch."""
-        with self._autocast():
-            hidden, aux = self.model(batch.images, batch.has_image, batch.text_ids, batch.segment_ids)
-            return self.model.target_loss_sum(hidden, batch.labels), aux
-
-    def _count_skips(self, loaded) -> int:
-        """Add the records skipped in this step's micro-batches to this rank's counter; returns how many."""
-        before, shown = self.skips.total, len(self.skips.examples)
-        for lb in loaded:
-            for ex in lb.skips:
-                self.skips.record(*ex)
-        if len(self.skips.examples) > shown:
-            fresh = SkipCounter()
-            fresh.examples = self.skips.examples[shown:]
-            self._report_skips(fresh, f"at step {self.step + 1}")
-        return self.skips.total - before
-
-    def _skip_reasons(self) -> dict:
-        """Skipped records by reason: indexing (once) plus every rank's loader, summed over ranks."""
-        assert set(self.skips.counts) <= set(RUNTIME_SKIP_REASONS), self.skips.counts
-        # A fixed list: every rank must pass the same number of values to the collective.
-        runtime = self._all_reduce_sum([float(self.skips.counts[r]) for r in RUNTIME_SKIP_REASONS])
-        totals = Counter(self.data.index_skips.counts) + Counter(self.restored_skip_reasons)
-        totals.update({r: int(n) for r, n in zip(RUNTIME_SKIP_REASONS, runtime)})
-        return {r: n for r, n in sorted(totals.items()) if n}
+        return forward_loss_sums(self.model, batch, self._autocast())
 
     # ---- one optimizer step -------------------------------------------------------------------
-    def _all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Sum scalars over all ranks (one collective); identity on one process."""
-        if not self.dist:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def _rank_slice(self, indices: list[int]) -> list[int]:
-        """This rank's share of a global batch: changing the number of ranks keeps the global batch."""
-        n = len(indices) // self.world_size
-        return indices[self.rank * n:(self.rank + 1) * n]
-
     def train_step(self) -> dict:
         """Forward/backward over the accumulation micro-batches, clip, and update (unless non-finite)."""
         t0 = time.perf_counter()
         self.model.train()
         loaded, data_wait = self.loader.next_step()
         batches = [lb.batch.to(self.device, non_blocking=True) for lb in loaded]
-        new_skips = self._count_skips(loaded)
-        # Normalise by the target tokens of the whole GLOBAL step, not per micro-batch or rank:
-        # the loss is then the same however the batch is split.
-        (num_targets,) = self._all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
-        patches = num_patches(self.cfg.model)
-        # Counted from shapes and host-side counts: no device sync inside the micro-batch loop.
-        positions = sum(b.segment_ids.numel() + b.batch_size * patches for b in batches)
-        tokens = sum(lb.real_tokens for lb in loaded)
-        if self.checkpointing is not None and self.checkpoint_plan is None:
-            self._plan_checkpointing(batches[0], num_targets)
-        saved_bytes = 0  # activations kept for backward, largest over the micro-batches (this rank)
+        new_skips = self.skips.count(loaded, self.step + 1)
+        (num_targets,) = self.all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
+        self._ensure_recompute_plan(batches[0], num_targets)
         parts = []  # per micro-batch: lm sum, aux, balance, z (device tensors, read once at the end)
         for i, batch in enumerate(batches):
-            if self.grad_sync:
-                self.grad_sync.enabled = i == len(batches) - 1  # communicate on the last backward only
-            if self.offload:
-                self.offload.final_backward = i == len(batches) - 1  # stream gradients once final
-            if self.budget_guard:
-                meter = self.budget_guard.micro_batch(batch.num_target_tokens)
-            else:
-                meter = SavedActivationMeter(self.model.parameters()) if self.checkpointing else nullcontext()
-            with meter as metered:
-                lm_sum, aux = self._forward_loss_sum(batch)
-            if self.checkpointing:
-                saved_bytes = max(saved_bytes, metered.held_bytes())
-            loss = lm_sum / max(num_targets, 1) + aux / self.accum
-            loss.backward()
-            layers = list(self.model.moe_layers().values())
-            zero = aux.detach().new_zeros(())
-            balance = sum((l.stats.aux_loss for l in layers), zero)
-            z_sum = sum((l.stats.z_loss for l in layers), zero)
-            parts.append(torch.stack([lm_sum.detach().double(), aux.detach().double(), balance.double(), z_sum.double()]))
-        if self.grad_sync:
-            self.grad_sync.finish()
-        if self.offload:
-            self.offload.finish_backward()  # all gradients on the host before the norm is taken
-        lm_local, aux_total, balance, z = torch.stack(parts).sum(0).tolist()  # the step's one host sync
-        aux_total, balance, z = aux_total / self.accum, balance / self.accum, z / self.accum
-        lm_total, positions, tokens, new_skips = self._all_reduce_sum(
+            self.update.begin_micro_batch(last=i == len(batches) - 1)
+            with self.activations.micro_batch(batch.num_target_tokens):
+                lm_sum, aux = self.forward_loss(batch)
+            micro_batch_loss(lm_sum, aux, num_targets, self.accum).backward()
+            parts.append(moe_loss_terms(self.model, lm_sum, aux))
+        self.update.finish()
+        lm_local, aux_sum, balance_sum, z_sum = torch.stack(parts).sum(0).tolist()  # the step's one host sync
+        aux_total, balance, z = aux_sum / self.accum, balance_sum / self.accum, z_sum / self.accum
+        # Counted from shapes and host-side counts: no device sync inside the micro-batch loop.
+        positions = sum(b.segment_ids.numel() + b.batch_size * num_patches(self.cfg.model) for b in batches)
+        tokens = sum(lb.real_tokens for lb in loaded)
+        lm_total, positions, tokens, new_skips = self.all_reduce_sum(
             [lm_local, float(positions), float(tokens), float(new_skips)])
-        self.skipped_records += int(new_skips)
+        self.skips.total += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
-        clip = self.cfg.train.grad_clip if self.cfg.train.grad_clip > 0 else math.inf
-        grad_norm = clip_grad_norm(self.replicated_params, self.expert_params, clip, self.expert_group)
+        lr = self.update.lr
+        grad_norm = self.update.clip(self.cfg.train.grad_clip)
         finite = math.isfinite(lm_loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
-        if finite:
-            if self.offload:
-                self.offload.step(self.apply)
-            else:
-                self.apply.step()
-            self.bad_steps = 0
-        else:
-            self.bad_steps += 1
-            self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.offload:
-            self.offload.zero_grad()
-        self.scheduler.step()  # lr follows the step count, skipped steps included
-        self.step += 1
+        self.update.step(apply=finite)
+        self._count_step(finite)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
-        # Model FLOPs of every position computed by all ranks (padding included: the hardware did
-        # that work); MFU divides by the peak of all the job's devices.
-        tflops = self.flops_per_position * positions / dt / 1e12
         metrics = {
-            "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss": aux_total,
-            "balance_loss": balance, "z_loss": z, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": tokens / dt, "samples_per_s": self.cfg.train.global_batch_size / dt,
-            "step_time_s": dt, "tflops": tflops, "peak_mem_gb": peak_memory_gb(self.device),
-            "skipped_steps": self.skipped_steps, "data_wait_s": data_wait, "skipped_records": self.skipped_records,
+            "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss": aux_total, "balance_loss": balance,
+            "z_loss": z, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
+            "samples_per_s": self.cfg.train.global_batch_size / dt, "step_time_s": dt,
+            "peak_mem_gb": peak_memory_gb(self.device), "skipped_steps": self.counters.skipped_steps,
+            "data_wait_s": data_wait, "skipped_records": self.skips.total,
+            **self._throughput(positions, dt), **self.activations.end_step(self.step),
         }
-        if self.peak_tflops:
-            metrics["mfu"] = tflops / (self.peak_tflops * self.world_size)
-        if self.checkpointing:
-            metrics["activation_saved_mb"] = saved_bytes / 2**20
-        if self.budget_guard:
-            metrics["activation_extra_recomputes"] = self.budget_guard.step_extras
-            new_plan = self.budget_guard.end_step()
-            if new_plan is not None:
-                self.checkpoint_plan = new_plan
-                if self.is_main:
-                    print(f"{new_plan.summary(len(self.checkpointing.parts))} (rank 0, re-planned after step "
-                          f"{self.step}: a micro-batch kept x{new_plan.margin:.3f} the predicted bytes)", flush=True)
-        if not finite and self.bad_steps >= self.cfg.train.max_bad_steps:
-            raise TrainingDiverged(
-                f"{self.bad_steps} consecutive steps had a non-finite loss or gradient (last at step "
-                f"{self.step}, limit train.max_bad_steps={self.cfg.train.max_bad_steps}); stopping. "
-                f"The last good checkpoint is {self.checkpoints.latest() or 'none (none was saved yet)'}."
-            )
         return metrics
 
-    def _plan_checkpointing(self, batch: MultimodalBatch, num_targets: float) -> None:
-        """First step of this process: check the recompute (memory.check_checkpointing), profile the
-        recomputable parts on ``batch``, choose and apply the plan. Every rank gets here together
-        (the forwards below run the model's collectives); training math and RNG are untouched."""
-        ckpt, mem = self.checkpointing, self.cfg.memory
-        if mem.check_checkpointing:
-            def forward_backward() -> None:
-                lm_sum, aux = self._forward_loss_sum(batch)
-                (lm_sum / max(num_targets, 1) + aux / self.accum).backward()
+    def _ensure_recompute_plan(self, batch: MultimodalBatch, num_targets: float) -> None:
+        """First step only: choose what to recompute (memory.activation_checkpointing)."""
+        if not self.activations.enabled or self.activations.plan is not None:
+            return
 
-            # Local gradients only: nothing all-reduced or streamed to the host during the check.
-            if self.grad_sync:
-                self.grad_sync.enabled = False
-            if self.offload:
-                self.offload.final_backward = False
-            line = check_recompute(ckpt, forward_backward, dict(self.model.named_parameters()), self.device,
-                                   self.autocast_dtype, dist.group.WORLD if self.dist else None)
-            if self.is_main:
-                print(line, flush=True)
-        # Profiled on the densest batch of this shape (no padding, a label at every text
-        # position): the most a micro-batch can keep, so later batches fit the plan; what routing
-        # can still add under expert parallelism (a rank receiving more tokens) the guard handles.
+        def forward_backward() -> None:  # a real micro-batch, gradients kept local
+            self.update.begin_micro_batch(last=False)
+            lm_sum, aux = self.forward_loss(batch)
+            micro_batch_loss(lm_sum, aux, num_targets, self.accum).backward()
+
         densest = batch.densest()
-        profile = profile_parts(ckpt, lambda: self._forward_loss_sum(densest), self.model.parameters(), self.device)
-        if mem.activation_checkpointing == "full":
-            plan = full_plan(profile)
-            ckpt.apply(plan.recompute)
-        else:
-            self.budget_guard = ActivationBudgetGuard(ckpt, profile, budget_bytes(mem, profile.saved_bytes(())),
-                                                      self.model.parameters(), densest.num_target_tokens)
-            plan = self.budget_guard.plan
-        self.checkpoint_plan = plan
-        if self.is_main:
-            print(f"{plan.summary(len(ckpt.parts))} (rank 0, profiled on the densest micro-batch of its shape)",
-                  flush=True)
+        self.activations.ensure_plan(lambda: self.forward_loss(densest), forward_backward,
+                                     densest.num_target_tokens, dist.group.WORLD if self.world_size > 1 else None)
+
+    def _count_step(self, finite: bool) -> None:
+        """Advance the counters; stop after train.max_bad_steps consecutive non-finite steps."""
+        c = self.counters
+        c.step += 1
+        c.bad_steps = 0 if finite else c.bad_steps + 1
+        c.skipped_steps += 0 if finite else 1
+        if c.bad_steps and c.bad_steps >= self.cfg.train.max_bad_steps:
+            raise TrainingDiverged(
+                f"{c.bad_steps} consecutive steps had a non-finite loss or gradient (last at step "
+                f"{c.step}, limit train.max_bad_steps={self.cfg.train.max_bad_steps}); stopping. "
+                f"The last good checkpoint is {self.checkpoints.latest() or 'none (none was saved yet)'}."
+            )
+
+    def _throughput(self, positions: float, seconds: float) -> dict:
+        """Model FLOPs of every position computed by all ranks (padding included: the hardware did
+        that work); MFU divides by the peak of all the job's devices."""
+        tflops = self.flops_per_position * positions / seconds / 1e12
+        out = {"tflops": tflops}
+        if self.peak_tflops:
+            out["mfu"] = tflops / (self.peak_tflops * self.world_size)
+        return out
 
     # ---- evaluation -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        """Caption loss on held-out image samples with their true images and with shuffled images.
+    def held_out_batch(self, indices: list[int]) -> MultimodalBatch:
+        """Held-out samples ``indices`` (of the eval set), collated on the device."""
+        return self.data.collator([LoadedItem(self.eval_set[i]) for i in indices]).batch.to(self.device)
 
-        A model that uses the image has a clearly lower loss with the true ones.
-        """
+    def evaluate(self) -> dict:
+        """Caption loss on held-out image samples with their true and with shuffled images."""
         self.model.eval()
-        gb = self.cfg.train.global_batch_size
-        n = min(len(self.eval_set), gb * self.cfg.train.eval_batches) // gb * gb or gb
-        gen = torch.Generator().manual_seed(self.cfg.run.seed)
-        sums = {"caption_loss": 0.0, "caption_loss_shuffled_images": 0.0}
-        count = 0
-        if not len(self.eval_set):
-            return {}
-        for start in range(0, n, gb):
-            # Every rank runs every eval batch (the expert all-to-all needs all of them).
-            mine = self._rank_slice([i % len(self.eval_set) for i in range(start, start + gb)])
-            for i in range(0, len(mine), self.micro_batch):
-                batch = self._eval_batch(mine[i:i + self.micro_batch])
-                batch.labels[~batch.has_image] = IGNORE_INDEX  # caption loss: image samples only
-                sums["caption_loss"] += self._forward_loss_sum(batch)[0].item()
-                shuffled = shuffled_images(batch, gen) if int(batch.has_image.sum()) > 1 else batch
-                sums["caption_loss_shuffled_images"] += self._forward_loss_sum(shuffled)[0].item()
-                count += int((batch.labels != IGNORE_INDEX).sum())
-        a, b, count = self._all_reduce_sum([sums["caption_loss"], sums["caption_loss_shuffled_images"], float(count)])
-        sums = {"caption_loss": a, "caption_loss_shuffled_images": b}
-        self.model.train()
-        out = {k: v / max(count, 1) for k, v in sums.items()}
-        out["image_gap"] = out["caption_loss_shuffled_images"] - out["caption_loss"]
-        return out
+        try:
+            return evaluate_captions(
+                loss_sum=lambda batch: self.forward_loss(batch)[0],
+                eval_batch=self.held_out_batch,
+                num_samples=len(self.eval_set), global_batch_size=self.cfg.train.global_batch_size,
+                num_batches=self.cfg.train.eval_batches, micro_batch_size=self.micro_batch,
+                rank_slice=lambda idx: rank_slice(idx, self.rank, self.world_size),
+                reduce_sum=self.all_reduce_sum, seed=self.cfg.run.seed)
+        finally:
+            self.model.train()
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
         """Rank 0 writes one layout-free checkpoint (whole expert tensors); every rank must call it."""
-        if self.sharded is not None:
-            full = full_model_and_optimizer_state(self.sharded, self.optimizer, self._optimizer_names())
-        else:
-            full = (self.model.state_dict(), self.optimizer.state_dict())
-        skip_reasons = self._skip_reasons()  # a collective: before the rank-0-only part
-        path = None
-        if self.is_main:
-            model_sd, optim_sd = full
-            state = {
-                "model": model_sd, "optimizer": optim_sd,
-                "scheduler": self.scheduler.state_dict(), "step": self.step, "data": self.loader.state_dict(),
-                "rng": rng_state(), "config": to_dict(self.cfg), "world_size": self.world_size,
-                "counters": {"bad_steps": self.bad_steps, "skipped_steps": self.skipped_steps,
-                             "skipped_records": self.skipped_records},
-                "skipped_records_by_reason": {r: n - self.data.index_skips.counts.get(r, 0)
-                                              for r, n in skip_reasons.items()},
-            }
-            path = self.checkpoints.save(self.step, state)
-        if self.dist:
+        state = self.state.state_dict()  # collectives inside: every rank
+        path = self.checkpoints.save(self.step, state) if self.is_main else None
+        if self.world_size > 1:
             dist.barrier()
         return path
 
-    def _optimizer_names(self) -> dict[int, str] | None:
-        """Offload: the optimizer updates host masters, named after their model parameters."""
-        return self.offload.master_names(self.model) if self.offload else None
-
     def _restore(self, path: Path) -> None:
         state = self.checkpoints.load(path, map_location="cpu")
-        model_sd, optim_sd = state["model"], state["optimizer"]
-        if self.sharded is not None:
-            model_sd, optim_sd = local_model_and_optimizer_state(self.sharded, self.optimizer, model_sd, optim_sd,
-                                                                 self._optimizer_names())
-        load_model_state(self.model, model_sd, str(path))
-        if self.offload:
-            self.offload.pull_masters()
-        self.optimizer.load_state_dict(optim_sd)
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.loader.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
-        self.step = state["step"]
-        self.bad_steps = state["counters"]["bad_steps"]
-        self.skipped_steps = state["counters"]["skipped_steps"]
-        self.skipped_records = state["counters"].get("skipped_records", self.skipped_records)
-        self.restored_skip_reasons = {r: n for r, n in state.get("skipped_records_by_reason", {}).items() if n}
-        if self.is_main:
-            print(f"resumed from {path} at step {self.step} (saved at world size {state.get('world_size', 1)}, "
-                  f"now {self.world_size})", flush=True)
+        self.state.load_state_dict(state, str(path))
+        self._print_main(f"resumed from {path} at step {self.step} (saved at world size "
+                         f"{state.get('world_size', 1)}, now {self.world_size})")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -455,9 +276,9 @@ class Trainer:
                     self.save_checkpoint()
             final = self.history[-1] if self.history else {}
             self.logger.summary({"final_loss": final.get("loss"), "steps": self.step,
-                                 "skipped_steps": self.skipped_steps, "total_params": self.size.total,
-                                 "active_params": self.size.active, "skipped_records": self.skipped_records,
-                                 "skipped_records_by_reason": self._skip_reasons()})
+                                 "skipped_steps": self.counters.skipped_steps, "total_params": self.size.total,
+                                 "active_params": self.size.active, "skipped_records": self.skips.total,
+                                 "skipped_records_by_reason": self.skips.by_reason()})
         finally:
             self.loader.close()
             self.logger.close()

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from dist_helpers import run_distributed
 
 from m6.config import load
-from m6.parallel.activation_checkpoint import checkpointed
+from m6.memory.recompute import checkpointed
 from m6.train.loop import Trainer
 
 # Dropless (routing decides every count), dropout on, fp32, two micro-batches per rank (the
@@ -36,10 +36,10 @@ class _CountAllToAll:
 
 def _all_to_all_per_phase(trainer: Trainer, counter: _CountAllToAll) -> tuple[int, int]:
     """All-to-all calls in one training forward and in its backward."""
-    batch = trainer._eval_batch(list(range(4)))
-    trainer.grad_sync.enabled = False
+    batch = trainer.held_out_batch(list(range(4)))
+    trainer.update.begin_micro_batch(last=False)  # local gradients only
     start = counter.calls
-    lm_sum, aux = trainer._forward_loss_sum(batch)
+    lm_sum, aux = trainer.forward_loss(batch)
     forward = counter.calls - start
     (lm_sum + aux).backward()
     trainer.model.zero_grad(set_to_none=True)
@@ -64,7 +64,7 @@ def _checks(rank: int, world: int, root: str) -> None:
         for k, v in weights.items():  # this rank's replicated weights and its two experts per layer
             torch.testing.assert_close(v, plain[2][k], rtol=1e-6, atol=0, msg=f"{name} {k}")
     auto = runs["auto"][0]
-    plan = auto.checkpoint_plan
+    plan = auto.activations.plan
     # Every step under the budget (the plan is profiled on the densest batch; a rank that
     # receives more routed tokens than then gets extra recomputes from the guard).
     assert plan.recompute and plan.predicted_bytes <= plan.budget_bytes

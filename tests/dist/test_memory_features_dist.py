@@ -36,17 +36,17 @@ def trainer(run_dir, *extra: str) -> Trainer:
 
 def full_weights(tr: Trainer) -> dict[str, torch.Tensor]:
     """Layout-free weights (experts gathered): what a checkpoint would hold."""
-    from m6.parallel.checkpoint_state import full_model_and_optimizer_state
+    from m6.parallel.checkpoint_state import full_model_state
 
-    full = full_model_and_optimizer_state(tr.sharded, tr.optimizer, tr._optimizer_names())
-    return full[0] if full is not None else {}
+    full = full_model_state(tr.sharded)
+    return full if full is not None else {}
 
 
 def _variants(rank: int, world: int, root: str, reference: list[float]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     ep = "parallel.expert_parallel_size=2"
     plain = trainer(f"{root}/plain", ep)
-    assert plain.world_size == 2 and all(p.shape[0] == 2 for p in plain.expert_params)  # 2 of 4 experts
+    assert plain.world_size == 2 and all(p.shape[0] == 2 for p in plain.sharded.expert_params.values())  # 2 of 4 experts
     plain_losses = [plain.train_step()["loss"] for _ in range(STEPS)]
     assert plain_losses == pytest.approx(reference, rel=1e-5)  # world 2 + EP 2 == world 1
     plain_weights = full_weights(plain)

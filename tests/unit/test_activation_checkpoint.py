@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import m6.parallel.activation_checkpoint as ac
+import m6.memory.recompute as ac
 from m6.config import ModelConfig, MoEConfig, load
 from m6.model import M6Model
-from m6.parallel.activation_checkpoint import ActivationCheckpointing, CheckpointingMismatch
-from m6.parallel.activation_guard import ActivationBudgetGuard
-from m6.parallel.activation_meter import SavedActivationMeter
-from m6.parallel.activation_plan import ActivationProfile, PartProfile, choose_recompute, profile_parts
+from m6.memory.recompute import RecomputeParts, RecomputeMismatch
+from m6.memory.recompute_guard import ActivationBudgetGuard
+from m6.memory.activation_meter import SavedActivationMeter
+from m6.memory.recompute_plan import ActivationProfile, PartProfile, choose_recompute, profile_parts
 from m6.train.loop import Trainer
 
 # Tiny, dropout on (recompute must replay the same masks), dropless MoE in block 1, dense in block 0.
@@ -55,7 +55,7 @@ def test_meter_counts_each_storage_once_and_skips_parameters():
 
 def test_predicted_bytes_match_measured_for_every_plan_and_math_is_bitwise_equal():
     model, loss_fn = _model_and_batch()
-    ckpt = ActivationCheckpointing(model)
+    ckpt = RecomputeParts(model)
     assert list(ckpt.parts) == ["blocks.0.attention", "blocks.0.mlp", "blocks.1.attention", "blocks.1.experts"]
     profile = profile_parts(ckpt, loss_fn, model.parameters(), torch.device("cpu"))
     reference = None
@@ -85,7 +85,7 @@ def test_router_and_moe_layer_never_run_inside_a_part(monkeypatch):
     never recomputed: the only MoE code inside a part is the expert FFN."""
     import m6.moe.experts as experts
     model, loss_fn = _model_and_batch()
-    ckpt = ActivationCheckpointing(model)
+    ckpt = RecomputeParts(model)
     current, seen = [None], []
 
     def wrap(part, original):
@@ -152,23 +152,23 @@ def test_full_and_auto_train_exactly_like_no_checkpointing(tmp_path, capsys):
             torch.testing.assert_close(v, weights[k], rtol=1e-6, atol=0)
     # The plans are profiled on the densest batch of the shape: every real step keeps at most
     # what they predict (measured with saved-tensor hooks), and the densest batch keeps exactly that.
-    assert full.checkpoint_plan.recompute == tuple(full.checkpointing.parts)
-    plan = auto.checkpoint_plan
-    assert 0 < len(plan.recompute) < len(auto.checkpointing.parts)  # a real choice: some parts, not all
+    assert full.activations.plan.recompute == tuple(full.activations.recompute.parts)
+    plan = auto.activations.plan
+    assert 0 < len(plan.recompute) < len(auto.activations.recompute.parts)  # a real choice: some parts, not all
     assert plan.budget_bytes == int(0.6 * plan.no_checkpoint_bytes)
     assert plan.predicted_bytes <= plan.budget_bytes
     for trainer in (full, auto):
         kept = [h["activation_saved_mb"] * 2**20 for h in trainer.history]
-        assert max(kept) <= trainer.checkpoint_plan.predicted_bytes, kept
+        assert max(kept) <= trainer.activations.plan.predicted_bytes, kept
         assert len(set(kept)) > 1  # the batches differ in padding, so in what they keep
     assert [h["activation_extra_recomputes"] for h in auto.history] == [0] * len(auto.history)
     assert "activation_extra_recomputes" not in full.history[0]
     batch = auto.loader.next_step()[0][0].batch.densest()
     for trainer in (full, auto):
         with SavedActivationMeter(trainer.model.parameters()) as meter:
-            trainer._forward_loss_sum(batch)
+            trainer.forward_loss(batch)
         # Another densest batch: the same up to small routing-dependent index buffers.
-        assert meter.held_bytes() == pytest.approx(trainer.checkpoint_plan.predicted_bytes, rel=0.01)
+        assert meter.held_bytes() == pytest.approx(trainer.activations.plan.predicted_bytes, rel=0.01)
     assert full.history[0]["activation_saved_mb"] < auto.history[0]["activation_saved_mb"]
     assert "activation_saved_mb" not in plain.history[0]
 
@@ -183,7 +183,7 @@ def test_check_mode_passes_on_a_correct_recompute_and_fails_on_a_broken_one(tmp_
         kwargs["preserve_rng_state"] = False
         return torch.utils.checkpoint.checkpoint(fn, *args, **kwargs)
     monkeypatch.setattr(ac, "checkpoint", no_rng_restore)
-    with pytest.raises(CheckpointingMismatch, match="differ from those without"):
+    with pytest.raises(RecomputeMismatch, match="differ from those without"):
         _fit(tmp_path, "broken", "memory.activation_checkpointing=full", "memory.check_checkpointing=true",
              "train.max_steps=1")
 
@@ -225,7 +225,7 @@ def _grads_after(model, loss_fn, b, rng_seed: int) -> dict:
 
 def test_budget_guard_holds_heavier_batches_under_the_budget_with_the_same_gradients():
     model, loss_fn, light, heavy = _guard_model_and_batches()
-    ckpt = ActivationCheckpointing(model)
+    ckpt = RecomputeParts(model)
     profile = profile_parts(ckpt, lambda: loss_fn(light), model.parameters(), torch.device("cpu"))
     for part in profile.parts.values():  # fixed costs: the plan must not depend on this machine's timings
         part.forward_s = 1e-3

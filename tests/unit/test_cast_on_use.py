@@ -9,7 +9,7 @@ import torch
 from m6.config import ModelConfig, MoEConfig, load
 from m6.model import M6Model
 from m6.model.cast_on_use import Conv2d, Linear, set_cast_on_use
-from m6.parallel.activation_meter import SavedActivationMeter
+from m6.memory.activation_meter import SavedActivationMeter
 from m6.train.loop import Trainer
 
 

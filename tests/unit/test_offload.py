@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from m6.config import load
-from m6.parallel.memory_report import estimate_memory
+from m6.memory.estimate import estimate_memory
 from m6.train.loop import Trainer
 from m6.train.optim import no_decay_ids
 
@@ -59,24 +59,24 @@ def test_variant_equals_the_plain_run_bitwise(reference, tmp_path, name):
 
 def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
     tr = trainer(tmp_path, "memory.offload=optimizer", "optim.apply_groups=2")
-    off = tr.offload
+    off = tr.update.offload
     params = list(tr.model.parameters())
-    optimized = [p for g in tr.optimizer.param_groups for p in g["params"]]
+    optimized = [p for g in tr.update.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in optimized} == {id(off.master(p)) for p in params}  # the update runs on masters
     assert all(off.master(p).untyped_storage().data_ptr() != p.untyped_storage().data_ptr() for p in params)
     tr.train_step()
     # After a step the device grads are gone (streamed), the masters updated and copied back.
     assert all(p.grad is None for p in params)
     assert all(torch.equal(off.master(p), p.detach()) for p in params)
-    # The gradient hooks stream only the final micro-batch's (accumulated) gradient.
+    # The gradient sync hands offload only the final micro-batch's (accumulated) gradient.
     batch = next(iter([tr.loader.next_step()[0][0].batch]))
-    off.final_backward = False
-    lm, aux = tr._forward_loss_sum(batch)
+    tr.update.begin_micro_batch(last=False)
+    lm, aux = tr.forward_loss(batch)
     (lm + aux).backward()
     first = {id(p): p.grad.clone() for p in params}
     assert all(off.master(p).grad is None for p in params)
-    off.final_backward = True
-    lm, aux = tr._forward_loss_sum(batch)
+    tr.update.begin_micro_batch(last=True)
+    lm, aux = tr.forward_loss(batch)
     (lm + aux).backward()
     assert all(p.grad is None for p in params)
     for p in params:
@@ -85,7 +85,7 @@ def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
 
 def test_offloaded_params_live_on_the_host_and_visit_the_device_per_block(tmp_path):
     tr = trainer(tmp_path, "memory.offload=optimizer+params")
-    streamer = tr.offload.streamer
+    streamer = tr.update.offload.streamer
     layers = streamer.layers
     blocks = list(tr.model.blocks)
     assert len(layers) == len(blocks) == 3
@@ -141,24 +141,24 @@ def test_resume_is_exact_across_offload_settings(reference, tmp_path, saver, res
 def test_non_finite_step_is_skipped_with_offload(tmp_path):
     tr = trainer(tmp_path, "memory.offload=optimizer+params", "optim.apply_groups=2")
     tr.train_step()
-    masters = {id(p): tr.offload.master(p).clone() for p in tr.model.parameters()}
+    masters = {id(p): tr.update.offload.master(p).clone() for p in tr.model.parameters()}
     with torch.no_grad():
         tr.model.final_norm.weight.fill_(float("nan"))  # a resident (not streamed) parameter
     m = tr.train_step()
     assert m["skipped_steps"] == 1 and not math.isfinite(m["loss"])
     for p in tr.model.parameters():
-        assert torch.equal(tr.offload.master(p), masters[id(p)])  # no update reached the masters
-        assert p.grad is None and tr.offload.master(p).grad is None
+        assert torch.equal(tr.update.offload.master(p), masters[id(p)])  # no update reached the masters
+        assert p.grad is None and tr.update.offload.master(p).grad is None
 
 
 def test_memory_report_matches_the_tensors_of_a_step(tmp_path):
     tr = trainer(tmp_path, "memory.offload=optimizer", "optim.apply_groups=3")
     tr.train_step()
-    cfg, model, off = tr.cfg, tr.model, tr.offload
+    cfg, model, off = tr.cfg, tr.model, tr.update.offload
     est = estimate_memory(cfg, model, no_decay_ids(model))
     params = list(model.parameters())
     nbytes = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)  # noqa: E731
-    state_tensors = [v for s in tr.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    state_tensors = [v for s in tr.update.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert est.device["params"] == nbytes(params)
     assert est.host["params"] == nbytes(off.masters_of(params))
     assert est.host["grads"] == nbytes(off._grad_buffers.values())
@@ -169,7 +169,7 @@ def test_memory_report_matches_the_tensors_of_a_step(tmp_path):
     for p in params:
         off.master(p).grad = torch.randn_like(off.master(p))
     with LiveBytes() as counter:
-        tr.apply.step()
+        tr.update.apply.step()
     assert counter.peak <= est.host["optimizer step temporaries"] + 1024
     assert counter.peak >= est.host["optimizer step temporaries"]
     plain = estimate_memory(load(None, [*SMALL, f"run.dir={tmp_path}"]), model, no_decay_ids(model))

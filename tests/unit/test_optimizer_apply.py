@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from m6.config import OptimConfig
-from m6.parallel.live_bytes import LiveBytes
-from m6.parallel.optimizer_apply import GroupedApply, partition_contiguous, split_apply_groups
+from m6.memory.live_bytes import LiveBytes
+from m6.memory.grouped_apply import GroupedApply, partition_contiguous, split_apply_groups
 from m6.train.optim import build_optimizer, build_scheduler
 
 

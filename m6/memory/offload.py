@@ -2,10 +2,10 @@
 
 optimizer:        fp32 master weights, their gradients and the AdamW moments live in host memory
                   (pinned when CUDA is present, so copies are asynchronous). A gradient streams to
-                  the host as soon as it is final: in the last micro-batch's backward (one process)
-                  or when its all-reduce bucket is done (GradientSync calls ``grads_final``), since
-                  an unreduced gradient must not leave the device (so with accumulation the device
-                  keeps gradients until the last micro-batch, as the all-reduce does). The copies
+                  the host as soon as it is final (``grads_final``, called by the gradient sync:
+                  during the last micro-batch's backward when no other rank shares it, after its
+                  all-reduce otherwise), since an unreduced gradient must not leave the device (so
+                  with accumulation the device keeps gradients until the last micro-batch). The copies
                   overlap the backward; clipping needs the global norm, so they are all awaited once
                   before the first group updates. The update runs on the CPU, group by group; group
                   i's new weights copy back to the device (side stream) while group i + 1 updates.
@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from m6.parallel.optimizer_apply import GroupedApply
+from m6.memory.grouped_apply import GroupedApply
 
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
 
@@ -175,11 +175,10 @@ class HostOffload:
 
     ``params`` are the model's trainable parameters in model order; the optimizer is built over
     ``master(p)`` for each, so its state_dict has the layout of a plain run's (checkpoints are
-    interchangeable). ``stream_in_backward``: stream gradients from post-accumulate-grad hooks
-    (one process); otherwise the gradient sync hands them over via ``grads_final`` once reduced.
+    interchangeable). Gradients arrive through ``grads_final`` once they are final.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], device: torch.device, stream_in_backward: bool,
+    def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
                  streamed_layers: Sequence[nn.Module] = ()) -> None:
         self.device = device
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -199,10 +198,6 @@ class HostOffload:
                 self.resident.append((p, self.masters[id(p)]))
         self._grad_buffers = {id(p): torch.empty(p.shape, dtype=torch.float32, pin_memory=pin) for p in self.params}
         self._grad_ready: dict[int, torch.cuda.Event] = {}
-        self.final_backward = True  # the trainer sets False for micro-batches that only accumulate
-        if stream_in_backward:
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
     def master(self, p: nn.Parameter) -> torch.Tensor:
         return self.masters[id(p)]
@@ -215,12 +210,8 @@ class HostOffload:
         return {id(self.masters[id(p)]): n for n, p in model.named_parameters() if id(p) in self.masters}
 
     # ---- gradients: device -> host ------------------------------------------------------------
-    def _on_grad_accumulated(self, p: nn.Parameter) -> None:
-        if self.final_backward:
-            self._stream_grad(p)
-
     def grads_final(self, params: Sequence[nn.Parameter]) -> None:
-        """Called by the gradient sync once these params' gradients are reduced: stream them now."""
+        """Called by the gradient sync once these params' gradients are final: stream them now."""
         for p in params:
             if p.grad is not None and id(p) in self.masters:
                 self._stream_grad(p)
@@ -292,7 +283,7 @@ class HostOffload:
             self.streamer.release_all()
 
 
-def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device, stream_in_backward: bool,
+def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,
                   streamed_layers: Sequence[nn.Module]) -> HostOffload | None:
     """The offload for ``memory.offload``; None for "none"."""
     if mode not in OFFLOAD_MODES:
@@ -300,4 +291,4 @@ def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.devic
     if mode == "none":
         return None
     layers = list(streamed_layers) if mode == "optimizer+params" else []
-    return HostOffload(params, device, stream_in_backward, layers)
+    return HostOffload(params, device, layers)

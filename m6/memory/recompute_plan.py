@@ -21,8 +21,9 @@ from typing import Callable, Collection, Iterable, Optional
 import torch
 
 from m6.config import MemoryConfig
-from m6.parallel.activation_checkpoint import ActivationCheckpointing, RecomputablePart, checkpointed
-from m6.parallel.activation_meter import SavedActivationMeter, StorageKey
+from m6.memory.recompute import RecomputeParts, checkpointed
+from m6.model import RecomputablePart
+from m6.memory.activation_meter import SavedActivationMeter, StorageKey
 
 Held = dict[StorageKey, int]  # storage -> bytes
 
@@ -78,7 +79,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_parts(checkpointing: ActivationCheckpointing, forward: Callable[[], object],
+def profile_parts(checkpointing: RecomputeParts, forward: Callable[[], object],
                   parameters: Iterable[torch.Tensor], device: torch.device) -> ActivationProfile:
     """Profile every part during one call of ``forward`` (a model forward building its graph).
 
@@ -140,7 +141,7 @@ def profile_parts(checkpointing: ActivationCheckpointing, forward: Callable[[], 
 
 
 @dataclass(frozen=True)
-class CheckpointPlan:
+class RecomputePlan:
     """The parts to recompute and the numbers behind the choice (bytes per process)."""
 
     recompute: tuple[str, ...]
@@ -179,19 +180,19 @@ def budget_bytes(memory: MemoryConfig, no_checkpoint_bytes: int) -> int:
     return int(fraction * no_checkpoint_bytes)
 
 
-def _plan(profile: ActivationProfile, recompute: Iterable[str], budget: Optional[int]) -> CheckpointPlan:
+def _plan(profile: ActivationProfile, recompute: Iterable[str], budget: Optional[int]) -> RecomputePlan:
     chosen = tuple(n for n in profile.parts if n in set(recompute))
-    return CheckpointPlan(chosen, budget, profile.saved_bytes(chosen), profile.saved_bytes(()),
+    return RecomputePlan(chosen, budget, profile.saved_bytes(chosen), profile.saved_bytes(()),
                           profile.saved_bytes(tuple(profile.parts)),
                           sum(profile.parts[n].forward_s for n in chosen))
 
 
-def full_plan(profile: ActivationProfile) -> CheckpointPlan:
+def full_plan(profile: ActivationProfile) -> RecomputePlan:
     """memory.activation_checkpointing=full: every part."""
     return _plan(profile, profile.parts, None)
 
 
-def choose_recompute(profile: ActivationProfile, budget: int, margin: float = 1.0) -> CheckpointPlan:
+def choose_recompute(profile: ActivationProfile, budget: int, margin: float = 1.0) -> RecomputePlan:
     """The cheapest set of parts whose recompute brings the kept bytes under ``budget / margin``.
 
     A 0/1 knapsack (free >= need bytes at the least time). Greedy: repeatedly recompute the part

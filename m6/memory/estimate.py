@@ -18,7 +18,7 @@ from torch import nn
 from m6.config import Config, accumulation_steps, micro_batch_size
 from m6.model.flops import count_parameters, memory_estimate_bytes
 from m6.moe import MoELayer
-from m6.parallel.optimizer_apply import split_apply_groups
+from m6.memory.grouped_apply import split_apply_groups
 
 
 COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)")

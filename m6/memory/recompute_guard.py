@@ -27,15 +27,15 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from m6.parallel.activation_checkpoint import ActivationCheckpointing
-from m6.parallel.activation_meter import SavedActivationMeter
-from m6.parallel.activation_plan import ActivationProfile, CheckpointPlan, choose_recompute
+from m6.memory.recompute import RecomputeParts
+from m6.memory.activation_meter import SavedActivationMeter
+from m6.memory.recompute_plan import ActivationProfile, RecomputePlan, choose_recompute
 
 
 class ActivationBudgetGuard:
     """Applies an auto plan to ``checkpointing`` and keeps each metered micro-batch under ``budget`` bytes."""
 
-    def __init__(self, checkpointing: ActivationCheckpointing, profile: ActivationProfile, budget: int,
+    def __init__(self, checkpointing: RecomputeParts, profile: ActivationProfile, budget: int,
                  parameters: Iterable[torch.Tensor], profiled_targets: int = 0) -> None:
         """``profiled_targets``: loss targets of the profiled micro-batch (0: unknown)."""
         self.checkpointing, self.profile, self.budget = checkpointing, profile, budget
@@ -44,7 +44,7 @@ class ActivationBudgetGuard:
         self._tail = profile.tail_bytes()
         self._tail_scale = 1.0
         self._cache: dict = {}  # (part, recompute set) -> _profiled; recompute set -> _predicted
-        self.plan: CheckpointPlan = choose_recompute(profile, budget)
+        self.plan: RecomputePlan = choose_recompute(profile, budget)
         self.checkpointing.apply(self.plan.recompute, escalate=self._escalate)
         self._meter: Optional[SavedActivationMeter] = None
         self._recompute: set[str] = set()
@@ -100,7 +100,7 @@ class ActivationBudgetGuard:
             self._cache[key] = expected, self._predicted(recompute) - expected - self._tail
         return self._cache[key]
 
-    def end_step(self) -> Optional[CheckpointPlan]:
+    def end_step(self) -> Optional[RecomputePlan]:
         """Close a step's accounting; returns the new plan when the step made the guard re-plan."""
         replan = (self.step_extras > 0 or self.step_peak_bytes > self.budget) and self._step_ratio > self._ratio
         self.step_extras, self.step_peak_bytes = 0, 0

@@ -1,15 +1,12 @@
-"""Activation checkpointing of an M6 model, applied from outside and safe around expert parallelism.
+"""Recompute (activation checkpointing) of a model's declared parts, applied from outside.
 
-A *recomputable part* is a region that runs no collective and no routing decision:
-
-- ``blocks.{i}.attention``: norm + attention + dropout + residual (TransformerBlock.attention_residual);
-- ``blocks.{i}.experts``: the local expert FFN on the tokens this rank received (GroupedExperts);
-- ``blocks.{i}.mlp``: a dense block's FFN.
-
-The router, the dispatch (permutation, all-to-all) and the combine stay outside every part, so
-their results are kept and never recomputed: a recompute cannot route tokens differently, change
-how many tokens an all-to-all sends, or issue a collective a second time. Parts run under
-torch.utils.checkpoint (non-reentrant, RNG state preserved: dropout masks are identical).
+The model declares its *recomputable parts* (``model.recomputable_parts()``: regions that run no
+collective and make no routing decision, e.g. M6's attention sub-blocks, local expert FFNs and
+dense MLPs). The router, the dispatch (permutation, all-to-all) and the combine stay outside every
+part, so their results are kept and never recomputed: a recompute cannot route tokens
+differently, change how many tokens an all-to-all sends, or issue a collective a second time.
+Parts run under torch.utils.checkpoint (non-reentrant, RNG state preserved: dropout masks are
+identical).
 
 Parts are wrapped by replacing the method on the module *instance*: the model's code, its module
 tree and its parameter names (hence checkpoints) stay exactly as they were. (A deep copy of a
@@ -20,36 +17,20 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from m6.model import M6Model
+from m6.model import RecomputablePart
 
 
-@dataclass(frozen=True)
-class RecomputablePart:
-    """``module.method`` is one region that may be recomputed in backward."""
+class DeclaresRecomputableParts(Protocol):
+    """A model that lists the regions memory code may recompute (see m6.model.recomputable)."""
 
-    name: str
-    module: nn.Module
-    method: str
-
-
-def recomputable_parts(model: M6Model) -> list[RecomputablePart]:
-    """Every recomputable part of ``model``, in forward order."""
-    parts = []
-    for i, block in enumerate(model.blocks):
-        parts.append(RecomputablePart(f"blocks.{i}.attention", block, "attention_residual"))
-        if block.is_moe:
-            parts.append(RecomputablePart(f"blocks.{i}.experts", block.ffn.experts, "forward"))
-        else:
-            parts.append(RecomputablePart(f"blocks.{i}.mlp", block.ffn, "forward"))
-    return parts
+    def recomputable_parts(self) -> list[RecomputablePart]: ...
 
 
 def checkpointed(fn: Callable) -> Callable:
@@ -76,11 +57,11 @@ def escalating(name: str, fn: Callable, escalate: Escalate) -> Callable:
     return run
 
 
-class ActivationCheckpointing:
+class RecomputeParts:
     """Which recomputable parts of a model are recomputed; ``apply`` switches them at any time."""
 
-    def __init__(self, model: M6Model) -> None:
-        self.parts = {p.name: p for p in recomputable_parts(model)}
+    def __init__(self, model: DeclaresRecomputableParts) -> None:
+        self.parts = {p.name: p for p in model.recomputable_parts()}
         self.recomputed: tuple[str, ...] = ()
         self.escalate: Optional[Escalate] = None
 
@@ -123,7 +104,7 @@ class ActivationCheckpointing:
             self.apply(previous, escalate)
 
 
-class CheckpointingMismatch(RuntimeError):
+class RecomputeMismatch(RuntimeError):
     """Gradients with activation checkpointing differ from those without it."""
 
 
@@ -149,7 +130,7 @@ def _rng_restore(state: tuple, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def gradient_difference(checkpointing: ActivationCheckpointing, names: Iterable[str],
+def gradient_difference(checkpointing: RecomputeParts, names: Iterable[str],
                         forward_backward: Callable[[], None], parameters: dict[str, nn.Parameter],
                         device: torch.device) -> tuple[float, str]:
     """Run ``forward_backward`` without and with the parts ``names`` recomputed, from the same RNG
@@ -192,12 +173,12 @@ def gradient_difference(checkpointing: ActivationCheckpointing, names: Iterable[
     return (worst / scale if scale > 0 else worst), where
 
 
-def check_recompute(checkpointing: ActivationCheckpointing, forward_backward: Callable[[], None],
+def check_recompute(checkpointing: RecomputeParts, forward_backward: Callable[[], None],
                     parameters: dict[str, nn.Parameter], device: torch.device,
                     compute_dtype: Optional[torch.dtype], group=None) -> str:
     """memory.check_checkpointing: gradients of ``forward_backward`` with every part recomputed
     (so any subset a plan picks is covered: parts are independent) against none; raises
-    CheckpointingMismatch beyond ``check_tolerance``, else returns the line to log.
+    RecomputeMismatch beyond ``check_tolerance``, else returns the line to log.
 
     ``group``: the processes that must all pass or all raise (the largest difference of all is used).
     """
@@ -208,7 +189,7 @@ def check_recompute(checkpointing: ActivationCheckpointing, forward_backward: Ca
         diff = t.item()
     tol = check_tolerance(compute_dtype)
     if not diff <= tol:
-        raise CheckpointingMismatch(
+        raise RecomputeMismatch(
             f"memory.check_checkpointing: gradients with activation checkpointing differ from those without by "
             f"{diff:.3e} of the largest gradient (tolerance {tol:.0e}; this process worst at {where}). A "
             f"recomputed part does not reproduce its forward.")

@@ -1,0 +1,35 @@
+"""build_parallel: the M6 model of this process, built on ``meta``, split by the parallel plan,
+then materialised, so no process ever allocates the experts it does not hold."""
+
+from __future__ import annotations
+
+import torch
+
+from m6.config import Config
+from m6.model import M6Model
+from m6.parallel.launch import DistEnv
+from m6.parallel.layout import build_layout, create_process_groups
+from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
+
+
+def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
+                   init_device: torch.device | None = None) -> ShardedModel:
+    """This process's share of the model for ``cfg`` on the job ``env`` (one process: the trivial
+    layout, every expert local, nothing to communicate).
+
+    Same seed everywhere: replicated weights come out identical on every rank, and every
+    expert's weights depend only on (seed, layer, global expert id), not on the layout.
+    ``init_device``: where the weights are first allocated (default ``device``; CPU offload of
+    the parameters initialises them on the host so the device never holds the whole model).
+    """
+    m = cfg.model
+    with torch.device("meta"):
+        model = M6Model(m)
+    layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
+                          env.local_world_size)
+    groups = create_process_groups(layout)
+    plan = default_plan(model)
+    a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
+    shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)
+    model.materialize(init_device or device, cfg.run.seed)
+    return classify_parameters(model, plan, groups)

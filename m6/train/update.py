@@ -1,0 +1,88 @@
+"""The one owner of everything between the step's backwards and the next forward: gradient sync,
+CPU offload, clipping to the global norm, the (group-wise) optimizer update and the LR schedule.
+
+    update.begin_micro_batch(last=i == n - 1)   # only the last backward communicates
+    loss.backward()
+    update.finish()                             # reduced gradients, on the host when offloaded
+    norm = update.clip(max_norm)
+    update.step(apply=finite)                   # update (unless skipped), zero grads, next lr
+
+The collaborators are wired here once, not per step: the sync hands each bucket's final gradients
+to offload, and clipping and the update run on whichever tensors hold them (device params, or
+their host masters when offloaded).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from m6.config import Config
+from m6.memory import GroupedApply, build_offload
+from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
+from m6.train.optim import build_optimizer, build_scheduler
+
+
+class ParameterUpdate:
+    """Gradient sync + offload + grouped apply + schedule for this process's share of the model."""
+
+    def __init__(self, sharded: ShardedModel, cfg: Config, device: torch.device) -> None:
+        model = sharded.model
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.offload = build_offload(cfg.memory.offload, trainable, device, streamed_layers=list(model.blocks))
+        self.sync = GradientSync(sharded, int(cfg.parallel.bucket_size_mb * 2**20),
+                                 on_grads_final=self.offload.grads_final if self.offload else None)
+        replicated = list(sharded.replicated_params.values())
+        experts = list(sharded.expert_params.values())
+        if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
+            replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
+        self.replicated, self.experts = replicated, experts
+        self.expert_group = sharded.groups.expert
+        self.optimizer = build_optimizer(model, cfg.optim, self.offload.master if self.offload else None)
+        self.apply = GroupedApply(self.optimizer, replicated, experts, cfg.optim.apply_groups)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update uses."""
+        return self.scheduler.get_last_lr()[0]
+
+    def begin_micro_batch(self, last: bool) -> None:
+        """Before a backward: only the step's last one reduces (and offloads) gradients; the
+        others accumulate locally."""
+        self.sync.enabled = last
+
+    def finish(self) -> None:
+        """After the last backward: gradients reduced, and on the host when offloaded (clipping
+        needs the global norm before any group updates)."""
+        self.sync.finish()
+        if self.offload:
+            self.offload.finish_backward()
+
+    def clip(self, max_norm: float) -> float:
+        """Clip to the norm of the global gradient (every expert counted once); returns it.
+        ``max_norm`` <= 0 or inf: no clipping, the norm is still measured."""
+        limit = max_norm if max_norm > 0 else math.inf
+        return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group)
+
+    def step(self, apply: bool = True) -> None:
+        """Update the weights (``apply=False``: skip a non-finite step), drop the gradients, and
+        advance the schedule (the lr follows the step count, skipped steps included)."""
+        if apply:
+            if self.offload:
+                self.offload.step(self.apply)
+            else:
+                self.apply.step()
+        self.zero_grad()
+        self.scheduler.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.offload:
+            self.offload.zero_grad()
+
+    def optimizer_names(self, model: torch.nn.Module) -> dict[int, str] | None:
+        """Offload: the optimizer updates host masters, named after their model parameters (so
+        checkpoints index optimizer state by parameter name); None: the model's own params."""
+        return self.offload.master_names(model) if self.offload else None
