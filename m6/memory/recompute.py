@@ -1,4 +1,4 @@
-"""Recompute (activation checkpointing) of a model's declared parts, applied from outside.
+"""Recompute (activation recompute) of a model's declared parts, applied from outside.
 
 The model declares its *recomputable parts* (``model.recomputable_parts()``: regions that run no
 collective and make no routing decision, e.g. M6's attention sub-blocks, local expert FFNs and
@@ -130,7 +130,7 @@ def _rng_restore(state: tuple, device: torch.device) -> None:
         torch.cuda.set_rng_state(state[1], device)
 
 
-def gradient_difference(checkpointing: RecomputeParts, names: Iterable[str],
+def gradient_difference(recompute: RecomputeParts, names: Iterable[str],
                         forward_backward: Callable[[], None], parameters: dict[str, nn.Parameter],
                         device: torch.device) -> tuple[float, str]:
     """Run ``forward_backward`` without and with the parts ``names`` recomputed, from the same RNG
@@ -140,7 +140,7 @@ def gradient_difference(checkpointing: RecomputeParts, names: Iterable[str],
     """
     names = tuple(names)
     stash = {n: p.grad for n, p in parameters.items()}
-    previous, escalate = checkpointing.recomputed, checkpointing.escalate
+    previous, escalate = recompute.recomputed, recompute.escalate
     start = _rng_snapshot(device)
     grads = []
     try:
@@ -148,11 +148,11 @@ def gradient_difference(checkpointing: RecomputeParts, names: Iterable[str],
             for p in parameters.values():
                 p.grad = None
             _rng_restore(start, device)
-            checkpointing.apply(recompute)
+            recompute.apply(recompute)
             forward_backward()
             grads.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in parameters.items()})
     finally:
-        checkpointing.apply(previous, escalate)
+        recompute.apply(previous, escalate)
         _rng_restore(start, device)
         for n, p in parameters.items():
             p.grad = stash[n]
@@ -173,7 +173,7 @@ def gradient_difference(checkpointing: RecomputeParts, names: Iterable[str],
     return (worst / scale if scale > 0 else worst), where
 
 
-def check_recompute(checkpointing: RecomputeParts, forward_backward: Callable[[], None],
+def check_recompute(recompute: RecomputeParts, forward_backward: Callable[[], None],
                     parameters: dict[str, nn.Parameter], device: torch.device,
                     compute_dtype: Optional[torch.dtype], group=None) -> str:
     """memory.check_checkpointing: gradients of ``forward_backward`` with every part recomputed
@@ -182,7 +182,7 @@ def check_recompute(checkpointing: RecomputeParts, forward_backward: Callable[[]
 
     ``group``: the processes that must all pass or all raise (the largest difference of all is used).
     """
-    diff, where = gradient_difference(checkpointing, checkpointing.parts, forward_backward, parameters, device)
+    diff, where = gradient_difference(recompute, recompute.parts, forward_backward, parameters, device)
     if group is not None:
         t = torch.tensor([diff], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

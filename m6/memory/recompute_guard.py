@@ -1,10 +1,10 @@
 """memory.activation_checkpointing=auto in training: hold every micro-batch to the budget.
 
-The plan (activation_plan.choose_recompute) is chosen on one profiled micro-batch, but what the
+The plan (recompute_plan.choose_recompute) is chosen on one profiled micro-batch, but what the
 parts it keeps and the code around them keep for backward changes with the batch: the number of
 routed (non-padding) tokens sets the size of the dispatch buffers and of the expert activations,
 and under expert parallelism so does how many tokens this rank receives. A plan that fits the
-profiled batch can then exceed the budget on a heavier one (by ~10% in bench/memory). The guard:
+profiled batch can then exceed the budget on a heavier one. The guard:
 
 - meters each training micro-batch with saved-tensor hooks, and as each part the plan keeps
   starts, predicts the micro-batch's final bytes: what is kept now, plus the rest of the plan's
@@ -35,17 +35,17 @@ from m6.memory.recompute_plan import ActivationProfile, RecomputePlan, choose_re
 class ActivationBudgetGuard:
     """Applies an auto plan to ``checkpointing`` and keeps each metered micro-batch under ``budget`` bytes."""
 
-    def __init__(self, checkpointing: RecomputeParts, profile: ActivationProfile, budget: int,
+    def __init__(self, recompute: RecomputeParts, profile: ActivationProfile, budget: int,
                  parameters: Iterable[torch.Tensor], profiled_targets: int = 0) -> None:
         """``profiled_targets``: loss targets of the profiled micro-batch (0: unknown)."""
-        self.checkpointing, self.profile, self.budget = checkpointing, profile, budget
+        self.parts, self.profile, self.budget = recompute, profile, budget
         self.parameters = list(parameters)
         self.profiled_targets = profiled_targets
         self._tail = profile.tail_bytes()
         self._tail_scale = 1.0
         self._cache: dict = {}  # (part, recompute set) -> _profiled; recompute set -> _predicted
         self.plan: RecomputePlan = choose_recompute(profile, budget)
-        self.checkpointing.apply(self.plan.recompute, escalate=self._escalate)
+        self.parts.apply(self.plan.recompute, escalate=self._escalate)
         self._meter: Optional[SavedActivationMeter] = None
         self._recompute: set[str] = set()
         self._ratio = 1.0  # largest measured / predicted bytes of a micro-batch so far
@@ -113,5 +113,5 @@ class ActivationBudgetGuard:
             self.plan = plan
             return None
         self.plan = plan
-        self.checkpointing.apply(plan.recompute, escalate=self._escalate)
+        self.parts.apply(plan.recompute, escalate=self._escalate)
         return plan

@@ -2,7 +2,7 @@
 recompute so the activations kept for backward fit a budget at the least recompute time.
 
 The profile runs one forward with *every* part recomputed (so profiling itself needs the least
-memory) and, beside each part, runs that part again on the same inputs without checkpointing,
+memory) and, beside each part, runs that part again on the same inputs without recompute,
 measuring what its ops save (bytes, exactly, by storage) and how long it takes; the side run's
 outputs are dropped at once, so at most one part's activations exist beyond the checkpointed
 forward's. What is kept outside all parts (router, dispatch,
@@ -79,7 +79,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_parts(checkpointing: RecomputeParts, forward: Callable[[], object],
+def profile_parts(recompute: RecomputeParts, forward: Callable[[], object],
                   parameters: Iterable[torch.Tensor], device: torch.device) -> ActivationProfile:
     """Profile every part during one call of ``forward`` (a model forward building its graph).
 
@@ -126,16 +126,16 @@ def profile_parts(checkpointing: RecomputeParts, forward: Callable[[], object],
         return run
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
-        with checkpointing.wrapped(wrap), outer:
+        with recompute.wrapped(wrap), outer:
             result = forward()
             by_region = outer.held_by_region()
             del result
-    missing = [n for n in checkpointing.parts if n not in measured]
+    missing = [n for n in recompute.parts if n not in measured]
     if missing:
         raise RuntimeError(f"the profiled forward never ran the parts {missing}")
     return ActivationProfile(
         outside=by_region.get(None, {}),
-        parts={n: PartProfile(by_region.get(n, {}), *measured[n]) for n in checkpointing.parts},
+        parts={n: PartProfile(by_region.get(n, {}), *measured[n]) for n in recompute.parts},
         entry=entry,
     )
 
@@ -161,9 +161,9 @@ class RecomputePlan:
         budget = "none (full)" if self.budget_bytes is None else mb(self.budget_bytes)
         if self.margin != 1.0:
             budget += f" planned with margin x{self.margin:.3f}"
-        text = (f"activation checkpointing: recompute {len(self.recompute)}/{num_parts} parts "
+        text = (f"activation recompute: recompute {len(self.recompute)}/{num_parts} parts "
                 f"[{', '.join(self.recompute) or '-'}]; saved activations {mb(self.predicted_bytes)} "
-                f"(profiled: {mb(self.no_checkpoint_bytes)} without checkpointing, "
+                f"(profiled: {mb(self.no_checkpoint_bytes)} without recompute, "
                 f"{mb(self.all_checkpoint_bytes)} recomputing every part), budget {budget}, "
                 f"recompute {self.recompute_s * 1e3:.2f} ms per micro-batch")
         if not self.fits:
