@@ -16,8 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m6.config import (Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches, per_rank_batch_size,
-                       run_dir, to_dict)
+from m6.config import Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches, run_dir, to_dict
 from m6.data.batch import MultimodalBatch
 from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
@@ -75,7 +74,6 @@ class Trainer:
         self.cast_on_use = self.autocast_dtype is not None and cfg.train.precision != "bf16-autocast"
         self.micro_batch = micro_batch_size(cfg.train, self.world_size)
         self.accum = accumulation_steps(cfg.train, self.world_size)
-        assert per_rank_batch_size(cfg.train, self.world_size) == self.micro_batch * self.accum
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
         if self.is_main:
