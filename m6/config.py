@@ -14,7 +14,7 @@ from typing import Literal, Optional, Union
 
 from m6.config_loader import ConfigError, dump_yaml, load_config, to_dict
 
-BYTE_VOCAB_SIZE = 261  # m6.data.tokenizer.ByteTokenizer: 256 bytes + PAD, BOS, EOS, SEP, IMG
+BYTE_VOCAB_SIZE = 261  # m6.data.byte_tokenizer.ByteTokenizer: 256 bytes + PAD, BOS, EOS, SEP, IMG
 
 
 def _check_positive(values: dict[str, float]) -> None:
