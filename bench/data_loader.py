@@ -50,7 +50,7 @@ def time_m6_loader(num_workers: int, batches: int, micro_batch: int) -> float:
 def time_streaming_anchor(batches: int, micro_batch: int) -> float:
     """Samples/s of sequential tar streaming + the same decode/task/collate, in one process."""
     cfg = load(TINY)
-    from m6.data.bpe_tokenizer import load_tokenizer
+    from m6.data.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tasks = TaskMix(cfg.data.tasks, seed=0)

@@ -1,7 +1,8 @@
-"""The typed config tree of an m6 run, and its cross-section validation.
+"""The typed config tree of an m6 run, and its validation.
 
-YAML file -> these dataclasses -> dotted CLI overrides -> validate(). Builders receive only their
-own section. Derived values (accumulation steps, patches per image) are functions, not keys.
+YAML file -> these dataclasses -> dotted CLI overrides -> Config.validate(): each section checks its
+own keys in its validate(), and the rules between sections live in _check_cross_section. Builders
+receive only their own section. Derived values (accumulation steps, patches per image) are functions, not keys.
 The generic machinery (type checks, nearest-key suggestions, overrides) is in m6.config_loader.
 """
 
@@ -13,7 +14,21 @@ from typing import Literal, Optional, Union
 
 from m6.config_loader import ConfigError, dump_yaml, load_config, to_dict
 
-BYTE_VOCAB_SIZE = 261  # m6.data.tokenizer.ByteTokenizer: 256 bytes + PAD, BOS, EOS, SEP, IMG
+BYTE_VOCAB_SIZE = 261  # m6.data.byte_tokenizer.ByteTokenizer: 256 bytes + PAD, BOS, EOS, SEP, IMG
+
+
+def _check_positive(values: dict[str, float]) -> None:
+    """Raise for the first dotted key whose value is <= 0."""
+    for key, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+def _check_non_negative(values: dict[str, float]) -> None:
+    """Raise for the first dotted key whose value is < 0 (0 means off or none)."""
+    for key, value in values.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
 
 
 @dataclass
@@ -38,6 +53,24 @@ class MoEConfig:
     aux_loss_scope: Literal["global", "local"] = "global"
     a2a_dtype: Optional[Literal["bf16"]] = None  # expert-parallel all-to-all payload precision
 
+    def validate(self) -> None:
+        """Check the model.moe keys on their own."""
+        _check_positive({"model.moe.num_experts": self.num_experts, "model.moe.top_k": self.top_k,
+                         "model.moe.num_prototypes": self.num_prototypes})
+        _check_non_negative({"model.moe.every": self.every, "model.moe.min_capacity": self.min_capacity,
+                             "model.moe.aux_loss_coef": self.aux_loss_coef, "model.moe.z_loss_coef": self.z_loss_coef,
+                             "model.moe.router_jitter": self.router_jitter})
+        if self.num_experts % self.num_prototypes:
+            raise ConfigError(f"model.moe.num_experts ({self.num_experts}) must be divisible by "
+                              f"model.moe.num_prototypes ({self.num_prototypes})")
+        if self.top_k > self.num_experts // self.num_prototypes:
+            raise ConfigError(f"model.moe.top_k ({self.top_k}) must not exceed model.moe.num_experts "
+                              f"({self.num_experts}) / model.moe.num_prototypes ({self.num_prototypes})")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ConfigError(f"model.moe.capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}")
+        if self.ffn_dim is not None and self.ffn_dim <= 0:
+            raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {self.ffn_dim}")
+
 
 @dataclass
 class ModelConfig:
@@ -59,6 +92,26 @@ class ModelConfig:
     init_std: float = 0.02
     moe: MoEConfig = field(default_factory=MoEConfig)
 
+    def validate(self) -> None:
+        """Check the model keys on their own, then model.moe."""
+        _check_positive({
+            "model.vocab_size": self.vocab_size, "model.d_model": self.d_model, "model.num_layers": self.num_layers,
+            "model.num_heads": self.num_heads, "model.ffn_dim": self.ffn_dim, "model.max_text_len": self.max_text_len,
+            "model.image_size": self.image_size, "model.image_channels": self.image_channels,
+            "model.patch_size": self.patch_size,
+        })
+        if self.d_model % self.num_heads:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
+        if self.image_size % self.patch_size:
+            raise ConfigError(f"model.image_size ({self.image_size}) must be divisible by "
+                              f"model.patch_size ({self.patch_size})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        for key, value in (("model.norm_eps", self.norm_eps), ("model.init_std", self.init_std)):
+            if not value > 0:
+                raise ConfigError(f"{key} must be > 0, got {value}")
+        self.moe.validate()
+
 
 @dataclass
 class DataSourceConfig:
@@ -67,6 +120,14 @@ class DataSourceConfig:
     path: Union[str, list[str]] = ""
     format: Literal["tar", "jsonl", "text"] = "tar"
     weight: float = 1.0
+
+    def validate(self, key: str) -> None:
+        """Check this source; ``key`` is its place in the config, e.g. ``data.sources[0]``."""
+        paths = [self.path] if isinstance(self.path, str) else list(self.path)
+        if not paths or not all(p.strip() for p in paths):
+            raise ConfigError(f"{key}.path is empty")
+        if not self.weight >= 0:
+            raise ConfigError(f"{key}.weight must be >= 0, got {self.weight}")
 
 
 @dataclass
@@ -87,6 +148,25 @@ class DataConfig:
     seq_len: int = 96  # text tokens per sample (source + target), padded
     text_only_fraction: float = 0.2  # kind=synthetic
 
+    def validate(self) -> None:
+        """Check the data keys on their own (data.image_mean/std against the model: _check_cross_section)."""
+        _check_positive({"data.num_samples": self.num_samples, "data.seq_len": self.seq_len})
+        _check_non_negative({"data.eval_samples": self.eval_samples})
+        if self.num_workers < 0 or self.prefetch_factor <= 0:
+            raise ConfigError(f"data.num_workers ({self.num_workers}) must be >= 0 and data.prefetch_factor "
+                              f"({self.prefetch_factor}) > 0")
+        if self.kind == "files" and not self.sources:
+            raise ConfigError("data.sources is empty: data.kind=files needs at least one source "
+                              "({path: ..., format: tar|jsonl|text, weight: 1.0})")
+        if self.kind == "synthetic" and self.sources:
+            raise ConfigError("data.sources is set but data.kind is 'synthetic'; set data.kind=files to train on them")
+        for i, src in enumerate(self.sources):
+            src.validate(f"data.sources[{i}]")
+        if self.sources and not any(src.weight > 0 for src in self.sources):
+            raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
+        if not 0.0 <= self.text_only_fraction <= 1.0:
+            raise ConfigError(f"data.text_only_fraction must be in [0, 1], got {self.text_only_fraction}")
+
 
 @dataclass
 class TrainConfig:
@@ -103,6 +183,18 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: Optional[float] = None  # device peak for MFU when m6 does not know the device
 
+    def validate(self) -> None:
+        """Check the train keys on their own."""
+        _check_positive({"train.max_steps": self.max_steps, "train.global_batch_size": self.global_batch_size,
+                         "train.max_bad_steps": self.max_bad_steps, "train.eval_batches": self.eval_batches})
+        _check_non_negative({"train.grad_clip": self.grad_clip, "train.eval_every": self.eval_every})
+        if self.micro_batch_size is not None:
+            if self.micro_batch_size <= 0 or self.global_batch_size % self.micro_batch_size:
+                raise ConfigError(f"train.micro_batch_size ({self.micro_batch_size}) must be > 0 and divide "
+                                  f"train.global_batch_size ({self.global_batch_size})")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"train.peak_tflops must be > 0 or null, got {self.peak_tflops}")
+
 
 @dataclass
 class MemoryConfig:
@@ -117,6 +209,21 @@ class MemoryConfig:
     activation_budget_fraction: Optional[float] = None
     check_checkpointing: bool = False  # step 1: compare gradients with and without checkpointing
 
+    def validate(self) -> None:
+        """Check the memory keys: the budget is GiB or a fraction, and applies only to auto."""
+        if self.activation_budget_gb is not None and self.activation_budget_fraction is not None:
+            raise ConfigError("set memory.activation_budget_gb or memory.activation_budget_fraction, not both")
+        if self.activation_budget_gb is not None and self.activation_budget_gb <= 0:
+            raise ConfigError(f"memory.activation_budget_gb must be > 0, got {self.activation_budget_gb}")
+        if self.activation_budget_fraction is not None and not 0.0 <= self.activation_budget_fraction <= 1.0:
+            raise ConfigError(f"memory.activation_budget_fraction must be in [0, 1], got {self.activation_budget_fraction}")
+        budget_set = self.activation_budget_gb is not None or self.activation_budget_fraction is not None
+        if budget_set and self.activation_checkpointing != "auto":
+            raise ConfigError("memory.activation_budget_gb/activation_budget_fraction only apply with "
+                              f"memory.activation_checkpointing=auto (it is {self.activation_checkpointing!r})")
+        if self.check_checkpointing and self.activation_checkpointing == "none":
+            raise ConfigError("memory.check_checkpointing needs memory.activation_checkpointing full or auto")
+
 
 @dataclass
 class OptimConfig:
@@ -129,6 +236,19 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     apply_groups: int = 1  # run the update over N size-balanced parameter groups, one after another
+
+    def validate(self) -> None:
+        """Check the optim keys on their own."""
+        _check_non_negative({"optim.warmup_steps": self.warmup_steps, "optim.weight_decay": self.weight_decay})
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"need 0 <= optim.min_lr ({self.min_lr}) <= optim.lr ({self.lr}) and optim.lr > 0")
+        for key, value in (("optim.beta1", self.beta1), ("optim.beta2", self.beta2)):
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{key} must be in [0, 1), got {value}")
+        if not self.eps > 0:
+            raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
+        if self.apply_groups <= 0:
+            raise ConfigError(f"optim.apply_groups must be >= 1, got {self.apply_groups}")
 
 
 @dataclass
@@ -147,12 +267,21 @@ class LoggingConfig:
     console: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
+    def validate(self) -> None:
+        """Check the logging keys (logging.wandb has no rules beyond its types)."""
+        _check_positive({"logging.every": self.every})
+
 
 @dataclass
 class CheckpointConfig:
     every: int = 100  # 0 = only at the end
     keep: int = 2
     resume: Optional[str] = None  # null / "none", "auto" (latest in run.dir), or a checkpoint path
+
+    def validate(self) -> None:
+        """Check the checkpoint keys on their own."""
+        _check_positive({"checkpoint.keep": self.keep})
+        _check_non_negative({"checkpoint.every": self.every})
 
 
 @dataclass
@@ -162,6 +291,14 @@ class ParallelConfig:
     expert_parallel_size: Union[int, Literal["auto"]] = "auto"  # auto: largest divisor of world and experts
     bucket_size_mb: float = 25.0  # gradient all-reduce bucket size
     timeout_s: int = 600  # a collective waiting longer than this (a dead rank) fails the run
+
+    def validate(self) -> None:
+        """Check the parallel keys on their own (the world size is known only at start-up)."""
+        if self.bucket_size_mb <= 0 or self.timeout_s <= 0:
+            raise ConfigError(f"parallel.bucket_size_mb ({self.bucket_size_mb}) and parallel.timeout_s "
+                              f"({self.timeout_s}) must be > 0")
+        if isinstance(self.expert_parallel_size, int) and self.expert_parallel_size <= 0:
+            raise ConfigError(f"parallel.expert_parallel_size must be > 0 or 'auto', got {self.expert_parallel_size}")
 
 
 @dataclass
@@ -184,108 +321,24 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def validate(self) -> None:
-        """Cross-key checks, each naming every key involved."""
-        m, moe, d, t, o = self.model, self.model.moe, self.data, self.train, self.optim
-        positive = {
-            "model.vocab_size": m.vocab_size, "model.d_model": m.d_model, "model.num_layers": m.num_layers,
-            "model.num_heads": m.num_heads, "model.ffn_dim": m.ffn_dim, "model.max_text_len": m.max_text_len,
-            "model.image_size": m.image_size, "model.image_channels": m.image_channels,
-            "model.patch_size": m.patch_size, "model.moe.num_experts": moe.num_experts,
-            "model.moe.top_k": moe.top_k, "model.moe.num_prototypes": moe.num_prototypes,
-            "data.num_samples": d.num_samples, "data.seq_len": d.seq_len,
-            "train.max_steps": t.max_steps, "train.global_batch_size": t.global_batch_size,
-            "train.max_bad_steps": t.max_bad_steps, "train.eval_batches": t.eval_batches,
-            "logging.every": self.logging.every, "checkpoint.keep": self.checkpoint.keep,
-        }
-        for key, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{key} must be > 0, got {value}")
-        non_negative = {"model.moe.every": moe.every, "model.moe.min_capacity": moe.min_capacity,
-                        "train.grad_clip": t.grad_clip, "train.eval_every": t.eval_every,
-                        "optim.warmup_steps": o.warmup_steps, "optim.weight_decay": o.weight_decay,
-                        "checkpoint.every": self.checkpoint.every, "data.eval_samples": d.eval_samples,
-                        "model.moe.aux_loss_coef": moe.aux_loss_coef, "model.moe.z_loss_coef": moe.z_loss_coef,
-                        "model.moe.router_jitter": moe.router_jitter}
-        for key, value in non_negative.items():
-            if value < 0:
-                raise ConfigError(f"{key} must be >= 0, got {value}")
-        if m.d_model % m.num_heads:
-            raise ConfigError(f"model.d_model ({m.d_model}) must be divisible by model.num_heads ({m.num_heads})")
-        if m.image_size % m.patch_size:
-            raise ConfigError(f"model.image_size ({m.image_size}) must be divisible by model.patch_size ({m.patch_size})")
-        if moe.num_experts % moe.num_prototypes:
-            raise ConfigError(f"model.moe.num_experts ({moe.num_experts}) must be divisible by "
-                              f"model.moe.num_prototypes ({moe.num_prototypes})")
-        if moe.top_k > moe.num_experts // moe.num_prototypes:
-            raise ConfigError(f"model.moe.top_k ({moe.top_k}) must not exceed model.moe.num_experts "
-                              f"({moe.num_experts}) / model.moe.num_prototypes ({moe.num_prototypes})")
-        if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-            raise ConfigError(f"model.moe.capacity_factor must be > 0 or null (dropless), got {moe.capacity_factor}")
-        if moe.ffn_dim is not None and moe.ffn_dim <= 0:
-            raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {moe.ffn_dim}")
-        if not 0.0 <= m.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {m.dropout}")
-        if d.seq_len > m.max_text_len:
-            raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_text_len ({m.max_text_len})")
-        if m.vocab_size < BYTE_VOCAB_SIZE:
-            raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's "
-                              f"{BYTE_VOCAB_SIZE} ids (data.kind={d.kind})")
-        if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
-            raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
-                              f"model.image_channels ({m.image_channels}) values each, std > 0")
-        if d.num_workers < 0 or d.prefetch_factor <= 0:
-            raise ConfigError(f"data.num_workers ({d.num_workers}) must be >= 0 and data.prefetch_factor "
-                              f"({d.prefetch_factor}) > 0")
-        if d.kind == "files" and not d.sources:
-            raise ConfigError("data.sources is empty: data.kind=files needs at least one source "
-                              "({path: ..., format: tar|jsonl|text, weight: 1.0})")
-        if d.kind == "synthetic" and d.sources:
-            raise ConfigError("data.sources is set but data.kind is 'synthetic'; set data.kind=files to train on them")
-        for i, src in enumerate(d.sources):
-            paths = [src.path] if isinstance(src.path, str) else list(src.path)
-            if not paths or not all(p.strip() for p in paths):
-                raise ConfigError(f"data.sources[{i}].path is empty")
-            if not src.weight >= 0:
-                raise ConfigError(f"data.sources[{i}].weight must be >= 0, got {src.weight}")
-        if d.sources and not any(src.weight > 0 for src in d.sources):
-            raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
-        if not 0.0 <= d.text_only_fraction <= 1.0:
-            raise ConfigError(f"data.text_only_fraction must be in [0, 1], got {d.text_only_fraction}")
-        if t.micro_batch_size is not None:
-            if t.micro_batch_size <= 0 or t.global_batch_size % t.micro_batch_size:
-                raise ConfigError(f"train.micro_batch_size ({t.micro_batch_size}) must be > 0 and divide "
-                                  f"train.global_batch_size ({t.global_batch_size})")
-        if o.lr <= 0 or o.min_lr < 0 or o.min_lr > o.lr:
-            raise ConfigError(f"need 0 <= optim.min_lr ({o.min_lr}) <= optim.lr ({o.lr}) and optim.lr > 0")
-        for key, value in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
-            if not 0.0 <= value < 1.0:
-                raise ConfigError(f"{key} must be in [0, 1), got {value}")
-        for key, value in (("optim.eps", o.eps), ("model.norm_eps", m.norm_eps), ("model.init_std", m.init_std)):
-            if not value > 0:
-                raise ConfigError(f"{key} must be > 0, got {value}")
-        p = self.parallel
-        if p.bucket_size_mb <= 0 or p.timeout_s <= 0:
-            raise ConfigError(f"parallel.bucket_size_mb ({p.bucket_size_mb}) and parallel.timeout_s ({p.timeout_s}) must be > 0")
-        if isinstance(p.expert_parallel_size, int) and p.expert_parallel_size <= 0:
-            raise ConfigError(f"parallel.expert_parallel_size must be > 0 or 'auto', got {p.expert_parallel_size}")
-        if t.peak_tflops is not None and t.peak_tflops <= 0:
-            raise ConfigError(f"train.peak_tflops must be > 0 or null, got {t.peak_tflops}")
-        if o.apply_groups <= 0:
-            raise ConfigError(f"optim.apply_groups must be >= 1, got {o.apply_groups}")
-        mem = self.memory
-        if mem.activation_budget_gb is not None and mem.activation_budget_fraction is not None:
-            raise ConfigError("set memory.activation_budget_gb or memory.activation_budget_fraction, not both")
-        if mem.activation_budget_gb is not None and mem.activation_budget_gb <= 0:
-            raise ConfigError(f"memory.activation_budget_gb must be > 0, got {mem.activation_budget_gb}")
-        if mem.activation_budget_fraction is not None and not 0.0 <= mem.activation_budget_fraction <= 1.0:
-            raise ConfigError(f"memory.activation_budget_fraction must be in [0, 1], got {mem.activation_budget_fraction}")
-        budget_set = mem.activation_budget_gb is not None or mem.activation_budget_fraction is not None
-        if budget_set and mem.activation_checkpointing != "auto":
-            raise ConfigError("memory.activation_budget_gb/activation_budget_fraction only apply with "
-                              f"memory.activation_checkpointing=auto (it is {mem.activation_checkpointing!r})")
-        if mem.check_checkpointing and mem.activation_checkpointing == "none":
-            raise ConfigError("memory.check_checkpointing needs memory.activation_checkpointing full or auto")
+        """Check every section on its own (run has no rules beyond its types), then the rules between them."""
+        for section in (self.model, self.data, self.train, self.optim, self.logging, self.checkpoint,
+                        self.parallel, self.memory):
+            section.validate()
+        _check_cross_section(self)
 
+
+def _check_cross_section(cfg: Config) -> None:
+    """The rules that tie one section to another, each naming every key involved."""
+    m, d = cfg.model, cfg.data
+    if d.seq_len > m.max_text_len:
+        raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_text_len ({m.max_text_len})")
+    if m.vocab_size < BYTE_VOCAB_SIZE:
+        raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's "
+                          f"{BYTE_VOCAB_SIZE} ids (data.kind={d.kind})")
+    if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
+        raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
+                          f"model.image_channels ({m.image_channels}) values each, std > 0")
 
 def expert_ffn_dim(model: ModelConfig) -> int:
     """Hidden size of each expert FFN."""

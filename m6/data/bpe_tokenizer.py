@@ -20,8 +20,6 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from m6.data.tokenizer import ByteTokenizer
-
 # Order fixes the ids of a freshly trained tokenizer: <pad>=0, <bos>=1, <eos>=2, <sep>=3, <img>=4.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>", "<img>")
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the specials
@@ -73,16 +71,6 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
-
-
-TextTokenizer = ByteTokenizer | HFTokenizer
-
-
-def load_tokenizer(spec: str | Path | None) -> TextTokenizer:
-    """None or "byte" -> ByteTokenizer; anything else is the path of a tokenizer.json."""
-    if spec is None or spec == "byte":
-        return ByteTokenizer()
-    return HFTokenizer(spec)
 
 
 def iter_documents(path: str | Path) -> Iterator[str]:

@@ -30,7 +30,7 @@ def sample_png(index: int, seed: int = SAMPLE_SEED) -> tuple[bytes, str]:
     """PNG bytes and caption of pair ``index``."""
     rng = np.random.default_rng([seed, index])
     specs = sample_shapes(rng)
-    # No pixel noise: noisy PNGs are ~3x larger, and the loader's crop already varies the input.
+    # No pixel noise: noise defeats PNG compression, and the loader's crop already varies the input.
     pixels = render_shapes(specs, IMAGE_SIZE, rng, noise_std=0.0)  # float [3, H, W] in [0, 1]
     rgb = (pixels.transpose(1, 2, 0) * 255.0).round().astype(np.uint8)
     buf = io.BytesIO()

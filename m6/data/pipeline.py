@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from m6.config import Config, micro_batch_size, num_patches
 from m6.config_loader import ConfigError
 from m6.data.batch import Sample
-from m6.data.bpe_tokenizer import TextTokenizer, load_tokenizer
 from m6.data.loader import BatchCollator, TrainLoader
 from m6.data.record_dataset import SyntheticRecords, build_file_datasets
 from m6.data.sources import SkipCounter
 from m6.data.synthetic import SyntheticImageCaptionDataset
+from m6.data.tokenizer import TextTokenizer, load_tokenizer
 
 EVAL_SEED_OFFSET = 7919  # synthetic eval samples: same distribution, different seed
 

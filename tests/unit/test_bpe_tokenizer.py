@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from m6.data.bpe_tokenizer import HFTokenizer, load_tokenizer, main, train_bpe
-from m6.data.tokenizer import ByteTokenizer
+from m6.data.bpe_tokenizer import HFTokenizer, main, train_bpe
+from m6.data.byte_tokenizer import ByteTokenizer
+from m6.data.tokenizer import load_tokenizer
 
 ENGLISH = ["the model", "mixture of experts", "routes each token", "to the top experts", "multimodal"]
 CHINESE = ["多模态预训练", "专家混合模型", "图像和文本", "中文分词测试"]

@@ -17,7 +17,7 @@ from m6.data.synthetic import (
     denormalize_image,
     shuffled_images,
 )
-from m6.data.tokenizer import ByteTokenizer
+from m6.data.byte_tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 PHRASE_TO_CELL = {phrase: cell for cell, phrase in POSITIONS.items()}

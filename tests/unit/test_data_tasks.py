@@ -21,7 +21,7 @@ from m6.data.tasks import (
     split_continuation,
     task_names,
 )
-from m6.data.tokenizer import ByteTokenizer
+from m6.data.byte_tokenizer import ByteTokenizer
 
 IMAGE_SHAPE = (3, 8, 8)
 IMAGE = np.arange(np.prod(IMAGE_SHAPE), dtype=np.float32).reshape(IMAGE_SHAPE)

@@ -19,7 +19,7 @@ from m6.config import ModelConfig, MoEConfig, num_patches
 from m6.data import batch as data_batch
 from m6.data.batch import collate
 from m6.data.synthetic import SyntheticImageCaptionDataset
-from m6.data.tokenizer import ByteTokenizer
+from m6.data.byte_tokenizer import ByteTokenizer
 from m6.model import M6Model
 from m6.model import mask as model_mask
 from m6.model.block import DenseMLP
