@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from m6.batch_format import IGNORE_INDEX, SEG_PAD, SEG_SOURCE, SEG_TARGET  # re-exported: the batch format
-from m6.data.tokenizer import ByteTokenizer
+from m6.data.byte_tokenizer import ByteTokenizer
 
 
 
