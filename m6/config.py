@@ -276,7 +276,11 @@ class LoggingConfig:
 class CheckpointConfig:
     every: int = 100  # 0 = only at the end
     keep: int = 2
-    resume: Optional[str] = None  # null / "none", "auto" (latest in run.dir), or a checkpoint path
+    # "auto": continue from the latest checkpoint in run.dir if there is one (a requeued or
+    # restarted job picks up where it stopped); "none": start fresh (and say so when run.dir
+    # already holds checkpoints, which this run's saves then replace); or a checkpoint path.
+    resume: Optional[str] = "auto"
+    async_save: bool = True  # the step waits only for the copy to host memory; files are written behind it
 
     def validate(self) -> None:
         """Check the checkpoint keys on their own."""

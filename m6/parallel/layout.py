@@ -95,6 +95,7 @@ class ProcessGroups:
 
     layout: ParallelLayout
     mesh: Optional[DeviceMesh]
+    checkpoint: object = None  # a gloo group of all ranks for checkpoint coordination (see below)
 
     @property
     def world(self):
@@ -125,4 +126,8 @@ def create_process_groups(layout: ParallelLayout) -> ProcessGroups:
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (layout.expert_data_parallel_size, layout.expert_parallel_size),
                             mesh_dim_names=MESH_DIMS)
-    return ProcessGroups(layout, mesh)
+    # Checkpoints coordinate over a group of their own: DCP exchanges plans and results as
+    # pickled objects (host memory: gloo serves them whatever the training backend), and a save
+    # running in a background thread must never interleave with the training collectives.
+    checkpoint = dist.new_group(backend="gloo")
+    return ProcessGroups(layout, mesh, checkpoint)

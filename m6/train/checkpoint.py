@@ -1,8 +1,15 @@
-"""Single-process training checkpoints: state-dict file I/O, RNG capture, and atomic step directories.
+"""Training checkpoints: sharded state on DCP (m6.train.sharded_io), RNG capture, and atomic step
+directories.
 
-Layout: ``run_dir/checkpoints/step_00000010/state.pt`` plus a ``latest`` pointer file naming the
-newest step directory. The file layer (`save_state` / `load_state`) knows nothing of directories, so
-a multi-rank version can write one state file per rank into the same atomic step directory.
+Layout: ``run_dir/checkpoints/step_00000010/`` holding DCP's files (one data file per rank and the
+``.metadata`` index) plus a ``latest`` pointer file naming the newest step directory. Every rank
+writes its own part into ``.tmp-step_00000010`` in parallel; once all have written (the metadata
+is the coordinator's last write) rank 0 renames it to ``step_00000010``, so a step directory is
+complete by construction. A save can run in the background after the state is copied to host
+memory (``asynchronous``); the next save, or ``wait``, finishes it first.
+
+A state is a nested dict of string keys whose leaves are tensors or python values; expert shards
+(``shards``, flattened keys) are this rank's rows of global tensors.
 """
 
 from __future__ import annotations
@@ -12,14 +19,21 @@ import os
 import random
 import re
 import shutil
+import socket
+import time
 import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
-STATE_FILE = "state.pt"
+from m6.train import sharded_io
+from m6.train.sharded_io import METADATA_FILE, Shards
 POINTER_FILE = "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 # Everything the manager writes that is not yet (or no longer) a checkpoint starts with this prefix,
@@ -121,40 +135,40 @@ def _find_unloadable(obj: Any, path: str) -> str | None:
     return None
 
 
-def save_state(state: dict, file: str | Path) -> None:
-    """Write a state dict to `file` and fsync it; no atomicity, that is the caller's job."""
+def check_loadable(state: dict) -> None:
+    """Refuse, naming its key, a value that torch.load(weights_only=True) could not read back."""
     bad = _find_unloadable(state, "state")
     if bad:
         raise TypeError(
             f"cannot checkpoint {bad}: only tensors, python primitives, dicts, lists, tuples and sets "
             "are saved (so checkpoints load with torch.load(weights_only=True)); convert it first"
         )
-    with open(file, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
 
 
-def load_state(file: str | Path, map_location: Any = "cpu") -> dict:
-    """Read a state dict written by `save_state`, turning any read failure into a CheckpointError."""
-    file = Path(file)
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint file {file} does not exist")
-    try:
-        # weights_only=True: save_state guarantees only tensors and primitives are inside, and the
-        # restricted unpickler cannot run code from a checkpoint someone else handed us.
-        state = torch.load(file, map_location=map_location, weights_only=True)
-    except Exception as e:  # zip, pickle, EOF and OS errors all mean the same thing to the user
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(
-            f"cannot read checkpoint file {file}: it is corrupt, truncated or not an m6 checkpoint "
-            f"({type(e).__name__}: {reason})"
-        ) from e
-    if not isinstance(state, dict):
-        raise CheckpointError(
-            f"checkpoint file {file} holds a {type(state).__name__}, not an m6 checkpoint state dict"
-        )
-    return state
+SEP = "/"  # joins nested keys in the flat DCP key space (module names already use ".")
+
+
+def flatten(state: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts with string keys -> one flat dict; anything else is a leaf."""
+    flat = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) and SEP not in k for k in value):
+            flat.update(flatten(value, name + SEP))
+        else:
+            flat[name] = value
+    return flat
+
+
+def unflatten(flat: dict[str, Any]) -> dict:
+    out: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(SEP)
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
 
 
 # --------------------------------------------------------------------------- step directories
@@ -177,35 +191,94 @@ def _step_of(path: Path) -> int | None:
     return int(match.group(1)) if match else None
 
 
-class CheckpointManager:
-    """Owns run_dir/checkpoints: atomic saves, the `latest` pointer, retention and discovery."""
+@dataclass
+class PendingSave:
+    """A save writing in the background: where it goes once every rank has written."""
 
-    def __init__(self, run_dir: str | Path, keep: int) -> None:
+    step: int
+    tmp: Path
+    final: Path
+    future: Future
+    started: float
+
+
+class CheckpointManager:
+    """Owns run_dir/checkpoints: sharded (optionally background) saves, atomic step directories,
+    the ``latest`` pointer, retention and discovery.
+
+    ``rank``: this process's global rank (rank 0 renames, points and prunes); ``group``: the
+    process group DCP coordinates the save over (None with one process; a gloo group of its own
+    under torch.distributed, so a background save never shares the training collectives' group).
+    """
+
+    def __init__(self, run_dir: str | Path, keep: int, rank: int = 0, group=None) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"checkpoint.keep must be an integer >= 1, got {keep!r}")
         self.dir = Path(run_dir) / "checkpoints"
-        self.keep = keep
+        self.keep, self.rank, self.group = keep, rank, group
+        self.pending: Optional[PendingSave] = None
+        self.last_wait_s = 0.0  # how long the last save waited for the one before it
 
     def step_dir(self, step: int) -> Path:
         """Return the directory that holds (or will hold) the checkpoint for `step`."""
         return self.dir / f"step_{step:08d}"
 
-    def save(self, step: int, state: dict) -> Path:
-        """Atomically write `state` as the checkpoint for `step`, repoint `latest`, prune; return its dir."""
+    def save(self, step: int, state: dict, shards: Shards | None = None, asynchronous: bool = False) -> Path:
+        """Write `state` (this rank's part; a collective) as the checkpoint for `step`. Synchronous:
+        returns once it is in place (rank 0 repoints `latest` and prunes). Asynchronous: returns once
+        the state is copied to host memory; a save still running is finished first."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
+        self.last_wait_s = self._wait_timed()
+        check_loadable(state)
+        flat = flatten(state)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._sweep_temporaries()
         final = self.step_dir(step)
-        tmp = self.dir / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-        tmp.mkdir()
+        tmp = self.dir / f"{_TMP_PREFIX}{final.name}"  # the same on every rank: they write one directory
         try:
-            save_state(state, tmp / STATE_FILE)
-            _fsync_dir(tmp)
-        except BaseException:
-            # A failed write (bad state value, full disk) must not leave gigabytes behind until the next save.
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            future = sharded_io.write(tmp, flat, shards or {}, self.group, asynchronous)
+        except BaseException as e:
+            if self.rank == 0:  # a failed write (bad value, full disk) must not leave gigabytes behind
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise _as_checkpoint_error(e, f"writing checkpoint {final}") from e
+        if future is None:
+            self._finalize(tmp, final)
+        else:
+            self.pending = PendingSave(step, tmp, final, future, time.perf_counter())
+        return final
+
+    def poll(self) -> Optional[Path]:
+        """Finish a background save that has completed (cheap; call once per step)."""
+        if self.pending is not None and self.pending.future.done():
+            return self.wait()
+        return None
+
+    def wait(self) -> Optional[Path]:
+        """Block until a background save is written and in place; returns its directory."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        try:
+            pending.future.result()
+        except BaseException as e:
+            if self.rank == 0:
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+            raise _as_checkpoint_error(e, f"writing checkpoint {pending.final} in the background") from e
+        self._finalize(pending.tmp, pending.final)
+        return pending.final
+
+    def _wait_timed(self) -> float:
+        if self.pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        self.wait()
+        return time.perf_counter() - t0
+
+    def _finalize(self, tmp: Path, final: Path) -> None:
+        """Rank 0, once every rank has written: the step directory appears atomically."""
+        if self.rank != 0:
+            return
+        _fsync_dir(tmp)
         if final.exists():
             # Re-saving a step (e.g. resumed from it): move the old one aside, since a directory
             # cannot be renamed onto a non-empty one; a crash here still leaves earlier steps.
@@ -214,7 +287,18 @@ class CheckpointManager:
         _fsync_dir(self.dir)
         self._write_pointer(final.name)
         self._prune(keep_also=final)
-        return final
+
+    def sweep_temporaries(self) -> None:
+        """Rank 0 at start-up, before any save: leftovers of crashed or failed saves go."""
+        if self.rank != 0 or not self.dir.is_dir():
+            return
+        for path in self.dir.iterdir():
+            if not path.name.startswith(_TMP_PREFIX):
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
     def latest(self) -> Path | None:
         """Return the checkpoint the pointer names, else the highest complete step, else None."""
@@ -235,26 +319,23 @@ class CheckpointManager:
         found = [p for p in self.dir.iterdir() if _step_of(p) is not None and self._is_complete(p)]
         return sorted(found, key=_step_of)
 
-    def load(self, path: str | Path | None = None, map_location: Any = "cpu") -> dict:
-        """Load a checkpoint given its step dir or its state file; None means the latest one."""
+    def resolve(self, path: str | Path | None = None) -> Path:
+        """The checkpoint directory ``path`` names (its step dir or its metadata file); None: the latest."""
         if path is None:
             path = self.latest()
             if path is None:
                 raise CheckpointError(f"no checkpoint to load: {self.dir} holds no complete checkpoint")
-        path = Path(path)
-        if not path.exists():
-            raise CheckpointError(f"checkpoint {path} does not exist")
-        if path.is_dir():
-            if not (path / STATE_FILE).is_file():
-                raise CheckpointError(
-                    f"checkpoint directory {path} has no {STATE_FILE} (incomplete, or not a step directory)"
-                )
-            path = path / STATE_FILE
-        return load_state(path, map_location)
+        return checkpoint_dir(path)
+
+    def load(self, path: str | Path | None = None, targets: dict | None = None, shards: Shards | None = None) -> dict:
+        """Read a checkpoint (a collective when this manager has a group). ``targets``: the nested
+        state to fill (tensors in place, this rank's rows of ``shards``; python values replaced);
+        None reads everything whole (for what fits in memory). Returns the nested state read."""
+        return read_checkpoint(self.resolve(path), targets, shards, self.group)
 
     def _is_complete(self, path: Path) -> bool:
         # A step dir only appears by renaming a fully written temp dir, so its name is the marker.
-        return path.is_dir() and (path / STATE_FILE).is_file()
+        return path.is_dir() and (path / METADATA_FILE).is_file()
 
     def _write_pointer(self, name: str) -> None:
         tmp = self.dir / f"{_TMP_PREFIX}{POINTER_FILE}-{os.getpid()}"
@@ -280,15 +361,69 @@ class CheckpointManager:
         os.replace(path, trash)
         shutil.rmtree(trash)
 
-    def _sweep_temporaries(self) -> None:
-        # Single-process: any temp entry is a leftover from an earlier crashed or failed save.
-        for path in self.dir.iterdir():
-            if not path.name.startswith(_TMP_PREFIX):
-                continue
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink()
+
+def _as_checkpoint_error(e: BaseException, doing: str) -> BaseException:
+    """Keep user-facing errors as they are; say what was being done for the rest."""
+    if isinstance(e, (CheckpointError, TypeError, KeyboardInterrupt)):
+        return e
+    reason = (str(e).strip().splitlines() or [""])[0][:300]
+    return CheckpointError(f"{doing} failed on rank {_rank_label()}: {type(e).__name__}: {reason}")
+
+
+def _rank_label() -> str:
+    return f"{os.environ.get('RANK', '0')} (host {socket.gethostname()})"
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The step directory of a checkpoint given the directory or its metadata file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_file() and path.name == METADATA_FILE:
+        path = path.parent
+    if not path.is_dir() or not (path / METADATA_FILE).is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has no {METADATA_FILE}: an incomplete save, not a step directory, or not an m6 "
+            f"checkpoint")
+    return path
+
+
+def _whole_targets(metadata) -> dict[str, Any]:
+    """Every key of a checkpoint, read whole: tensors allocated at their global shape, values None."""
+    flat: dict[str, Any] = {k: torch.empty(md.size, dtype=md.properties.dtype)
+                            for k, md in sharded_io.tensor_keys(metadata).items()}
+    flat.update({k: None for k in sharded_io.value_keys(metadata)})
+    return flat
+
+
+def read_checkpoint(path: Path, targets: dict | None = None, shards: Shards | None = None, group=None) -> dict:
+    """Read the checkpoint directory ``path`` (see CheckpointManager.load)."""
+    try:
+        metadata = sharded_io.read_metadata(path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: its {METADATA_FILE} is corrupt, truncated or not "
+                              f"an m6 checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
+    if targets is None:
+        flat = _whole_targets(metadata)
+    else:
+        whole = _whole_targets(metadata)
+        flat = {}
+        for key, value in flatten(targets).items():
+            # None asks for a whole saved value, which the save may have split into sub-keys.
+            nested = {k: v for k, v in whole.items() if k.startswith(key + SEP)}
+            flat.update(nested if value is None and nested else {key: value})
+        missing = [k for k in flat if k not in metadata.state_dict_metadata]
+        if missing:
+            shown = ", ".join(missing[:_MAX_LISTED_DIFFS]) + (" ..." if len(missing) > _MAX_LISTED_DIFFS else "")
+            raise CheckpointError(f"checkpoint {path} lacks {len(missing)} entr{'y' if len(missing) == 1 else 'ies'} "
+                                  f"this run needs: {shown}")
+    try:
+        sharded_io.read(path, flat, shards or {}, group)
+    except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
+        reason = (str(e).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"cannot read checkpoint {path}: it is corrupt, truncated or not an m6 checkpoint "
+                              f"({type(e).__name__}: {reason})") from e
+    return unflatten(flat)
 
 
 # --------------------------------------------------------------------------- resume helpers
@@ -304,11 +439,33 @@ def resolve_resume(resume: str | os.PathLike | None, manager: CheckpointManager)
     path = Path(resume).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint.resume={resume!r}: {path} does not exist")
-    if path.is_dir() and not (path / STATE_FILE).is_file():
+    if path.is_dir() and not (path / METADATA_FILE).is_file():
         raise CheckpointError(
-            f"checkpoint.resume={resume!r}: {path} is a directory without {STATE_FILE}; point it at a "
-            f"step directory (e.g. .../checkpoints/step_00000010) or its {STATE_FILE}, or use 'auto'"
+            f"checkpoint.resume={resume!r}: {path} is a directory without {METADATA_FILE}; point it at a "
+            f"step directory (e.g. .../checkpoints/step_00000010), or use 'auto'"
         )
+    return path
+
+
+def agree_on_resume(path: Path | None, rank: int, world_size: int, group) -> Path | None:
+    """Every rank resumes from the same checkpoint, or none does: checked by one collective (over
+    ``group``) before any state is read. A rank that sees another checkpoint, or none, gets an
+    error naming it, its host and both paths (typically: run.dir is not on a filesystem every
+    node shares)."""
+    if world_size == 1:
+        return path
+    mine = (rank, socket.gethostname(), None if path is None else str(path))
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    _, host0, path0 = everyone[0]
+    for r, host, p in everyone[1:]:
+        if p != path0:
+            mine_text = f"checkpoint {p}" if p is not None else "no checkpoint"
+            theirs = f"resumes from {path0}" if path0 is not None else "sees no checkpoint and starts fresh"
+            raise CheckpointError(
+                f"rank {r} (host {host}) sees {mine_text} but rank 0 (host {host0}) {theirs}: every rank must "
+                f"resume from the same checkpoint. Put run.dir on a filesystem every node shares, or pass the "
+                f"same checkpoint.resume=PATH to all ranks.")
     return path
 
 

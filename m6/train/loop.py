@@ -24,12 +24,12 @@ from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import count_parameters, training_flops_per_token
 from m6.parallel import build_parallel, join_job
-from m6.train.checkpoint import CheckpointManager, resolve_resume
+from m6.train.checkpoint import CheckpointManager, agree_on_resume, resolve_resume
 from m6.train.eval import evaluate_captions, rank_slice
 from m6.train.loggers import MetricsLogger
 from m6.train.loss import forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
-from m6.train.state import (ModelState, OptimizerState, RNGState, SkipLedger, TrainerCounters, TrainingState)
+from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.update import ParameterUpdate
 
 
@@ -100,16 +100,25 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
         self.counters = TrainerCounters()
+        layout = self.sharded.groups.layout
         self.state = TrainingState(
-            {"model": ModelState(self.sharded, self.update.offload),
-             "optimizer": OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
-             "scheduler": self.update.scheduler, "data": self.loader, "rng": RNGState(),
-             "counters": self.counters, "skips": self.skips},
-            metadata={"config": to_dict(cfg), "world_size": self.world_size})
-        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep)
-        resume_from = resolve_resume(cfg.checkpoint.resume, self.checkpoints)
+            ModelState(self.sharded, self.update.offload),
+            OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
+            {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips},
+            rank=self.rank,
+            metadata={"config": to_dict(cfg), "world_size": self.world_size,
+                      "expert_parallel_size": layout.expert_parallel_size})
+        self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.rank,
+                                             self.sharded.groups.checkpoint)
+        self.checkpoints.sweep_temporaries()  # rank 0, before any rank writes (the first save follows a step)
+        resume_from = agree_on_resume(resolve_resume(cfg.checkpoint.resume, self.checkpoints), self.rank,
+                                      self.world_size, self.sharded.groups.checkpoint)
         if resume_from is not None:
             self._restore(resume_from)
+        elif self.checkpoints.latest() is not None:
+            self._print_main(f"checkpoint.resume={cfg.checkpoint.resume}: starting fresh in {self.run_dir}, which "
+                             f"holds checkpoints of an earlier run (latest {self.checkpoints.latest().name}); this "
+                             f"run's saves replace them")
         self.logger = MetricsLogger(self.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.train.max_steps,
                                     console=cfg.logging.console, is_main_process=self.is_main)
         self.history: list[dict] = []
@@ -241,19 +250,27 @@ class Trainer:
             self.model.train()
 
     # ---- checkpoints ------------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path | None:
-        """Rank 0 writes one layout-free checkpoint (whole expert tensors); every rank must call it."""
-        state = self.state.state_dict()  # collectives inside: every rank
-        path = self.checkpoints.save(self.step, state) if self.is_main else None
-        if self.world_size > 1:
-            dist.barrier()
+    def save_checkpoint(self, wait: bool = False) -> Path:
+        """Every rank writes its own share of the checkpoint of this step, in parallel (a
+        collective). With checkpoint.async_save the files are written in the background unless
+        ``wait``; a save still running is finished first. Returns the step directory."""
+        state, shards = self.state.state_dict()  # collectives inside: every rank
+        path = self.checkpoints.save(self.step, state, shards, asynchronous=self.cfg.checkpoint.async_save)
+        if self.checkpoints.last_wait_s > 0:
+            self._print_main(f"checkpoint: waited {self.checkpoints.last_wait_s:.1f} s for the previous save to "
+                             f"finish writing before saving step {self.step}")
+        if wait:
+            self.checkpoints.wait()
         return path
 
     def _restore(self, path: Path) -> None:
-        state = self.checkpoints.load(path, map_location="cpu")
-        self.state.load_state_dict(state, str(path))
-        self._print_main(f"resumed from {path} at step {self.step} (saved at world size "
-                         f"{state.get('world_size', 1)}, now {self.world_size})")
+        meta = self.state.load(self.checkpoints, path)
+        saved_world = meta.get("world_size", 1)
+        rng = "" if saved_world == self.world_size else (
+            "; RNG streams are per rank, so at another world size they restart from the run seed")
+        self._print_main(f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
+                         f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
+                         f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -272,6 +289,8 @@ class Trainer:
                     self.logger.log_eval(self.step, self.evaluate())
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                     self.save_checkpoint()
+                self.checkpoints.poll()  # a background save that has finished writing: put it in place
+            self.checkpoints.wait()
             final = self.history[-1] if self.history else {}
             self.logger.summary({"final_loss": final.get("loss"), "steps": self.step,
                                  "skipped_steps": self.counters.skipped_steps, "total_params": self.size.total,

@@ -1,14 +1,16 @@
-"""What a training checkpoint holds, as Stateful pieces (``state_dict`` / ``load_state_dict``) that
-the checkpoint writer collects by name, instead of a dict built and unpacked by hand.
+"""What a training checkpoint holds, as pieces the checkpoint writer collects by name instead of a
+dict built and unpacked by hand: the model and optimizer tensors (each rank its own share, expert
+rows keyed by global expert id), Stateful python pieces (``state_dict`` / ``load_state_dict``),
+each rank's RNG streams.
 
-Some pieces' ``state_dict`` are collectives (the model and optimizer gather experts, the skip
-ledger sums over ranks): every rank collects every piece, in the same order; only rank 0's
-result is written, and pieces that gather return None elsewhere.
+The skip ledger's ``state_dict`` is a collective (it sums over ranks): every rank collects every
+piece, in the same order.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
@@ -17,9 +19,9 @@ from m6.data.record_dataset import RUNTIME_SKIP_REASONS
 from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
 from m6.parallel import ShardedModel
-from m6.parallel.checkpoint_state import (full_model_state, full_optimizer_state, local_model_state,
-                                          local_optimizer_state)
-from m6.train.checkpoint import CheckpointError, load_model_state, rng_state, set_rng_state
+from m6.train.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from m6.train import sharded_io
+from m6.train.sharded_io import Shards
 
 ReduceSum = Callable[[list[float]], list[float]]  # sums floats over all ranks (identity on one process)
 
@@ -94,6 +96,81 @@ class SkipLedger:
         self.restored = {r: n for r, n in state["by_reason"].items() if n}
 
 
+class ModelState:
+    """The model's weights, layout-free: each expert tensor is this rank's rows of the global one,
+    keyed by its global expert ids (so any layout reads it); offload's host masters follow a load."""
+
+    def __init__(self, sharded: ShardedModel, offload: HostOffload | None) -> None:
+        self.sharded, self.offload = sharded, offload
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """name -> tensor (shares the model's storage: a load writes straight into the weights)."""
+        return {name: t.detach() for name, t in self.sharded.model.state_dict().items()}
+
+    def global_shapes(self) -> dict[str, torch.Size]:
+        return {name: global_shape(self.sharded, name, t) for name, t in self.tensors().items()}
+
+    def shards(self, prefix: str) -> Shards:
+        return {f"{prefix}{name}": (global_shape(self.sharded, name, p), self.sharded.first_expert(name))
+                for name, p in self.sharded.expert_params.items()}
+
+    def after_load(self) -> None:
+        if self.offload:
+            self.offload.pull_masters()
+
+
+def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor) -> torch.Size:
+    """The shape of ``name`` over all ranks: expert tensors hold 1/EP of the experts (dim 0)."""
+    if name not in sharded.expert_params:
+        return t.shape
+    return torch.Size([t.shape[0] * sharded.groups.layout.expert_parallel_size, *t.shape[1:]])
+
+
+class OptimizerState:
+    """The optimizer's moments keyed by parameter name (expert moments sharded like their experts)
+    and its hyperparameters per group."""
+
+    def __init__(self, sharded: ShardedModel, optimizer: torch.optim.Optimizer,
+                 names: dict[int, str] | None) -> None:
+        self.sharded, self.optimizer = sharded, optimizer
+        name_of = names if names is not None else {id(p): n for n, p in sharded.model.named_parameters()}
+        self.params = {name_of[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+
+    def tensors(self, create: set[str] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
+        """name -> {exp_avg, exp_avg_sq, step}; ``create``: names whose state is made (zeros) where
+        the optimizer has none yet, so a load can fill it in place."""
+        out = {}
+        for name, p in self.params.items():
+            state = self.optimizer.state[p]
+            if not state and name in create:
+                # AdamW's own lazy state (foreach, not capturable): a float32 step count on the CPU.
+                state.update(step=torch.zeros((), dtype=torch.float32),
+                             exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                             exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+            tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
+            if tensors:
+                out[name] = tensors
+        return out
+
+    def shards(self, prefix: str) -> Shards:
+        out = {}
+        for name in self.sharded.expert_params:
+            for key, t in self.optimizer.state[self.params[name]].items():
+                if torch.is_tensor(t) and t.dim() > 0:
+                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t), self.sharded.first_expert(name))
+        return out
+
+    def hyperparameters(self) -> list[dict]:
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+
+    def load_hyperparameters(self, groups: list[dict]) -> None:
+        if len(groups) != len(self.optimizer.param_groups):
+            raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this run's "
+                                  f"{len(self.optimizer.param_groups)}")
+        for group, saved in zip(self.optimizer.param_groups, groups):
+            group.update(saved)
+
+
 class RNGState:
     """The python, numpy, torch and CUDA generators of this process."""
 
@@ -104,53 +181,69 @@ class RNGState:
         set_rng_state(state)
 
 
-class ModelState:
-    """The model's weights, layout-free (whole expert tensors); offload's host masters follow a load."""
-
-    def __init__(self, sharded: ShardedModel, offload: HostOffload | None) -> None:
-        self.sharded, self.offload = sharded, offload
-
-    def state_dict(self) -> dict | None:
-        return full_model_state(self.sharded)
-
-    def load_state_dict(self, state: dict) -> None:
-        load_model_state(self.sharded.model, local_model_state(self.sharded, state), source="")
-        if self.offload:
-            self.offload.pull_masters()
-
-
-class OptimizerState:
-    """The optimizer's moments, layout-free and indexed by parameter name."""
-
-    def __init__(self, sharded: ShardedModel, optimizer: torch.optim.Optimizer,
-                 names: dict[int, str] | None) -> None:
-        self.sharded, self.optimizer, self.names = sharded, optimizer, names
-
-    def state_dict(self) -> dict | None:
-        return full_optimizer_state(self.sharded, self.optimizer, self.names)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(local_optimizer_state(self.sharded, self.optimizer, state, self.names))
-
-
 class TrainingState:
-    """Named Stateful pieces plus fixed metadata (config, world size): what one checkpoint holds."""
+    """What one checkpoint holds: the model and optimizer tensors (sharded), the rank-independent
+    Stateful pieces (``values``, identical on every rank: written once), this rank's RNG streams
+    (``rng/rank{r}``) and fixed metadata (config, layout)."""
 
-    def __init__(self, pieces: dict[str, Stateful], metadata: dict) -> None:
-        self.pieces, self.metadata = pieces, metadata
+    def __init__(self, model: ModelState, optimizer: OptimizerState, values: dict[str, Stateful],
+                 rank: int, metadata: dict) -> None:
+        self.model, self.optimizer, self.values = model, optimizer, values
+        self.rank, self.metadata = rank, metadata
+        self.rng = RNGState()
 
-    def state_dict(self) -> dict:
-        """Every piece's state, collected in the same order on every rank (collectives inside)."""
-        return {**{name: piece.state_dict() for name, piece in self.pieces.items()}, **self.metadata}
+    def state_dict(self) -> tuple[dict, Shards]:
+        """(nested state, expert shards): collected in the same order on every rank (collectives)."""
+        state = {"model": self.model.tensors(),
+                 "optimizer": {"state": self.optimizer.tensors(), "param_groups": self.optimizer.hyperparameters()},
+                 **{name: piece.state_dict() for name, piece in self.values.items()},
+                 "rng": {f"rank{self.rank}": self.rng.state_dict()},
+                 "meta": self.metadata}
+        return state, {**self.model.shards("model/"), **self.optimizer.shards("optimizer/state/")}
 
-    def load_state_dict(self, state: dict, source: str) -> None:
-        """Load every piece from a checkpoint read from ``source`` (named in errors)."""
-        missing = [name for name in self.pieces if name not in state]
-        if missing:
-            raise CheckpointError(f"checkpoint {source} lacks {', '.join(missing)}: not a checkpoint of this "
-                                  f"version of m6")
-        for name, piece in self.pieces.items():
-            try:
-                piece.load_state_dict(state[name])
-            except CheckpointError as e:
-                raise CheckpointError(f"{source}: {e}") from None
+    def load(self, manager: CheckpointManager, path: Path) -> dict:
+        """Restore everything from the checkpoint ``path`` (a collective); returns its metadata.
+
+        The model must have the checkpoint's shape (checked first, nothing loaded otherwise); the
+        RNG streams are restored when this rank's were saved (same world size), else the run goes
+        on with its own seeded streams and says so.
+        """
+        saved = checkpoint_keys(manager.resolve(path))
+        diffs = shape_differences(self.model.global_shapes(), {k[len("model/"):]: v for k, v in saved.items()
+                                                               if k.startswith("model/")})
+        if diffs:
+            raise CheckpointError(f"checkpoint {path} was written for a different model shape ({len(diffs)} "
+                                  f"difference(s)); check the model config matches the run that saved it:\n  "
+                                  + "\n  ".join(diffs[:5]) + (f"\n  ... and {len(diffs) - 5} more" if len(diffs) > 5 else ""))
+        with_state = {k.split("/")[2] for k in saved if k.startswith("optimizer/state/")}
+        rng_key = f"rank{self.rank}"
+        targets = {"model": self.model.tensors(),
+                   "optimizer": {"state": self.optimizer.tensors(create=with_state), "param_groups": None},
+                   **{name: None for name in self.values},
+                   "meta": None}
+        if any(k.startswith(f"rng/{rng_key}/") for k in saved):
+            targets["rng"] = {rng_key: None}
+        shards = {**self.model.shards("model/"), **self.optimizer.shards("optimizer/state/")}
+        loaded = manager.load(path, targets, shards)
+        self.model.after_load()
+        self.optimizer.load_hyperparameters(loaded["optimizer"]["param_groups"])
+        for name, piece in self.values.items():
+            piece.load_state_dict(loaded[name])
+        if "rng" in loaded:
+            self.rng.load_state_dict(loaded["rng"][rng_key])
+        return loaded["meta"]
+
+
+def checkpoint_keys(path: Path) -> dict[str, Any]:
+    """Flat key -> global shape (tensors) or None (python values) of a checkpoint on disk."""
+    md = sharded_io.read_metadata(path)
+    return {k: (v.size if hasattr(v, "size") else None) for k, v in md.state_dict_metadata.items()}
+
+
+def shape_differences(expected: dict[str, torch.Size], saved: dict[str, torch.Size]) -> list[str]:
+    """Shape mismatches, then keys missing from and unexpected in the checkpoint."""
+    diffs = [f"{k}: checkpoint {list(saved[k])} vs model {list(v)}" for k, v in expected.items()
+             if k in saved and saved[k] is not None and torch.Size(saved[k]) != v]
+    diffs += [f"missing in checkpoint: {k}" for k in expected if k not in saved]
+    diffs += [f"unexpected in checkpoint: {k}" for k in saved if k not in expected]
+    return diffs

@@ -35,11 +35,17 @@ def trainer(run_dir, *extra: str) -> Trainer:
 
 
 def full_weights(tr: Trainer) -> dict[str, torch.Tensor]:
-    """Layout-free weights (experts gathered): what a checkpoint would hold."""
-    from m6.parallel.checkpoint_state import full_model_state
-
-    full = full_model_state(tr.sharded)
-    return full if full is not None else {}
+    """Layout-free weights: experts gathered over the expert-parallel group (what the checkpoint's
+    global expert tensors hold)."""
+    groups = tr.sharded.groups
+    out = {}
+    for name, t in tr.model.state_dict().items():
+        if name in tr.sharded.expert_params:
+            parts = [torch.empty_like(t) for _ in range(groups.layout.expert_parallel_size)]
+            torch.distributed.all_gather(parts, t.contiguous(), group=groups.expert)
+            t = torch.cat(parts)
+        out[name] = t.clone()
+    return out
 
 
 def _variants(rank: int, world: int, root: str, reference: list[float]) -> None:
@@ -60,7 +66,7 @@ def _variants(rank: int, world: int, root: str, reference: list[float]) -> None:
     # Saved offloaded (host masters named after their params), resumed under another mode.
     first = trainer(f"{root}/resume", ep, "memory.offload=optimizer", "optim.apply_groups=2")
     losses = [first.train_step()["loss"] for _ in range(2)]
-    first.save_checkpoint()
+    first.save_checkpoint(wait=True)
     resumed = trainer(f"{root}/resume", ep, "memory.offload=optimizer+params", "checkpoint.resume=auto")
     assert resumed.step == 2
     losses += [resumed.train_step()["loss"] for _ in range(STEPS - 2)]

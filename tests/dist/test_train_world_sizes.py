@@ -113,11 +113,11 @@ def test_file_data_is_world_size_invariant_and_resumable(tmp_path):
 
 
 def test_scaling_experts_is_one_key(tmp_path):
-    import torch
+    from m6.train.checkpoint import read_checkpoint
 
     torchrun(tmp_path, 4, "train.max_steps=2", "model.moe.num_experts=16")
-    state = torch.load(tmp_path / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
-    assert state["model"]["blocks.0.ffn.experts.w_in"].shape == (16, 32, 64)  # 4 per rank, saved whole
+    state = read_checkpoint(tmp_path / "checkpoints" / "step_00000002")
+    assert state["model"]["blocks.0.ffn.experts.w_in"].shape == (16, 32, 64)  # 4 per rank, global ids
     assert len(state["optimizer"]["state"]) > 0
     row = train_rows(tmp_path)[-1]
     # Load of all 16 global experts, summed over the 4 ranks: top-2 assignments of every token.

@@ -75,7 +75,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
                                 "checkpoint.every=2", "train.max_bad_steps=3"))
     trainer.train_step()
     trainer.train_step()
-    good = trainer.save_checkpoint()
+    good = trainer.save_checkpoint(wait=True)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with torch.no_grad():
         trainer.model.final_norm.weight.fill_(float("nan"))

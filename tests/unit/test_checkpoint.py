@@ -82,8 +82,8 @@ def test_round_trip_model_optimizer_rng(tmp_path: Path) -> None:
     assert loaded["scheduler"] == sched.state_dict()
     assert loaded["step"] == 7 and loaded["data"] == {"epoch": 1, "offset": 28}
     assert loaded["config"]["betas"] == (0.9, 0.95)
-    # The same file loads given the state file directly instead of its directory.
-    assert manager.load(path / ckpt.STATE_FILE)["step"] == 7
+    # The same checkpoint loads given its metadata file instead of its directory.
+    assert manager.load(path / ckpt.METADATA_FILE)["step"] == 7
 
 
 def test_keep_two_leaves_last_two_and_latest_tracks(tmp_path: Path) -> None:
@@ -138,7 +138,9 @@ def test_crash_before_rename_keeps_previous(tmp_path: Path, monkeypatch: pytest.
     assert manager.list() == [manager.step_dir(10)]
     assert manager.latest() == manager.step_dir(10)
     assert manager.load()["step"] == 10
-    # keep=1 must not have pruned the previous checkpoint before the new one was in place.
+    # keep=1 must not have pruned the previous checkpoint before the new one was in place; the
+    # restarted run sweeps the leftovers at start-up.
+    manager.sweep_temporaries()
     manager.save(30, _state(30))
     assert not [p for p in manager.dir.iterdir() if p.name.startswith(".tmp-")]
     assert manager.list() == [manager.step_dir(30)]
@@ -165,15 +167,18 @@ def test_crash_between_rename_and_pointer(tmp_path: Path, monkeypatch: pytest.Mo
 def test_partial_temp_dir_is_ignored_then_swept(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep=2)
     manager.save(10, _state(10))
-    partial = manager.dir / ".tmp-step_00000020-12345"
+    partial = manager.dir / ".tmp-step_00000020"
     partial.mkdir()
-    (partial / ckpt.STATE_FILE).write_bytes(b"PK\x03\x04half a zip")
-    incomplete = manager.dir / "step_00000030"  # a step dir without its state file is not a checkpoint
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    incomplete = manager.dir / "step_00000030"  # a step dir without its metadata is not a checkpoint
     incomplete.mkdir()
+    (incomplete / "__0_0.distcp").write_bytes(b"a shard")
     assert manager.list() == [manager.step_dir(10)]
     assert manager.latest() == manager.step_dir(10)
+    manager.sweep_temporaries()  # what a (re)started run does before its first save
+    assert not partial.exists() and manager.list() == [manager.step_dir(10)]
     manager.save(11, _state(11))
-    assert not partial.exists()
+    assert manager.latest() == manager.step_dir(11)
 
 
 def test_resave_same_step_replaces_it(tmp_path: Path) -> None:
@@ -195,13 +200,14 @@ def test_prune_never_removes_the_checkpoint_just_saved(tmp_path: Path) -> None:
 def test_truncated_file_names_it(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep=2)
     path = manager.save(10, _state(10))
-    file = path / ckpt.STATE_FILE
-    data = file.read_bytes()
-    for size in (0, 10, len(data) // 2, len(data) - 5):
-        file.write_bytes(data[:size])
-        with pytest.raises(CheckpointError, match="corrupt, truncated") as info:
-            manager.load(path)
-        assert str(file) in str(info.value)
+    for file in (path / "__0_0.distcp", path / ckpt.METADATA_FILE):
+        data = file.read_bytes()
+        for size in (0, 10, len(data) // 2, len(data) - 5):
+            file.write_bytes(data[:size])
+            with pytest.raises(CheckpointError, match="corrupt, truncated") as info:
+                manager.load(path)
+            assert str(path) in str(info.value)
+        file.write_bytes(data)
 
 
 def test_load_missing_paths(tmp_path: Path) -> None:
@@ -211,7 +217,7 @@ def test_load_missing_paths(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         manager.load(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match=f"has no {ckpt.STATE_FILE}"):
+    with pytest.raises(CheckpointError, match=f"has no {ckpt.METADATA_FILE}"):
         manager.load(tmp_path / "empty")
 
 
@@ -220,7 +226,7 @@ def test_unloadable_state_value_fails_the_save(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"state\['data'\]\['index'\]: numpy.int64"):
         manager.save(1, {"step": 1, "data": {"index": np.int64(3)}})
     assert manager.list() == []
-    assert not [p for p in manager.dir.iterdir() if p.name.startswith(".tmp-")]
+    assert not manager.dir.exists() or not [p for p in manager.dir.iterdir() if p.name.startswith(".tmp-")]
 
 
 def test_resolve_resume(tmp_path: Path) -> None:

@@ -129,7 +129,7 @@ def test_offloaded_params_live_on_the_host_and_visit_the_device_per_block(tmp_pa
 def test_resume_is_exact_across_offload_settings(reference, tmp_path, saver, resumer):
     first = trainer(tmp_path, saver, "optim.apply_groups=2", f"train.max_steps={STEPS}")
     losses = [first.train_step()["loss"] for _ in range(2)]
-    first.save_checkpoint()
+    first.save_checkpoint(wait=True)
     resumed = trainer(tmp_path, resumer, "checkpoint.resume=auto", f"train.max_steps={STEPS}")
     assert resumed.step == 2
     more, weights = run(resumed, STEPS - 2)
