@@ -1,15 +1,18 @@
-"""Token permutation for expert computation: sort assignments by expert, drop over capacity, combine.
+"""Token permutation for expert computation: sort assignments by expert, drop over capacity, combine;
+and the Dispatcher protocol that every dispatcher (local or expert-parallel) implements.
 
 No one-hot [tokens, experts, capacity] tensors: everything is argsort + gather + index_add, so the
 cost grows with the number of assignments, not with the number of experts.
 
-Shape legend: T tokens, D d_model, E experts, K assignments per token, N kept assignments.
+Shape legend: T tokens, D d_model, E experts, K assignments per token, N kept assignments (in the
+Dispatcher protocol: the rows handed to this process's experts).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -98,11 +101,39 @@ def combine_tokens(y_ND: torch.Tensor, plan: DispatchPlan, out_dtype: torch.dtyp
     return out_TD.to(out_dtype)
 
 
-class LocalDispatcher:
+@runtime_checkable
+class Dispatcher(Protocol):
+    """Moves routed tokens to the experts of this process and their outputs back (the MoE layer's
+    dispatch and combine phases), whatever the experts' placement.
+
+    Contract:
+    - ``dispatch(x_TD, plan) -> (x_ND, splits, handle)``: ``x_ND`` holds the rows for this
+      process's experts, grouped by local expert (all rows of local expert 0, then of expert 1, ...);
+      ``splits[e]`` is the number of rows of local expert e as host ints (one per local expert,
+      summing to N), ready for ``GroupedExperts``.
+    - ``handle`` is opaque to the layer: it only passes it back to ``combine`` of the same dispatcher.
+    - ``combine(y_ND, handle, out_dtype) -> y_TD``: expert outputs (rows as dispatched) back in
+      token order, ``plan.num_tokens`` rows, weighted by the router and summed over each token's
+      assignments, in ``out_dtype``; a token with no kept assignment gets zeros.
+    - Both calls are autograd-aware; a dispatcher that communicates issues the same collectives in
+      the same order on every rank whatever the routing.
+    """
+
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], Any]:
+        """[T, D] tokens -> ([N, D] rows grouped by local expert, rows per local expert, handle)."""
+        ...
+
+    def combine(self, y_ND: torch.Tensor, handle: Any, out_dtype: torch.dtype) -> torch.Tensor:
+        """[N, D] expert outputs -> [T, D] router-weighted sum per token, in ``out_dtype``."""
+        ...
+
+
+class LocalDispatcher(Dispatcher):
     """Dispatcher for experts that all live in this process (expert-parallel size 1).
 
-    The distributed dispatcher keeps the same two calls and adds the all-to-all in between, so the
-    MoE layer reads route -> dispatch -> compute -> combine whichever is installed.
+    The expert-parallel dispatcher (m6.moe.all_to_all) implements the same protocol and adds the
+    all-to-all in between, so the MoE layer reads route -> dispatch -> experts -> combine whichever
+    is installed. The handle is the plan itself.
     """
 
     def dispatch(

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from m6.moe.dispatch import LocalDispatcher, expert_capacity, plan_dispatch
+from m6.moe.dispatch import Dispatcher, LocalDispatcher, expert_capacity, plan_dispatch
 from m6.moe.experts import Activation, GroupedExperts
 from m6.moe.losses import (LocalRoutingStats, balance_fractions, load_balancing_loss, router_entropy,
                            router_z_terms)
@@ -54,6 +54,9 @@ class MoELayer(nn.Module):
     ``max(min_capacity, ceil(capacity_factor * T * K / E))`` assignments and the lowest-weight
     ones over that are dropped (their share of the MoE output is zero; the residual carries them).
     """
+
+    # Swappable from outside (m6.parallel installs the expert-parallel one); never looked up here.
+    dispatcher: Dispatcher
 
     def __init__(
         self,
