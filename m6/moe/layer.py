@@ -14,9 +14,9 @@ from torch import nn
 
 from m6.moe.dispatch import Dispatcher, LocalDispatcher, expert_capacity, plan_dispatch
 from m6.moe.experts import Activation, GroupedExperts
-from m6.moe.losses import (LocalRoutingStats, balance_fractions, load_balancing_loss, router_entropy,
-                           router_z_terms)
+from m6.moe.losses import balance_fractions, load_balancing_loss, router_entropy, router_z_terms
 from m6.moe.router import ScoreFunction, TopKRouter
+from m6.moe.routing_stats import LocalRoutingStats, RoutingStatsReducer
 
 
 @dataclass
@@ -55,8 +55,10 @@ class MoELayer(nn.Module):
     ones over that are dropped (their share of the MoE output is zero; the residual carries them).
     """
 
-    # Swappable from outside (m6.parallel installs the expert-parallel one); never looked up here.
+    # Swappable from outside (m6.parallel installs the expert-parallel dispatcher and the cross-rank
+    # reducer, each holding its own process group); never looked up here.
     dispatcher: Dispatcher
+    stats_reducer: RoutingStatsReducer
 
     def __init__(
         self,
@@ -105,7 +107,7 @@ class MoELayer(nn.Module):
             init_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
         self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std, init_seed)
         self.dispatcher = LocalDispatcher()
-        self.stats_reducer = LocalRoutingStats()  # m6.parallel installs a cross-rank one
+        self.stats_reducer = LocalRoutingStats()
         self.stats: Optional[MoEStats] = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:

@@ -12,7 +12,8 @@ import typing
 import pytest
 import torch
 
-from m6.moe import Dispatcher, LocalDispatcher, MoELayer
+from m6.moe import (Dispatcher, GlobalRoutingStats, LocalDispatcher, LocalRoutingStats, MoELayer,
+                    RoutingStatsReducer)
 from m6.moe.all_to_all import AllToAllDispatcher
 
 
@@ -194,7 +195,7 @@ def test_token_mask_keeps_padding_out_of_routing(capacity_factor):
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatcher protocol
+# Dispatcher and routing-stats reducer protocols
 @pytest.mark.parametrize("cls", [LocalDispatcher, AllToAllDispatcher])
 def test_dispatchers_implement_the_protocol(cls):
     assert issubclass(cls, Dispatcher)
@@ -209,3 +210,13 @@ def test_layer_dispatcher_is_typed_as_the_protocol():
     assert typing.get_type_hints(MoELayer)["dispatcher"] is Dispatcher
     layer = MoELayer(8, 16, 4)
     assert isinstance(layer.dispatcher, Dispatcher)
+
+
+def test_routing_stats_reducers_implement_the_protocol():
+    assert typing.get_type_hints(MoELayer)["stats_reducer"] is RoutingStatsReducer
+    assert isinstance(MoELayer(8, 16, 4).stats_reducer, LocalRoutingStats)
+    assert isinstance(GlobalRoutingStats(group=None), RoutingStatsReducer)
+    local = LocalRoutingStats()
+    assert isinstance(local, RoutingStatsReducer)
+    sums = (torch.tensor([3, 1]), torch.tensor([1.5, 0.5]), torch.tensor(2.0), torch.tensor(2.0))
+    assert all(a is b for a, b in zip(local(*sums), sums))
