@@ -26,15 +26,17 @@ def expert_capacity(
     return max(min_capacity, math.ceil(round(slots, 6)))
 
 
-@dataclass
+@dataclass(frozen=True)
 class DispatchPlan:
-    """Where every kept assignment comes from and how it is combined back.
+    """Where every kept assignment comes from and how it is combined back (built once by
+    ``plan_dispatch``, never edited afterwards).
 
-    token_idx_N:       int64 [N] source token of each kept assignment, grouped by expert.
+    token_idx_N:       int64 [N] row of the input (and of the combined output) that each kept
+                       assignment comes from, grouped by expert.
     weights_N:         [N] combine weight of each kept assignment (differentiable).
     counts_E:          int64 [E] kept assignments per expert (the slice sizes for the experts).
     routed_counts_E:   int64 [E] assignments routed per expert before capacity was applied.
-    num_tokens:        T, the number of rows of the combined output.
+    num_tokens:        the number of rows of the input and of the combined output.
     """
 
     token_idx_N: torch.Tensor
@@ -50,15 +52,26 @@ class DispatchPlan:
 
 
 def plan_dispatch(
-    expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int | None
+    expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int | None,
+    *, token_rows: torch.Tensor | None = None, num_tokens: int | None = None,
 ) -> DispatchPlan:
     """Group assignments by expert; with a capacity, keep each expert's highest-weight ones.
 
     Over-capacity assignments are dropped lowest router weight first (ties: earlier token first),
     not by position in the batch, so a token late in the sequence is not penalised for its place.
     ``capacity=None`` is dropless.
+
+    ``num_tokens`` is the number of input rows (default T). When only some of them were routed (a
+    token mask), ``token_rows`` (int64, one per routed token, i.e. per row of expert_ids_TK) gives
+    the input row of each; the plan then points at input rows, so unrouted rows are never gathered
+    and get zeros in the combine. Without it routed token t is input row t.
     """
     T, K = expert_ids_TK.shape
+    if token_rows is None and num_tokens not in (None, T):
+        raise ValueError(f"plan_dispatch: num_tokens ({num_tokens}) differs from the {T} routed tokens: "
+                         "pass token_rows, the input row of each routed token")
+    if token_rows is not None and num_tokens is None:
+        raise ValueError("plan_dispatch: token_rows needs num_tokens, the number of input rows")
     flat_ids = expert_ids_TK.reshape(-1)
     flat_weights = weights_TK.reshape(-1)
     routed_counts_E = torch.bincount(flat_ids, minlength=num_experts)
@@ -74,12 +87,15 @@ def plan_dispatch(
         rank_in_expert = torch.arange(order.numel(), device=order.device) - starts_E[flat_ids[order]]
         order = order[rank_in_expert < capacity]
         counts_E = routed_counts_E.clamp(max=capacity)
+    token_idx_N = order // K
+    if token_rows is not None:
+        token_idx_N = token_rows[token_idx_N]
     return DispatchPlan(
-        token_idx_N=order // K,
+        token_idx_N=token_idx_N,
         weights_N=flat_weights[order],
         counts_E=counts_E,
         routed_counts_E=routed_counts_E,
-        num_tokens=T,
+        num_tokens=T if num_tokens is None else num_tokens,
     )
 
 
