@@ -81,6 +81,9 @@ class MoELayer(nn.Module):
         init_seed: Optional[int] = None,
     ) -> None:
         super().__init__()
+        # Each argument rule is checked in one place: here the sizes that router, experts and
+        # dispatch share, the capacity and the loss weights; TopKRouter checks score_function and
+        # router_jitter, GroupedExperts the activation, AllToAllDispatcher the experts' split.
         for name, value in (("d_model", d_model), ("ffn_dim", ffn_dim), ("num_experts", num_experts),
                             ("top_k", top_k), ("num_prototypes", num_prototypes)):
             _require_positive(name, value)
@@ -92,8 +95,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"top_k ({top_k}) must not exceed {where}")
         if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
             raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {capacity_factor!r}")
-        if router_jitter < 0:
-            raise ValueError(f"router_jitter must be >= 0, got {router_jitter}")
         if min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
         if aux_loss_coef < 0 or z_loss_coef < 0:
