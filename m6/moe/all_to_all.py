@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from m6.moe.dispatch import DispatchPlan, combine_tokens, permute_tokens
+from m6.moe.dispatch import Dispatcher, DispatchPlan, combine_tokens, permute_tokens
 
 
 class _AllToAll(torch.autograd.Function):
@@ -52,8 +52,9 @@ class AllToAllHandle:
     payload_dtype: torch.dtype
 
 
-class AllToAllDispatcher:
-    """Sends each kept assignment to the rank that owns its expert and brings the result back.
+class AllToAllDispatcher(Dispatcher):
+    """Sends each kept assignment to the rank that owns its expert and brings the result back
+    (the expert-parallel implementation of the Dispatcher protocol; M plays the protocol's N).
 
     Experts are laid out contiguously: rank r of the group owns global experts [r*L, (r+1)*L).
     ``a2a_dtype`` (e.g. torch.bfloat16) compresses the payload on the wire; the combine still

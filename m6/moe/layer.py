@@ -1,6 +1,8 @@
-"""The MoE feed-forward layer: route -> dispatch -> compute -> combine.
+"""The MoE feed-forward layer: route -> dispatch -> experts -> combine -> losses, each a named phase.
 
-Shape legend: T tokens (all leading dims flattened), D d_model, E experts, K assignments/token.
+Shape legend: T tokens (all leading dims flattened), D d_model, E experts, K assignments/token,
+R routed tokens (those the token mask keeps; R = T without a mask). The router sees only the
+routed tokens, so a Routing's [T, ...] tensors have R rows here.
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from m6.moe.dispatch import LocalDispatcher, expert_capacity, plan_dispatch
+from m6.moe.dispatch import Dispatcher, DispatchPlan, LocalDispatcher, expert_capacity, plan_dispatch
 from m6.moe.experts import Activation, GroupedExperts
-from m6.moe.losses import (LocalRoutingStats, balance_fractions, load_balancing_loss, router_entropy,
-                           router_z_terms)
-from m6.moe.router import ScoreFunction, TopKRouter
+from m6.moe.losses import balance_fractions, load_balancing_loss, router_entropy, router_z_terms
+from m6.moe.router import Routing, ScoreFunction, TopKRouter
+from m6.moe.routing_stats import LocalRoutingStats, RoutingStatsReducer
 
 
 @dataclass
@@ -55,6 +57,11 @@ class MoELayer(nn.Module):
     ones over that are dropped (their share of the MoE output is zero; the residual carries them).
     """
 
+    # Swappable from outside (m6.parallel installs the expert-parallel dispatcher and the cross-rank
+    # reducer, each holding its own process group); never looked up here.
+    dispatcher: Dispatcher
+    stats_reducer: RoutingStatsReducer
+
     def __init__(
         self,
         d_model: int,
@@ -74,6 +81,9 @@ class MoELayer(nn.Module):
         init_seed: Optional[int] = None,
     ) -> None:
         super().__init__()
+        # Each argument rule is checked in one place: here the sizes that router, experts and
+        # dispatch share, the capacity and the loss weights; TopKRouter checks score_function and
+        # router_jitter, GroupedExperts the activation, AllToAllDispatcher the experts' split.
         for name, value in (("d_model", d_model), ("ffn_dim", ffn_dim), ("num_experts", num_experts),
                             ("top_k", top_k), ("num_prototypes", num_prototypes)):
             _require_positive(name, value)
@@ -85,8 +95,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"top_k ({top_k}) must not exceed {where}")
         if capacity_factor is not None and not (capacity_factor > 0 and math.isfinite(capacity_factor)):
             raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {capacity_factor!r}")
-        if router_jitter < 0:
-            raise ValueError(f"router_jitter must be >= 0, got {router_jitter}")
         if min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
         if aux_loss_coef < 0 or z_loss_coef < 0:
@@ -102,7 +110,7 @@ class MoELayer(nn.Module):
             init_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
         self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std, init_seed)
         self.dispatcher = LocalDispatcher()
-        self.stats_reducer = LocalRoutingStats()  # m6.parallel installs a cross-rank one
+        self.stats_reducer = LocalRoutingStats()
         self.stats: Optional[MoEStats] = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:
@@ -113,50 +121,68 @@ class MoELayer(nn.Module):
                                self.capacity_factor, self.min_capacity)
 
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., D] -> (y [..., D], aux_loss []).
+        """x [..., D] -> (y [..., D], aux_loss []); also sets ``self.stats``.
 
         ``token_mask`` (bool, x.shape[:-1], True = real token) keeps padding out of the experts:
         masked tokens are not routed, take no capacity, do not count in the balance statistics and
         get a zero output.
         """
-        if x.shape[-1] != self.d_model:
-            raise ValueError(f"MoELayer expects last dim d_model={self.d_model}, got input shape {tuple(x.shape)}")
-        x_TD = x.reshape(-1, self.d_model)
-        T = x_TD.shape[0]
-        routed_idx = None
-        if token_mask is not None:
-            if token_mask.shape != x.shape[:-1]:
-                raise ValueError(f"token_mask shape {tuple(token_mask.shape)} must equal x.shape[:-1] {tuple(x.shape[:-1])}")
-            routed_idx = token_mask.reshape(-1).nonzero().squeeze(1)
-            x_route = x_TD.index_select(0, routed_idx)
-        else:
-            x_route = x_TD
-
-        routing = self.router(x_route)
-        T_routed = x_route.shape[0]
-        plan = plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, self.capacity(T_routed))
-        if routed_idx is not None:
-            # Point the plan at rows of the full input, so masked rows are simply never gathered.
-            plan.token_idx_N = routed_idx[plan.token_idx_N]
-            plan.num_tokens = T
+        x_TD, token_mask_T = self._flatten(x, token_mask)
+        routing, routed_rows_R = self.route(x_TD, token_mask_T)
+        plan = self.dispatch_plan(routing, routed_rows_R, num_tokens=x_TD.shape[0])
         x_ND, splits, handle = self.dispatcher.dispatch(x_TD, plan)
         y_ND = self.experts(x_ND, splits)
         y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
+        aux_loss, self.stats = self.aux_loss_and_stats(routing, plan)
+        return y_TD.view(x.shape), aux_loss
 
+    def _flatten(self, x: torch.Tensor, token_mask: Optional[torch.Tensor]
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x [..., D] -> x_TD [T, D], and the token mask [...] -> [T] (after checking both shapes)."""
+        if x.shape[-1] != self.d_model:
+            raise ValueError(f"MoELayer expects last dim d_model={self.d_model}, got input shape {tuple(x.shape)}")
+        x_TD = x.reshape(-1, self.d_model)
+        if token_mask is None:
+            return x_TD, None
+        if token_mask.shape != x.shape[:-1]:
+            raise ValueError(f"token_mask shape {tuple(token_mask.shape)} must equal x.shape[:-1] {tuple(x.shape[:-1])}")
+        return x_TD, token_mask.reshape(-1)
+
+    def route(self, x_TD: torch.Tensor, token_mask_T: Optional[torch.Tensor] = None
+              ) -> tuple[Routing, Optional[torch.Tensor]]:
+        """Route phase: the router's decision for the real tokens of x_TD [T, D], and their rows.
+
+        Returns the Routing (R rows) and routed_rows_R (int64 [R], the row of x_TD of each routed
+        token), or None for routed_rows_R when there is no mask and every row is routed.
+        """
+        if token_mask_T is None:
+            return self.router(x_TD), None
+        routed_rows_R = token_mask_T.nonzero().squeeze(1)
+        return self.router(x_TD.index_select(0, routed_rows_R)), routed_rows_R
+
+    def dispatch_plan(self, routing: Routing, routed_rows_R: Optional[torch.Tensor], num_tokens: int) -> DispatchPlan:
+        """Dispatch phase, first half: which rows of the [num_tokens, D] input go to which expert,
+        with this layer's capacity for the R routed tokens (the dispatcher then moves them)."""
+        R = routing.expert_ids_TK.shape[0]
+        return plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, self.capacity(R),
+                             token_rows=routed_rows_R, num_tokens=num_tokens)
+
+    def aux_loss_and_stats(self, routing: Routing, plan: DispatchPlan) -> tuple[torch.Tensor, MoEStats]:
+        """Losses phase: the weighted aux loss [] to add to the training loss, and the step's stats."""
         # Balance statistics as sums, so a data-parallel reducer can add them up across ranks
         # before the losses are formed (aux_loss_scope=global): the loss then does not depend on
         # how the batch is split over processes.
-        dtype = routing.probs_TE.dtype
+        R, dtype = routing.probs_TE.shape[0], routing.probs_TE.dtype
         counts_E, prob_sum_E, z_sum, num_routed = self.stats_reducer(
             plan.routed_counts_E, routing.probs_TE.sum(dim=0), router_z_terms(routing.logits_TE).sum(),
-            torch.tensor(T_routed, device=x.device, dtype=dtype))
+            torch.tensor(R, device=routing.probs_TE.device, dtype=dtype))
         denom = num_routed.clamp_min(1)
         balance = load_balancing_loss(balance_fractions(counts_E, dtype), prob_sum_E / denom)
         z = z_sum / denom
         aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
 
         num_assignments = plan.routed_counts_E.sum()
-        self.stats = MoEStats(
+        stats = MoEStats(
             tokens_per_expert=counts_E.detach(),
             dropped=plan.num_dropped.detach(),
             dropped_fraction=plan.num_dropped.float() / num_assignments.clamp_min(1).float(),
@@ -164,4 +190,4 @@ class MoELayer(nn.Module):
             aux_loss=balance.detach(),
             z_loss=z.detach(),
         )
-        return y_TD.view(x.shape), aux_loss
+        return aux_loss, stats

@@ -1,5 +1,7 @@
 """Router auxiliary losses: load balancing (Switch / GShard form) and z-loss (ST-MoE).
 
+How their statistics are totalled (this process, or all data-parallel ranks) is routing_stats.py.
+
 Shape legend: T tokens, E experts.
 """
 
@@ -28,17 +30,6 @@ def router_z_terms(logits_TE: torch.Tensor) -> torch.Tensor:
     """[T] logsumexp(logits_t)^2 per token, in at least fp32; their mean is the z-loss."""
     logits_TE = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     return torch.logsumexp(logits_TE, dim=-1).pow(2)
-
-
-class LocalRoutingStats:
-    """Routing statistics of this process only (aux_loss_scope=local, or a single process).
-
-    The data-parallel version (m6.parallel) has the same call and returns sums over all ranks.
-    """
-
-    def __call__(self, counts_E: torch.Tensor, prob_sum_E: torch.Tensor, z_sum: torch.Tensor,
-                 num_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        return counts_E, prob_sum_E, z_sum, num_tokens
 
 
 def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ class TopKRouter(nn.Module):
         if score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
         if jitter_eps < 0:
-            raise ValueError(f"jitter_eps must be >= 0, got {jitter_eps}")
+            raise ValueError(f"jitter_eps (MoELayer router_jitter) must be >= 0, got {jitter_eps}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.num_prototypes = num_prototypes

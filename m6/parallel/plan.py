@@ -15,10 +15,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from m6.moe import GroupedExperts, MoELayer
+from m6.moe import GlobalRoutingStats, GroupedExperts, MoELayer
 from m6.moe.all_to_all import AllToAllDispatcher
 from m6.parallel.layout import ProcessGroups
 
@@ -52,27 +51,6 @@ class ShardedModel:
 
     def first_expert(self, name: str) -> int:
         return self.expert_offsets[name]
-
-
-class GlobalRoutingStats:
-    """Sums the routing statistics over all data-parallel ranks before the aux losses are formed.
-
-    Gradients still flow only through this rank's own probabilities: the other ranks' part is a
-    constant, so summing gradients over ranks gives exactly the gradient of the global loss.
-    """
-
-    def __init__(self, group) -> None:
-        self.group = group
-
-    def __call__(self, counts_E, prob_sum_E, z_sum, num_tokens):
-        E = counts_E.shape[0]
-        packed = torch.cat([counts_E.to(prob_sum_E.dtype), prob_sum_E.detach(), z_sum.detach().view(1),
-                            num_tokens.to(prob_sum_E.dtype).view(1)])
-        dist.all_reduce(packed, group=self.group)
-        counts = packed[:E].round().to(counts_E.dtype)
-        prob_sum = prob_sum_E + (packed[E:2 * E] - prob_sum_E.detach())
-        z = z_sum + (packed[2 * E] - z_sum.detach())
-        return counts, prob_sum, z, packed[2 * E + 1]
 
 
 def _shard_experts(experts: GroupedExperts, first: int, count: int) -> GroupedExperts:

@@ -7,6 +7,8 @@ the `capacity` assignments with the highest combine weight; ties keep the lower 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -113,6 +115,23 @@ def test_capacity_ties_mixed_with_distinct_weights():
     assert plan.weights_N.tolist() == pytest.approx([0.9, 0.5, 0.5])
     assert int(plan.num_dropped) == 6
 
+
+
+def test_plan_points_at_input_rows_when_only_some_were_routed():
+    """The hand routing's 4 tokens are rows 1, 4, 5, 8 of a 10-row input (a token mask)."""
+    ids, weights = _hand_routing()
+    rows = torch.tensor([1, 4, 5, 8])
+    plain = plan_dispatch(ids, weights, num_experts=3, capacity=2)
+    plan = plan_dispatch(ids, weights, num_experts=3, capacity=2, token_rows=rows, num_tokens=10)
+    assert plan.token_idx_N.tolist() == rows[plain.token_idx_N].tolist()
+    assert plan.num_tokens == 10 and plain.num_tokens == 4
+    assert torch.equal(plan.weights_N, plain.weights_N) and torch.equal(plan.counts_E, plain.counts_E)
+    with pytest.raises(ValueError, match="token_rows"):
+        plan_dispatch(ids, weights, num_experts=3, capacity=2, num_tokens=10)
+    with pytest.raises(ValueError, match="num_tokens"):
+        plan_dispatch(ids, weights, num_experts=3, capacity=2, token_rows=rows)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.num_tokens = 4  # a plan is built once, never edited
 
 @pytest.mark.parametrize(
     "num_tokens, num_assignments, num_experts, capacity_factor, min_capacity, expected",

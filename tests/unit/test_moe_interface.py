@@ -5,12 +5,16 @@ Shape legend: T tokens, D d_model, E experts.
 
 from __future__ import annotations
 
+import inspect
 import math
+import typing
 
 import pytest
 import torch
 
-from m6.moe import MoELayer
+from m6.moe import (Dispatcher, GlobalRoutingStats, LocalDispatcher, LocalRoutingStats, MoELayer,
+                    RoutingStatsReducer)
+from m6.moe.all_to_all import AllToAllDispatcher
 
 
 def _make_layer(d_model, ffn_dim, num_experts, seed=0, router_std=1.0, expert_std=0.5, **kwargs) -> MoELayer:
@@ -188,3 +192,31 @@ def test_token_mask_keeps_padding_out_of_routing(capacity_factor):
     assert int(dropped) == int(layer.stats.dropped)
     with pytest.raises(ValueError, match="token_mask"):
         layer(x, mask[:, :4])
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatcher and routing-stats reducer protocols
+@pytest.mark.parametrize("cls", [LocalDispatcher, AllToAllDispatcher])
+def test_dispatchers_implement_the_protocol(cls):
+    assert issubclass(cls, Dispatcher)
+    for name in ("dispatch", "combine"):
+        method = getattr(cls, name)
+        assert method is not getattr(Dispatcher, name), f"{cls.__name__}.{name} is not implemented"
+        # Called positionally by the layer: same number of positional parameters as the protocol.
+        assert len(inspect.signature(method).parameters) == len(inspect.signature(getattr(Dispatcher, name)).parameters)
+
+
+def test_layer_dispatcher_is_typed_as_the_protocol():
+    assert typing.get_type_hints(MoELayer)["dispatcher"] is Dispatcher
+    layer = MoELayer(8, 16, 4)
+    assert isinstance(layer.dispatcher, Dispatcher)
+
+
+def test_routing_stats_reducers_implement_the_protocol():
+    assert typing.get_type_hints(MoELayer)["stats_reducer"] is RoutingStatsReducer
+    assert isinstance(MoELayer(8, 16, 4).stats_reducer, LocalRoutingStats)
+    assert isinstance(GlobalRoutingStats(group=None), RoutingStatsReducer)
+    local = LocalRoutingStats()
+    assert isinstance(local, RoutingStatsReducer)
+    sums = (torch.tensor([3, 1]), torch.tensor([1.5, 0.5]), torch.tensor(2.0), torch.tensor(2.0))
+    assert all(a is b for a, b in zip(local(*sums), sums))
