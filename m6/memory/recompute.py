@@ -144,11 +144,11 @@ def gradient_difference(recompute: RecomputeParts, names: Iterable[str],
     start = _rng_snapshot(device)
     grads = []
     try:
-        for recompute in ((), names):
+        for chosen in ((), names):
             for p in parameters.values():
                 p.grad = None
             _rng_restore(start, device)
-            recompute.apply(recompute)
+            recompute.apply(chosen)
             forward_backward()
             grads.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in parameters.items()})
     finally:

@@ -93,13 +93,13 @@ def profile_parts(recompute: RecomputeParts, forward: Callable[[], object],
     entry: dict[str, frozenset] = {}
 
     def wrap(part: RecomputablePart, original: Callable) -> Callable:
-        recompute = checkpointed(original)
+        recomputed = checkpointed(original)
 
         def run(*args, **kwargs):
             entry[part.name] = frozenset(outer.held())
             outer.region = part.name  # the meter sees only what the checkpoint keeps: the inputs
             try:
-                out = recompute(*args, **kwargs)
+                out = recomputed(*args, **kwargs)
             finally:
                 outer.region = None
             # Detached inputs share their storages, so what the side run saves of them is

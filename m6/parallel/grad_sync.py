@@ -1,7 +1,7 @@
 """Bucketed gradient all-reduce overlapped with backward, and the global gradient-norm clip.
 
 Scale: every rank's loss is already normalised by GLOBAL counts (target tokens all-reduced, routing
-statistics summed by GlobalRoutingStats), so the gradient of the global loss is the plain SUM of
+statistics summed by m6.moe.GlobalRoutingStats), so the gradient of the global loss is the plain SUM of
 the ranks' gradients: replicated params over all ranks, expert params over the ranks holding the
 same experts (the expert-data-parallel group). The other EP ranks' tokens already reached these
 experts through the all-to-all backward. No division by the world or EP size anywhere, which is
