@@ -1,4 +1,4 @@
-"""Recompute (activation recompute) of a model's declared parts, applied from outside.
+"""Recompute (activation checkpointing) of a model's declared parts, applied from outside.
 
 The model declares its *recomputable parts* (``model.recomputable_parts()``: regions that run no
 collective and make no routing decision, e.g. M6's attention sub-blocks, local expert FFNs and

@@ -161,9 +161,9 @@ class RecomputePlan:
         budget = "none (full)" if self.budget_bytes is None else mb(self.budget_bytes)
         if self.margin != 1.0:
             budget += f" planned with margin x{self.margin:.3f}"
-        text = (f"activation recompute: recompute {len(self.recompute)}/{num_parts} parts "
+        text = (f"activation checkpointing: recompute {len(self.recompute)}/{num_parts} parts "
                 f"[{', '.join(self.recompute) or '-'}]; saved activations {mb(self.predicted_bytes)} "
-                f"(profiled: {mb(self.no_checkpoint_bytes)} without recompute, "
+                f"(profiled: {mb(self.no_checkpoint_bytes)} without checkpointing, "
                 f"{mb(self.all_checkpoint_bytes)} recomputing every part), budget {budget}, "
                 f"recompute {self.recompute_s * 1e3:.2f} ms per micro-batch")
         if not self.fits:

@@ -120,7 +120,7 @@ def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
 
 
 def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float,
-                   expert_group=None) -> float:
+                   expert_group=None, device: torch.device | None = None) -> float:
     """Clip to the norm of the GLOBAL gradient, counting every expert once; returns that norm.
 
     Replicated grads are identical on all ranks after sync (counted from this rank); expert grads
@@ -130,10 +130,11 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
     """
     sq_rep, sq_exp = _sum_sq(replicated), _sum_sq(experts)
     if expert_group is not None and dist.get_world_size(expert_group) > 1:
-        if sq_exp.device.type == "cpu" and dist.get_backend(expert_group) == "nccl":
-            sq_exp = sq_exp.cuda()  # offloaded grads live on the host; NCCL reduces device tensors
-        dist.all_reduce(sq_exp, group=expert_group)
-        sq_exp = sq_exp.to(sq_rep.device)
+        # On the compute device (``device``): offloaded gradients live on the host, and NCCL
+        # reduces device tensors only.
+        reduced = sq_exp.to(device or sq_exp.device)
+        dist.all_reduce(reduced, group=expert_group)
+        sq_exp = reduced.to(sq_rep.device)
     total = float((sq_rep + sq_exp).sqrt())
     if math.isfinite(total) and max_norm < math.inf:
         coef = min(1.0, max_norm / (total + 1e-6))

@@ -22,7 +22,6 @@ import shutil
 import socket
 import time
 import warnings
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -198,7 +197,7 @@ class PendingSave:
     step: int
     tmp: Path
     final: Path
-    future: Future
+    future: sharded_io.BackgroundWrite
     started: float
 
 
@@ -266,6 +265,13 @@ class CheckpointManager:
             raise _as_checkpoint_error(e, f"writing checkpoint {pending.final} in the background") from e
         self._finalize(pending.tmp, pending.final)
         return pending.final
+
+    def close(self) -> None:
+        """Finish a background save, then wait for every rank to be done with the checkpoint group:
+        no process may leave (and tear its connections down) while another still writes over it."""
+        self.wait()
+        if self.group is not None:
+            dist.barrier(group=self.group)
 
     def _wait_timed(self) -> float:
         if self.pending is None:
@@ -388,11 +394,12 @@ def checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
-def _whole_targets(metadata) -> dict[str, Any]:
-    """Every key of a checkpoint, read whole: tensors allocated at their global shape, values None."""
+def _whole_targets(metadata, prefix: str = "") -> dict[str, Any]:
+    """The checkpoint's keys under ``prefix``, read whole: tensors allocated at their global shape,
+    python values None."""
     flat: dict[str, Any] = {k: torch.empty(md.size, dtype=md.properties.dtype)
-                            for k, md in sharded_io.tensor_keys(metadata).items()}
-    flat.update({k: None for k in sharded_io.value_keys(metadata)})
+                            for k, md in sharded_io.tensor_keys(metadata).items() if k.startswith(prefix)}
+    flat.update({k: None for k in sharded_io.value_keys(metadata) if k.startswith(prefix)})
     return flat
 
 
@@ -406,12 +413,11 @@ def read_checkpoint(path: Path, targets: dict | None = None, shards: Shards | No
     if targets is None:
         flat = _whole_targets(metadata)
     else:
-        whole = _whole_targets(metadata)
         flat = {}
         for key, value in flatten(targets).items():
             # None asks for a whole saved value, which the save may have split into sub-keys.
-            nested = {k: v for k, v in whole.items() if k.startswith(key + SEP)}
-            flat.update(nested if value is None and nested else {key: value})
+            nested = _whole_targets(metadata, key + SEP) if value is None else {}
+            flat.update(nested or {key: value})
         missing = [k for k in flat if k not in metadata.state_dict_metadata]
         if missing:
             shown = ", ".join(missing[:_MAX_LISTED_DIFFS]) + (" ..." if len(missing) > _MAX_LISTED_DIFFS else "")

@@ -256,7 +256,7 @@ class Trainer:
         ``wait``; a save still running is finished first. Returns the step directory."""
         state, shards = self.state.state_dict()  # collectives inside: every rank
         path = self.checkpoints.save(self.step, state, shards, asynchronous=self.cfg.checkpoint.async_save)
-        if self.checkpoints.last_wait_s > 0:
+        if self.checkpoints.last_wait_s > 0.05:
             self._print_main(f"checkpoint: waited {self.checkpoints.last_wait_s:.1f} s for the previous save to "
                              f"finish writing before saving step {self.step}")
         if wait:
@@ -290,7 +290,7 @@ class Trainer:
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                     self.save_checkpoint()
                 self.checkpoints.poll()  # a background save that has finished writing: put it in place
-            self.checkpoints.wait()
+            self.checkpoints.close()
             final = self.history[-1] if self.history else {}
             self.logger.summary({"final_loss": final.get("loss"), "steps": self.step,
                                  "skipped_steps": self.counters.skipped_steps, "total_params": self.size.total,

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import copy
 import pickle
+import threading
 import warnings
 from contextlib import contextmanager
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import async_save as dcp_async_save
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -144,19 +144,69 @@ def _quiet_single_process(no_dist: bool):
         yield
 
 
+class BackgroundWrite:
+    """A DCP save running on a thread of its own, over a staged (host) copy of the state.
+
+    The thread is ours, so it is joined before the next save and before the process tears its
+    process groups down (a save thread still alive at exit aborted the process in testing).
+    """
+
+    def __init__(self, target, *args) -> None:
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(target, *args), name="m6-checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, target, *args) -> None:
+        try:
+            target(*args)
+        except BaseException as e:  # re-raised by result() on the training thread
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> None:
+        """Wait for the write; re-raise what it raised."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """A host-memory copy of ``state`` that training may not change under a background write:
+    tensors copied (device -> pinned host memory, one synchronisation), python values deep-copied."""
+    staged, cuda = {}, False
+    for key, value in state.items():
+        if torch.is_tensor(value):
+            pin = value.is_cuda
+            out = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
+            out.copy_(value.detach(), non_blocking=pin)
+            cuda |= pin
+            staged[key] = out
+        else:
+            staged[key] = copy.deepcopy(value)
+    if cuda:
+        torch.cuda.synchronize()
+    return staged
+
+
+def _save(path: str, state: dict[str, Any], shards: Shards, group) -> None:
+    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
+    with _quiet_single_process(group is None):
+        dcp_save(state, storage_writer=writer, planner=_SavePlanner(shards), process_group=group,
+                 no_dist=group is None)
+
+
 def write(path: str | Path, state: dict[str, Any], shards: Shards, group=None,
-          asynchronous: bool = False) -> Optional[Future]:
+          asynchronous: bool = False) -> Optional[BackgroundWrite]:
     """Write ``state`` (this rank's part) into the directory ``path``; a collective over ``group``
-    (None with one process). Asynchronous: returns once the state is copied to host memory; the
-    future completes when the files are written (on the coordinator: with the metadata)."""
-    writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
-    no_dist = group is None
-    with _quiet_single_process(no_dist):
-        if asynchronous:
-            result = dcp_async_save(state, storage_writer=writer, planner=_SavePlanner(shards), process_group=group,
-                                    no_dist=no_dist)
-            return getattr(result, "upload_completion", result)  # a Future, or a response holding one
-        dcp_save(state, storage_writer=writer, planner=_SavePlanner(shards), process_group=group, no_dist=no_dist)
+    (None with one process). Asynchronous: returns once the state is staged in host memory, with
+    the write running on a thread (its collectives on ``group`` only: never the training group's);
+    the handle completes when the files are written (on the coordinator: with the metadata)."""
+    if asynchronous:
+        return BackgroundWrite(_save, str(path), stage(state), shards, group)
+    _save(str(path), state, shards, group)
     return None
 
 

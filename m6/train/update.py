@@ -29,6 +29,7 @@ class ParameterUpdate:
 
     def __init__(self, sharded: ShardedModel, cfg: Config, device: torch.device) -> None:
         model = sharded.model
+        self.device = device
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.offload = build_offload(cfg.memory.offload, trainable, device, streamed_layers=list(model.blocks))
         self.sync = GradientSync(sharded, int(cfg.parallel.bucket_size_mb * 2**20),
@@ -64,7 +65,7 @@ class ParameterUpdate:
         """Clip to the norm of the global gradient (every expert counted once); returns it.
         ``max_norm`` <= 0 or inf: no clipping, the norm is still measured."""
         limit = max_norm if max_norm > 0 else math.inf
-        return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group)
+        return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device)
 
     def step(self, apply: bool = True) -> None:
         """Update the weights (``apply=False``: skip a non-finite step), drop the gradients, and
