@@ -281,11 +281,17 @@ class CheckpointConfig:
     # already holds checkpoints, which this run's saves then replace); or a checkpoint path.
     resume: Optional[str] = "auto"
     async_save: bool = True  # the step waits only for the copy to host memory; files are written behind it
+    # Weights only, from another run's checkpoint (step dir, or run dir: its latest), when this run
+    # does not resume: fresh optimizer, schedule and data; a dense FFN fills every expert of an MoE
+    # layer at the same place (upcycling, m6.train.init_from).
+    init_from: Optional[str] = None
 
     def validate(self) -> None:
         """Check the checkpoint keys on their own."""
         _check_positive({"checkpoint.keep": self.keep})
         _check_non_negative({"checkpoint.every": self.every})
+        if self.init_from is not None and (not isinstance(self.init_from, str) or not self.init_from.strip()):
+            raise ConfigError(f"checkpoint.init_from must be a checkpoint path or null, got {self.init_from!r}")
 
 
 @dataclass

@@ -394,6 +394,33 @@ def checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """The step directory ``path`` names: a step directory or its metadata file, or a run directory
+    or its ``checkpoints`` directory (then the latest complete checkpoint there)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if path.is_file() or (path / METADATA_FILE).is_file():
+        return checkpoint_dir(path)
+    run = path.parent if path.name == "checkpoints" else path
+    if (run / "checkpoints").is_dir():
+        latest = CheckpointManager(run, keep=1).latest()
+        if latest is None:
+            raise CheckpointError(f"{run / 'checkpoints'} holds no complete checkpoint (no step_* directory with a "
+                                  f"{METADATA_FILE})")
+        return latest
+    return checkpoint_dir(path)  # says what is missing
+
+
+def load_metadata(path: Path):
+    """The DCP metadata of the checkpoint directory ``path``, or a CheckpointError saying it is unreadable."""
+    try:
+        return sharded_io.read_metadata(path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: its {METADATA_FILE} is corrupt, truncated or not "
+                              f"an m6 checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
+
+
 def _whole_targets(metadata, prefix: str = "") -> dict[str, Any]:
     """The checkpoint's keys under ``prefix``, read whole: tensors allocated at their global shape,
     python values None."""
@@ -405,11 +432,7 @@ def _whole_targets(metadata, prefix: str = "") -> dict[str, Any]:
 
 def read_checkpoint(path: Path, targets: dict | None = None, shards: Shards | None = None, group=None) -> dict:
     """Read the checkpoint directory ``path`` (see CheckpointManager.load)."""
-    try:
-        metadata = sharded_io.read_metadata(path)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"cannot read checkpoint {path}: its {METADATA_FILE} is corrupt, truncated or not "
-                              f"an m6 checkpoint ({type(e).__name__}: {str(e)[:200]})") from e
+    metadata = load_metadata(path)
     if targets is None:
         flat = _whole_targets(metadata)
     else:

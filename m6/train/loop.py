@@ -26,6 +26,7 @@ from m6.model.flops import count_parameters, training_flops_per_token
 from m6.parallel import build_parallel, join_job
 from m6.train.checkpoint import CheckpointManager, agree_on_resume, resolve_resume
 from m6.train.eval import evaluate_captions, rank_slice
+from m6.train.init_from import init_from_checkpoint
 from m6.train.loggers import MetricsLogger
 from m6.train.loss import forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
@@ -119,6 +120,11 @@ class Trainer:
             self._print_main(f"checkpoint.resume={cfg.checkpoint.resume}: starting fresh in {self.run_dir}, which "
                              f"holds checkpoints of an earlier run (latest {self.checkpoints.latest().name}); this "
                              f"run's saves replace them")
+        if cfg.checkpoint.init_from is not None and resume_from is not None:
+            self._print_main(f"checkpoint.init_from={cfg.checkpoint.init_from} not used: resuming from {resume_from} "
+                             f"(resume wins)")
+        elif cfg.checkpoint.init_from is not None:
+            init_from_checkpoint(cfg.checkpoint.init_from, self.state.model, self.checkpoints.group, self._print_main)
         self.logger = MetricsLogger(self.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.train.max_steps,
                                     console=cfg.logging.console, is_main_process=self.is_main)
         self.history: list[dict] = []

@@ -1,0 +1,53 @@
+"""Inspect a training checkpoint or export its model weights.
+
+    python -m m6.checkpoint info runs/tiny                       # the latest checkpoint of a run
+    python -m m6.checkpoint info runs/tiny/checkpoints/step_00000300 --json
+    python -m m6.checkpoint export runs/tiny model.safetensors [--dtype fp32|bf16]
+
+PATH: a step directory, its .metadata file, or a run directory / its checkpoints directory (then
+the latest complete checkpoint there). Exit code 2 when PATH is not a readable checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from m6.checkpoint.export import EXPORT_DTYPES, export_safetensors
+from m6.checkpoint.info import checkpoint_info, format_info
+from m6.train.checkpoint import CheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m m6.checkpoint", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    info = commands.add_parser("info", help="step, layout, model summary and size on disk (reads no tensors)")
+    info.add_argument("path")
+    info.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    export = commands.add_parser("export", help="the model weights as one safetensors file, streamed tensor by tensor")
+    export.add_argument("path")
+    export.add_argument("out", help="output file, e.g. model.safetensors")
+    export.add_argument("--dtype", choices=sorted(EXPORT_DTYPES),
+                        help="cast floating-point weights (default: as saved)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "info":
+            summary = checkpoint_info(args.path)
+            print(json.dumps(summary, indent=2) if args.json else format_info(summary))
+        else:
+            done = export_safetensors(args.path, args.out, args.dtype)
+            print(f"wrote {done['out']}: {done['num_tensors']} tensors, {done['size_bytes']:,} bytes "
+                  f"(model weights of {done['path']}, step {done['step']})")
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
