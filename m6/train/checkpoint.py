@@ -197,7 +197,7 @@ class PendingSave:
     step: int
     tmp: Path
     final: Path
-    future: sharded_io.BackgroundWrite
+    write: sharded_io.ShardedWrite
     started: float
 
 
@@ -235,34 +235,35 @@ class CheckpointManager:
         final = self.step_dir(step)
         tmp = self.dir / f"{_TMP_PREFIX}{final.name}"  # the same on every rank: they write one directory
         try:
-            future = sharded_io.write(tmp, flat, shards or {}, self.group, asynchronous)
+            write = sharded_io.write(tmp, flat, shards or {}, self.group, asynchronous)
         except BaseException as e:
             if self.rank == 0:  # a failed write (bad value, full disk) must not leave gigabytes behind
                 shutil.rmtree(tmp, ignore_errors=True)
             raise _as_checkpoint_error(e, f"writing checkpoint {final}") from e
-        if future is None:
-            self._finalize(tmp, final)
-        else:
-            self.pending = PendingSave(step, tmp, final, future, time.perf_counter())
+        self.pending = PendingSave(step, tmp, final, write, time.perf_counter())
+        if not asynchronous:
+            self.wait()
         return final
 
     def poll(self) -> Optional[Path]:
-        """Finish a background save that has completed (cheap; call once per step)."""
-        if self.pending is not None and self.pending.future.done():
+        """Commit a background save once every rank has written its files. A collective while a
+        save is pending (one small all-reduce): every rank calls it at the same point, once per step."""
+        if self.pending is not None and self.pending.write.all_written():
             return self.wait()
         return None
 
     def wait(self) -> Optional[Path]:
-        """Block until a background save is written and in place; returns its directory."""
+        """Block until the pending save is written by every rank and in place (a collective);
+        returns its directory."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         try:
-            pending.future.result()
+            pending.write.commit()
         except BaseException as e:
             if self.rank == 0:
                 shutil.rmtree(pending.tmp, ignore_errors=True)
-            raise _as_checkpoint_error(e, f"writing checkpoint {pending.final} in the background") from e
+            raise _as_checkpoint_error(e, f"writing checkpoint {pending.final}") from e
         self._finalize(pending.tmp, pending.final)
         return pending.final
 

@@ -28,8 +28,8 @@ from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+import torch.distributed as dist
 from torch.distributed.checkpoint import load as dcp_load
-from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
@@ -144,33 +144,107 @@ def _quiet_single_process(no_dist: bool):
         yield
 
 
-class BackgroundWrite:
-    """A DCP save running on a thread of its own, over a staged (host) copy of the state.
+def _group_rank(group) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
 
-    The thread is ours, so it is joined before the next save and before the process tears its
-    process groups down (a save thread still alive at exit aborted the process in testing).
+
+def _gather(obj: Any, group) -> Optional[list]:
+    """``obj`` of every rank on the group's first rank (None elsewhere); identity with no group."""
+    rank, size = _group_rank(group)
+    if size == 1:
+        return [obj]
+    out = [None] * size if rank == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
+    return out
+
+
+def _scatter(objs: Optional[list], group) -> Any:
+    """Rank i of the group receives ``objs[i]`` from the group's first rank."""
+    rank, size = _group_rank(group)
+    if size == 1:
+        return objs[0]
+    out = [None]
+    dist.scatter_object_list(out, objs if rank == 0 else None, src=dist.get_global_rank(group, 0), group=group)
+    return out[0]
+
+
+class ShardedWrite:
+    """One save: planned together (collectives), written by each rank on its own (plain file I/O,
+    on a background thread if asked), committed together (collectives: the coordinator writes
+    the metadata once every rank's files are written).
+
+    Every collective runs on the thread that calls ``__init__`` / ``all_written`` / ``commit``:
+    a background thread does file I/O only. (Collectives issued from a second thread made the
+    processes abort at exit in testing.) This is DCP's own save pipeline (planner, storage
+    writer, plan exchange, finish), with the exchange done here.
     """
 
-    def __init__(self, target, *args) -> None:
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, args=(target, *args), name="m6-checkpoint-writer",
-                                        daemon=True)
-        self._thread.start()
+    def __init__(self, path: str | Path, state: dict[str, Any], shards: Shards, group, background: bool) -> None:
+        self.group = group
+        rank, _ = _group_rank(group)
+        self.is_coordinator = rank == 0
+        self.writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+        self.planner = _SavePlanner(shards)
+        self.planner.set_up_planner(state_dict=state, storage_meta=self.writer.storage_meta(),
+                                    is_coordinator=self.is_coordinator)
+        self.writer.set_up_storage_writer(self.is_coordinator, rank=rank, use_collectives=True)
+        local = self.writer.prepare_local_plan(self.planner.create_local_plan())
+        plans = _gather(local, group)
+        self.metadata: Optional[Metadata] = None
+        if self.is_coordinator:
+            plans, self.metadata = self.planner.create_global_plan(plans)
+            plans = self.writer.prepare_global_plan(plans)
+        self.plan = self.planner.finish_plan(_scatter(plans, group))
+        self.results: Optional[list] = None
+        self.error: Optional[BaseException] = None
+        self.thread: Optional[threading.Thread] = None
+        if background:
+            self.thread = threading.Thread(target=self._write, name="m6-checkpoint-writer", daemon=True)
+            self.thread.start()
+        else:
+            self._write()
 
-    def _run(self, target, *args) -> None:
+    def _write(self) -> None:
         try:
-            target(*args)
-        except BaseException as e:  # re-raised by result() on the training thread
-            self._error = e
+            future = self.writer.write_data(self.plan, self.planner)
+            future.wait()
+            self.results = future.value()
+        except BaseException as e:  # reported by commit() on the training thread
+            self.error = e
 
-    def done(self) -> bool:
-        return not self._thread.is_alive()
+    def written(self) -> bool:
+        """This rank's files are written (or failed)."""
+        return self.thread is None or not self.thread.is_alive()
 
-    def result(self) -> None:
-        """Wait for the write; re-raise what it raised."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
+    def all_written(self, device: torch.device | None = None) -> bool:
+        """Every rank's files are written: a collective (one small all-reduce over the group)."""
+        mine = 1.0 if self.written() else 0.0
+        if self.group is None:
+            return bool(mine)
+        flag = torch.tensor([mine])  # the checkpoint group is gloo: host tensors
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def commit(self) -> None:
+        """Wait for this rank's files, then (a collective) the coordinator writes the metadata that
+        makes the checkpoint complete. Raises on every rank if any rank's write failed."""
+        if self.thread is not None:
+            self.thread.join()
+        failures = _gather(None if self.error is None else f"{type(self.error).__name__}: {self.error}", self.group)
+        results = _gather(self.results, self.group)
+        failed = None
+        if self.is_coordinator:
+            bad = [f"rank {r}: {msg}" for r, msg in enumerate(failures) if msg is not None]
+            failed = "; ".join(bad) or None
+            if failed is None:
+                self.writer.finish(metadata=self.metadata, results=results)
+        rank, size = _group_rank(self.group)
+        if size > 1:
+            box = [failed]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+            failed = box[0]
+        if failed is not None:
+            raise RuntimeError(f"writing the checkpoint failed: {failed}")
 
 
 def stage(state: dict[str, Any]) -> dict[str, Any]:
@@ -191,23 +265,14 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
     return staged
 
 
-def _save(path: str, state: dict[str, Any], shards: Shards, group) -> None:
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True)
-    with _quiet_single_process(group is None):
-        dcp_save(state, storage_writer=writer, planner=_SavePlanner(shards), process_group=group,
-                 no_dist=group is None)
-
-
 def write(path: str | Path, state: dict[str, Any], shards: Shards, group=None,
-          asynchronous: bool = False) -> Optional[BackgroundWrite]:
-    """Write ``state`` (this rank's part) into the directory ``path``; a collective over ``group``
-    (None with one process). Asynchronous: returns once the state is staged in host memory, with
-    the write running on a thread (its collectives on ``group`` only: never the training group's);
-    the handle completes when the files are written (on the coordinator: with the metadata)."""
-    if asynchronous:
-        return BackgroundWrite(_save, str(path), stage(state), shards, group)
-    _save(str(path), state, shards, group)
-    return None
+          asynchronous: bool = False) -> ShardedWrite:
+    """Start writing ``state`` (this rank's part) into the directory ``path``; a collective over
+    ``group`` (None with one process). Synchronous: the files are written on return, ``commit()``
+    still makes them a checkpoint. Asynchronous: returns once the state is staged in host memory;
+    the files are written behind training."""
+    staged = stage(state) if asynchronous else state
+    return ShardedWrite(path, staged, shards, group, background=asynchronous)
 
 
 def read(path: str | Path, targets: dict[str, Any], shards: Shards, group=None) -> dict[str, Any]:
