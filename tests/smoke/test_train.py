@@ -55,6 +55,19 @@ def test_training_writes_outputs_and_loss_falls(tmp_path):
     assert ckpts == ["step_00000020", "step_00000040"]
 
 
+def test_rerun_resumes_by_default_and_a_fresh_start_says_so(tmp_path, capsys):
+    """checkpoint.resume defaults to auto: a requeued job continues; resume=none starts over and
+    says which checkpoints of the earlier run its saves will replace."""
+    Trainer(small_cfg(tmp_path, "train.max_steps=2", "train.eval_every=0")).fit()
+    again = Trainer(small_cfg(tmp_path, "train.max_steps=4", "train.eval_every=0"))
+    assert again.step == 2 and "resumed from" in capsys.readouterr().out
+    again.loader.close()
+    fresh = Trainer(small_cfg(tmp_path, "train.max_steps=4", "train.eval_every=0", "checkpoint.resume=none"))
+    out = capsys.readouterr().out
+    assert fresh.step == 0 and "starting fresh" in out and "step_00000002" in out
+    fresh.loader.close()
+
+
 def test_resume_continues_identically(tmp_path):
     straight = Trainer(small_cfg(tmp_path / "a", "train.max_steps=12", "train.eval_every=0",
                                  "checkpoint.every=6", "model.dropout=0.1")).fit()
