@@ -356,8 +356,8 @@ def reader_copies(work: Path, tensor_mib: int = 32) -> dict:
     """Peak RSS increase of reading one, then two, tensors of ``tensor_mib`` through m6's sharded reader
     (DCP) into existing tensors, and of a plain torch.load of one, in this otherwise idle process."""
     tensors = {"a": torch.randn(tensor_mib * MiB // 4), "b": torch.randn(tensor_mib * MiB // 4)}
-    sharded_io.write(work / "reader1", {"a": tensors["a"]}, {})
-    sharded_io.write(work / "reader2", tensors, {})
+    sharded_io.write(work / "reader1", {"a": tensors["a"]}, {}).commit()
+    sharded_io.write(work / "reader2", tensors, {}).commit()
     torch.save(tensors["a"], work / "a.pt")
     targets = {k: torch.zeros_like(v) for k, v in tensors.items()}
 
