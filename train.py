@@ -46,5 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_process(code: int) -> None:
+    """End the process with ``code``. A distributed worker skips the C++ static destructors: after
+    its process groups are destroyed and every file is written and flushed, about one 2-rank gloo
+    run in ten aborted there ("terminate called without an active exception", no Python frame
+    left), turning a finished run into a failed job."""
+    if "RANK" in os.environ:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
