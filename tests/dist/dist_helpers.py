@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -25,8 +26,14 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Done: leave as train.py's workers do (see its exit_process), without tearing the process
+    # groups down or running C++ static destructors, where a finished rank sometimes aborted.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args) -> None:

@@ -40,11 +40,9 @@ def _env(rank: int, world: int) -> None:
 def global_state(tr: Trainer) -> dict[str, torch.Tensor]:
     """Weights and Adam moments with the experts gathered over the expert-parallel group."""
     groups, opt = tr.sharded.groups, tr.update.optimizer
-    by_param = dict(zip([p for g in opt.param_groups for p in g["params"]], tr.model.parameters()))
     out = {}
-    for name, p in tr.model.named_parameters():
-        master = next(m for m, q in by_param.items() if q is p)
-        tensors = {name: p.detach(), **{f"{name}/{k}": v for k, v in opt.state[master].items() if v.dim() > 0}}
+    for name, p in tr.model.named_parameters():  # no offload: the optimizer updates the params themselves
+        tensors = {name: p.detach(), **{f"{name}/{k}": v for k, v in opt.state[p].items() if v.dim() > 0}}
         for key, t in tensors.items():
             if name in tr.sharded.expert_params and groups.expert is not None:
                 parts = [torch.empty_like(t) for _ in range(groups.layout.expert_parallel_size)]
