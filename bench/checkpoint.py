@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.checkpoint_anchor import anchor_load, anchor_save
-from bench.harness import current_rss_bytes, machine_info, machine_tag, peak_rss_bytes, reset_peak_rss
+from bench.harness import current_rss_bytes, machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, write_results
 from m6 import config as m6config
 from m6.config import load
 from m6.inspect import build_meta_model
@@ -553,11 +553,9 @@ def render(result: dict) -> str:
               f"files are complete: {min(ratios['save m6 async']):.2f}-{max(ratios['save m6 async']):.2f}x; the sync "
               f"save writes straight from the tensors: {min(ratios['save m6 sync']):.2f}-{max(ratios['save m6 sync']):.2f}x.",
               "- Virtual size during an m6 load grows by "
-              f"{min(vm):.0f}-{max(vm):.0f} MiB on every rank, about the whole checkpoint ({result['state_bytes'] / MiB:.0f} "
-              "MiB): m6.train.checkpoint.read_checkpoint allocates every tensor of the checkpoint at its global shape "
-              "(_whole_targets) even when the caller passes its own rows as targets. The pages are never touched, so "
-              "RSS does not show it here, but it is a global-size allocation on every rank (the sampled figure is a "
-              "lower bound: freed heap ranges are reused).",
+              f"{min(vm):.0f}-{max(vm):.0f} MiB per rank (sampled; a lower bound, freed heap ranges are reused), against "
+              f"a checkpoint of {result['state_bytes'] / MiB:.0f} MiB: a rank allocates only the rows it reads (an "
+              "earlier version allocated every tensor at its global shape on every rank: 256-452 MiB here).",
               "- The anchor's rank 0 save holds the gathered expert tensors plus, per tensor, the gather buffers "
               "(dist.gather into a list, then torch.cat); with EP < world the first rank of every EP group gathers "
               "too. Its load reads the whole file on every rank."]
@@ -601,13 +599,8 @@ def main(argv: list[str] | None = None) -> None:
               "resume": resume, "reader_copies": reader, "shipped": [shipped_config_bytes(c, g) for c, g in SHIPPED]}
     result["targets"] = targets(result)
     result["wall_s"] = round(time.time() - started, 1)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"checkpoint-{machine_tag(torch.device('cpu'))}" + ("-quick" if args.quick else "")
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    (out / f"{stem}.md").write_text(render(result))
-    print(render(result))
-    print(f"wrote {out / stem}.json and .md", file=sys.stderr)
+    write_results(args.out, stem, result, render(result))
 
 
 if __name__ == "__main__":

@@ -7,11 +7,14 @@ CPU-time/wall tells which rounds were degraded so they can be dropped (and count
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -143,3 +146,13 @@ def peak_rss_bytes() -> int:
 def current_rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def write_results(out_dir: str | Path, stem: str, result: dict, markdown: str) -> None:
+    """bench/results/<stem>.json and .md; the markdown is printed too."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{stem}.md").write_text(markdown)
+    print(markdown)
+    print(f"wrote {out / stem}.json and .md", file=sys.stderr)

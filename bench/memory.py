@@ -31,18 +31,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from bench.harness import machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, time_round_robin
+from bench.harness import machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, time_round_robin, write_results
 from m6.config import load
 from m6.memory.live_bytes import LiveBytes
 from m6.memory.activation_meter import SavedActivationMeter
@@ -443,13 +441,8 @@ def main(argv: list[str] | None = None) -> None:
               **run(args, device)}
     result["wall_s"] = round(time.time() - started, 1)
     result["targets"] = targets(result)
-    out = Path(args.out)
     stem = f"memory-{machine_tag(device)}" + ("-quick" if args.quick else "")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    (out / f"{stem}.md").write_text(render(result))
-    print(render(result))
-    print(f"wrote {out / stem}.json and .md", file=sys.stderr)
+    write_results(args.out, stem, result, render(result))
 
 
 if __name__ == "__main__":
