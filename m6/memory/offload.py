@@ -3,8 +3,8 @@
 optimizer:        fp32 master weights, their gradients and the AdamW moments live in host memory
                   (pinned when CUDA is present, so copies are asynchronous). A gradient streams to
                   the host as soon as it is final (``grads_final``, called by the gradient sync:
-                  during the last micro-batch's backward when no other rank shares it, after its
-                  all-reduce otherwise), since an unreduced gradient must not leave the device (so
+                  per parameter in the last micro-batch's backward when no other rank shares it,
+                  after its bucket's all-reduce otherwise), since an unreduced gradient must not leave the device (so
                   with accumulation the device keeps gradients until the last micro-batch). The copies
                   overlap the backward; clipping needs the global norm, so they are all awaited once
                   before the first group updates. The update runs on the CPU, group by group; group

@@ -39,9 +39,10 @@ class GradientSync:
     Set ``enabled = False`` for the micro-batches of an accumulation step that are not the last,
     so only the final backward communicates; call ``finish()`` after the last backward.
     ``on_grads_final`` (e.g. CPU offload streaming gradients to the host) receives each bucket's
-    params once their gradients are final: right away for a bucket whose group is this process
-    alone (one process, or experts no other rank holds), after its all-reduce otherwise, so
-    nothing moves an unreduced gradient. One process is the same object with nothing to reduce.
+    params once their gradients are final: each parameter as backward writes it when its group is
+    this process alone (one process, or experts no other rank holds), the bucket after its
+    all-reduce otherwise, so nothing moves an unreduced gradient. One process is the same object
+    with nothing to reduce (and an unused parameter keeps no gradient, as without the sync).
     """
 
     sharded: ShardedModel
@@ -78,6 +79,12 @@ class GradientSync:
         if not self.enabled:
             return
         bucket = self._bucket_of[id(param)]
+        if bucket.group_size == 1:
+            # Nothing to add up: final as soon as backward wrote it, one parameter at a time (so
+            # offload frees each device gradient right away, not a bucket's worth).
+            if self.on_grads_final is not None:
+                self.on_grads_final([param])
+            return
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
@@ -87,9 +94,6 @@ class GradientSync:
             if p.grad is None:  # unused in this step: contributes zeros, keeps collectives aligned
                 p.grad = torch.zeros_like(p)
         bucket.launched = True
-        if bucket.group_size == 1:
-            self._final(bucket)  # nothing to add: final as soon as backward wrote it
-            return
         bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
 
@@ -100,7 +104,7 @@ class GradientSync:
     def finish(self) -> None:
         """Launch what backward did not (unused params), wait, and write the sums into .grad."""
         for bucket in self.buckets:
-            if not bucket.launched:
+            if not bucket.launched and bucket.group_size > 1:
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:
