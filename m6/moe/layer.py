@@ -29,6 +29,8 @@ class MoEStats:
     tokens_per_expert: int64 [E] assignments routed to each expert (before capacity), summed over
         the data-parallel ranks when a global stats reducer is installed.
     dropped: int64 [] assignments dropped by the capacity limit.
+    kept: int64 [] assignments of this process's tokens that reached an expert (routed minus
+        dropped; this process only, whatever the reducer): the expert work actually done for them.
     dropped_fraction: fp32 [] dropped / all assignments.
     router_entropy: fp32 [] mean per-token entropy of the router scores (nats).
     aux_loss, z_loss: fp32 [] the unweighted load-balancing and z losses.
@@ -36,6 +38,7 @@ class MoEStats:
 
     tokens_per_expert: torch.Tensor
     dropped: torch.Tensor
+    kept: torch.Tensor
     dropped_fraction: torch.Tensor
     router_entropy: torch.Tensor
     aux_loss: torch.Tensor
@@ -185,6 +188,7 @@ class MoELayer(nn.Module):
         stats = MoEStats(
             tokens_per_expert=counts_E.detach(),
             dropped=plan.num_dropped.detach(),
+            kept=plan.counts_E.sum().detach(),
             dropped_fraction=plan.num_dropped.float() / num_assignments.clamp_min(1).float(),
             router_entropy=router_entropy(routing.probs_TE),
             aux_loss=balance.detach(),
