@@ -41,6 +41,10 @@ class MoEConfig:
     num_prototypes: int = 1
     capacity_factor: Optional[float] = 1.25  # null = dropless
     min_capacity: int = 4
+    # Capacity is decided per routing group. sequence: each sequence alone, so a run drops the same
+    # assignments at any world size, micro-batch size and accumulation; batch: all tokens of one
+    # process's micro-batch (Switch/DeepSpeed semantics; changes with how the batch is split).
+    capacity_group: Literal["sequence", "batch"] = "sequence"
     ffn_dim: Optional[int] = None  # expert hidden size; null = model.ffn_dim
     activation: Literal["gelu", "swiglu"] = "gelu"
     score_function: Literal["softmax", "sigmoid"] = "softmax"
@@ -66,6 +70,8 @@ class MoEConfig:
         if self.top_k > self.num_experts // self.num_prototypes:
             raise ConfigError(f"model.moe.top_k ({self.top_k}) must not exceed model.moe.num_experts "
                               f"({self.num_experts}) / model.moe.num_prototypes ({self.num_prototypes})")
+        if self.capacity_group not in ("sequence", "batch"):
+            raise ConfigError(f"model.moe.capacity_group must be 'sequence' or 'batch', got {self.capacity_group!r}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ConfigError(f"model.moe.capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:

@@ -30,6 +30,7 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
         return MoELayer(
             cfg.d_model, expert_ffn_dim(cfg), moe.num_experts, top_k=moe.top_k,
             capacity_factor=moe.capacity_factor, min_capacity=moe.min_capacity,
+            capacity_group=moe.capacity_group,
             num_prototypes=moe.num_prototypes, activation=moe.activation,
             score_function=moe.score_function, normalize_weights=moe.normalize_weights,
             router_jitter=moe.router_jitter, aux_loss_coef=moe.aux_loss_coef,

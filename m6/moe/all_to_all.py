@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from m6.moe.dispatch import Dispatcher, DispatchPlan, combine_tokens, permute_tokens
+from m6.moe.dispatch import Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, host_ints, permute_tokens
 
 
 class _AllToAll(torch.autograd.Function):
@@ -45,11 +45,22 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 class AllToAllHandle:
     """What combine needs to send expert outputs back and weight them."""
 
-    plan: DispatchPlan
+    kept: KeptAssignments
     send_splits: list[int]  # rows this rank sent to each rank
     recv_splits: list[int]  # rows this rank received from each rank
     local_order_M: torch.Tensor  # received row -> position in the expert-grouped buffer
-    payload_dtype: torch.dtype
+    wire_dtype: torch.dtype  # the payload's dtype on the wire, both ways
+
+
+def wire_dtype(x: torch.Tensor, override: Optional[torch.dtype]) -> torch.dtype:
+    """The payload dtype: ``override`` (config a2a_dtype) if set; else, under autocast, the
+    compute dtype the experts would cast to anyway (sending fp32 LayerNorm outputs would move
+    twice the bytes for nothing); else the tokens' own dtype."""
+    if override is not None:
+        return override
+    if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -57,8 +68,9 @@ class AllToAllDispatcher(Dispatcher):
     (the expert-parallel implementation of the Dispatcher protocol; M plays the protocol's N).
 
     Experts are laid out contiguously: rank r of the group owns global experts [r*L, (r+1)*L).
-    ``a2a_dtype`` (e.g. torch.bfloat16) compresses the payload on the wire; the combine still
-    accumulates in fp32.
+    The payload travels in ``wire_dtype``: the autocast compute dtype by default, ``a2a_dtype``
+    (e.g. torch.bfloat16) to compress an fp32 run's payload; the combine still accumulates in fp32.
+    One host sync per forward: the split sizes, after the counts exchange.
     """
 
     def __init__(self, group, num_experts: int, a2a_dtype: Optional[torch.dtype] = None) -> None:
@@ -70,46 +82,51 @@ class AllToAllDispatcher(Dispatcher):
         self.num_local = num_experts // self.group_size
         self.a2a_dtype = a2a_dtype
 
-    def exchange_counts(self, plan: DispatchPlan) -> tuple[list[int], list[list[int]]]:
-        """Rows this rank sends to each rank, and recv_counts[source rank][local expert]."""
+    def exchange_counts(self, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], list[int]]:
+        """The counts exchange and the layer's one host sync.
+
+        Returns recv_counts_RL (int64 [R, L] on the device: rows from source rank r for local
+        expert l), and on the host the kept assignments this rank sends per expert (E) and the
+        rows it receives per (source rank, local expert) (R*L, row-major).
+        """
         R, L = self.group_size, self.num_local
         send_counts_RL = plan.counts_E.view(R, L)
         recv_counts_RL = torch.empty_like(send_counts_RL)
         dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
-        # One host copy of the split sizes: all_to_all_single needs them as Python ints.
-        return send_counts_RL.sum(1).tolist(), recv_counts_RL.tolist()
+        send_E, recv_RL = host_ints(send_counts_RL, recv_counts_RL)
+        return recv_counts_RL, send_E, recv_RL
 
-    def local_order(self, recv_counts: list[list[int]], device) -> tuple[torch.Tensor, list[int]]:
+    def local_order(self, recv_counts_RL: torch.Tensor, num_received: int) -> torch.Tensor:
         """Received rows arrive [source rank][local expert]: the permutation that groups them by
-        local expert, and the rows per local expert."""
+        local expert (on the device; ``output_size`` spares repeat_interleave a host sync)."""
         R, L = self.group_size, self.num_local
         local_expert_M = torch.repeat_interleave(
-            torch.arange(L, device=device).repeat(R),
-            torch.tensor([c for row in recv_counts for c in row], device=device, dtype=torch.long),
-        )
-        splits = [sum(recv_counts[r][e] for r in range(R)) for e in range(L)]
-        return torch.argsort(local_expert_M, stable=True), splits
+            torch.arange(L, device=recv_counts_RL.device).repeat(R), recv_counts_RL.reshape(-1),
+            output_size=num_received)
+        return torch.argsort(local_expert_M, stable=True)
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], AllToAllHandle]:
         """Rows for this rank's local experts, grouped by local expert, and their counts."""
-        send_splits, recv_counts = self.exchange_counts(plan)
-        recv_splits = [sum(row) for row in recv_counts]
-        payload_dtype = x_TD.dtype
-        x_ND = permute_tokens(x_TD, plan)  # grouped by global expert = by destination rank
-        if self.a2a_dtype is not None:
-            x_ND = x_ND.to(self.a2a_dtype)
+        R, L = self.group_size, self.num_local
+        recv_counts_RL, send_E, recv_RL = self.exchange_counts(plan)
+        send_splits = [sum(send_E[r * L:(r + 1) * L]) for r in range(R)]
+        recv_splits = [sum(recv_RL[r * L:(r + 1) * L]) for r in range(R)]
+        splits = [sum(recv_RL[r * L + e] for r in range(R)) for e in range(L)]
+        kept = plan.kept(sum(send_splits))
+        dtype = wire_dtype(x_TD, self.a2a_dtype)
+        x_ND = permute_tokens(x_TD, kept).to(dtype)  # grouped by global expert = by destination rank
         x_recv = all_to_all(x_ND, recv_splits, send_splits, self.group)
-        local_order_M, splits = self.local_order(recv_counts, x_TD.device)
-        x_local = x_recv.index_select(0, local_order_M).to(payload_dtype)
-        return x_local, splits, AllToAllHandle(plan, send_splits, recv_splits, local_order_M, payload_dtype)
+        local_order_M = self.local_order(recv_counts_RL, sum(recv_splits))
+        x_local = x_recv.index_select(0, local_order_M)
+        if not torch.is_autocast_enabled(x_TD.device.type):
+            x_local = x_local.to(x_TD.dtype)  # a compressed fp32 run computes in fp32 again
+        return x_local, splits, AllToAllHandle(kept, send_splits, recv_splits, local_order_M, dtype)
 
     def send_back(self, y_local: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         """Expert outputs back to the ranks (and row order) they came from: [M, D] -> [N, D]."""
         y_recv = torch.empty_like(y_local).index_copy(0, handle.local_order_M, y_local)
-        if self.a2a_dtype is not None:
-            y_recv = y_recv.to(self.a2a_dtype)
-        return all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group).to(handle.payload_dtype)
+        return all_to_all(y_recv.to(handle.wire_dtype), handle.send_splits, handle.recv_splits, self.group)
 
     def combine(self, y_local: torch.Tensor, handle: AllToAllHandle, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to their source ranks and token order, weighted by the router."""
-        return combine_tokens(self.send_back(y_local, handle), handle.plan, out_dtype)
+        return combine_tokens(self.send_back(y_local, handle), handle.kept, out_dtype)

@@ -4,8 +4,11 @@ and the Dispatcher protocol that every dispatcher (local or expert-parallel) imp
 No one-hot [tokens, experts, capacity] tensors: everything is argsort + gather + index_add, so the
 cost grows with the number of assignments, not with the number of experts.
 
-Shape legend: T tokens, D d_model, E experts, K assignments per token, N kept assignments (in the
-Dispatcher protocol: the rows handed to this process's experts).
+Host syncs: planning is all on the device; the only copy to the host is the split sizes
+(``host_ints``, once per layer forward), which the experts' GEMMs and the all-to-all need as ints.
+
+Shape legend: T tokens, D d_model, E experts, K assignments per token, A = T*K assignments, G routing
+groups, N kept assignments (in the Dispatcher protocol: the rows handed to this process's experts).
 """
 
 from __future__ import annotations
@@ -20,100 +23,158 @@ import torch
 def expert_capacity(
     num_tokens: int, num_assignments: int, num_experts: int, capacity_factor: float, min_capacity: int
 ) -> int:
-    """Slots per expert: ceil(capacity_factor * T * K / E), at least min_capacity."""
+    """Slots per expert for a routing group of ``num_tokens`` real tokens:
+    ceil(capacity_factor * T * K / E), at least min_capacity."""
     slots = capacity_factor * num_tokens * num_assignments / num_experts
     # Round away float noise first: 1.1 * 50 is 55.000000000000007 in binary, and must give 55.
     return max(min_capacity, math.ceil(round(slots, 6)))
 
 
-@dataclass(frozen=True)
-class DispatchPlan:
-    """Where every kept assignment comes from and how it is combined back (built once by
-    ``plan_dispatch``, never edited afterwards).
+def group_capacity(tokens_G: torch.Tensor, num_assignments: int, num_experts: int, capacity_factor: float,
+                   min_capacity: int) -> torch.Tensor:
+    """``expert_capacity`` for every routing group at once, on the device (no host sync):
+    tokens_G int64 [G] real tokens per group -> int64 [G] slots per expert in that group."""
+    slots = tokens_G.to(torch.float64) * (capacity_factor * num_assignments / num_experts)
+    return torch.round(slots, decimals=6).ceil().to(torch.int64).clamp_min(min_capacity)
 
-    token_idx_N:       int64 [N] row of the input (and of the combined output) that each kept
-                       assignment comes from, grouped by expert.
-    weights_N:         [N] combine weight of each kept assignment (differentiable).
-    counts_E:          int64 [E] kept assignments per expert (the slice sizes for the experts).
-    routed_counts_E:   int64 [E] assignments routed per expert before capacity was applied.
-    num_tokens:        the number of rows of the input and of the combined output.
+
+def host_ints(*tensors: torch.Tensor) -> list[list[int]]:
+    """THE host sync of a MoE layer: copies small integer tensors (split sizes) to the host in one
+    transfer. Every value the host must know (how many rows each expert and each rank get) goes
+    through here once per layer forward; the rest of routing and dispatch stays on the device."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start:start + t.numel()])
+        start += t.numel()
+    return out
+
+
+def _count(keys_A: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """int64 [num_keys] occurrences of each key in keys_A. scatter_add, not bincount: bincount on
+    CUDA reads the maximum back to the host to size its output."""
+    return torch.zeros(num_keys, dtype=torch.int64, device=keys_A.device).scatter_add_(
+        0, keys_A, torch.ones_like(keys_A))
+
+
+@dataclass(frozen=True)
+class KeptAssignments:
+    """The kept assignments of a plan, once the host knows how many there are (N).
+
+    token_idx_N: int64 [N] input row of each kept assignment, grouped by expert.
+    weights_N:   [N] its combine weight (differentiable).
+    num_tokens:  rows of the input and of the combined output.
     """
 
     token_idx_N: torch.Tensor
     weights_N: torch.Tensor
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Which assignments reach which expert (built once by ``plan_dispatch``, on the device, with
+    no host sync; never edited afterwards).
+
+    order_A:           int64 [A = T*K] flat assignment indices: the kept ones first, grouped by
+                       expert; after them those dropped by capacity and those of unrouted tokens.
+    weights_A:         [A] combine weight of every assignment (differentiable), in flat order.
+    counts_E:          int64 [E] kept assignments per expert (N = counts_E.sum()).
+    routed_counts_E:   int64 [E] assignments of routed tokens per expert before capacity.
+    num_tokens:        T, the number of rows of the input and of the combined output.
+    num_assignments:   K, assignments per token.
+    """
+
+    order_A: torch.Tensor
+    weights_A: torch.Tensor
     counts_E: torch.Tensor
     routed_counts_E: torch.Tensor
     num_tokens: int
+    num_assignments: int
 
     @property
     def num_dropped(self) -> torch.Tensor:
         """Assignments removed by the capacity limit (0-dim int64 tensor, no host sync)."""
         return self.routed_counts_E.sum() - self.counts_E.sum()
 
+    def kept(self, num_kept: int) -> KeptAssignments:
+        """The first ``num_kept`` (= N, known on the host from the counts) assignments of the order."""
+        order_N = self.order_A[:num_kept]
+        return KeptAssignments(order_N // self.num_assignments, self.weights_A.index_select(0, order_N),
+                               self.num_tokens)
+
 
 def plan_dispatch(
-    expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int, capacity: int | None,
-    *, token_rows: torch.Tensor | None = None, num_tokens: int | None = None,
+    expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
+    capacity: torch.Tensor | int | None, *, routed_T: torch.Tensor | None = None, group_size: int | None = None,
 ) -> DispatchPlan:
-    """Group assignments by expert; with a capacity, keep each expert's highest-weight ones.
+    """Group assignments by expert; with a capacity, keep each expert's highest-weight ones in
+    every routing group.
+
+    Routing groups (GShard) are runs of ``group_size`` consecutive tokens (default: all T tokens,
+    one group); ``capacity`` is an int (every group) or int64 [G] slots per expert in each group,
+    None for dropless. Capacity decided per group does not depend on how many groups one process
+    holds, so it does not change with the world size or the micro-batch size.
 
     Over-capacity assignments are dropped lowest router weight first (ties: earlier token first),
     not by position in the batch, so a token late in the sequence is not penalised for its place.
-    ``capacity=None`` is dropless.
 
-    ``num_tokens`` is the number of input rows (default T). When only some of them were routed (a
-    token mask), ``token_rows`` (int64, one per routed token, i.e. per row of expert_ids_TK) gives
-    the input row of each; the plan then points at input rows, so unrouted rows are never gathered
-    and get zeros in the combine. Without it routed token t is input row t.
+    ``routed_T`` (bool [T], True = route this token) leaves the other tokens' assignments out:
+    they take no capacity, are not counted, and their rows get zeros in the combine.
     """
     T, K = expert_ids_TK.shape
-    if token_rows is None and num_tokens not in (None, T):
-        raise ValueError(f"plan_dispatch: num_tokens ({num_tokens}) differs from the {T} routed tokens: "
-                         "pass token_rows, the input row of each routed token")
-    if token_rows is not None and num_tokens is None:
-        raise ValueError("plan_dispatch: token_rows needs num_tokens, the number of input rows")
+    E, A = num_experts, T * K
     flat_ids = expert_ids_TK.reshape(-1)
-    flat_weights = weights_TK.reshape(-1)
-    routed_counts_E = torch.bincount(flat_ids, minlength=num_experts)
+    if routed_T is not None:
+        # Unrouted tokens' assignments get key E: past every expert, they sort to the end.
+        routed_A = routed_T.reshape(T, 1).expand(T, K).reshape(-1)
+        flat_ids = torch.where(routed_A, flat_ids, torch.full_like(flat_ids, E))
+    routed_counts_E = _count(flat_ids, E + 1)[:E]
     if capacity is None:
-        order = torch.argsort(flat_ids, stable=True)
+        order_A = torch.argsort(flat_ids, stable=True)
         counts_E = routed_counts_E
     else:
-        # Two stable sorts: by weight (descending), then by expert. Within each expert the
-        # assignments now run from the highest weight down, so "rank < capacity" keeps the best.
-        by_weight = torch.argsort(flat_weights.detach(), descending=True, stable=True)
-        order = by_weight[torch.argsort(flat_ids[by_weight], stable=True)]
-        starts_E = torch.cumsum(routed_counts_E, 0) - routed_counts_E
-        rank_in_expert = torch.arange(order.numel(), device=order.device) - starts_E[flat_ids[order]]
-        order = order[rank_in_expert < capacity]
-        counts_E = routed_counts_E.clamp(max=capacity)
-    token_idx_N = order // K
-    if token_rows is not None:
-        token_idx_N = token_rows[token_idx_N]
-    return DispatchPlan(
-        token_idx_N=token_idx_N,
-        weights_N=flat_weights[order],
-        counts_E=counts_E,
-        routed_counts_E=routed_counts_E,
-        num_tokens=T if num_tokens is None else num_tokens,
-    )
+        group_size = T if group_size is None else group_size
+        if group_size <= 0 or T % group_size:
+            raise ValueError(f"plan_dispatch: {T} tokens do not split into routing groups of {group_size}")
+        G = T // group_size
+        group_A = torch.arange(A, device=flat_ids.device) // (group_size * K)
+        # Segments (expert, group), unrouted last. Two stable sorts, by weight (descending) then by
+        # segment: inside each segment the assignments run from the highest weight down, so
+        # "rank in segment < capacity" keeps the best.
+        segment_A = flat_ids * G + group_A
+        by_weight = torch.argsort(weights_TK.detach().reshape(-1), descending=True, stable=True)
+        by_segment = by_weight[torch.argsort(segment_A[by_weight], stable=True)]
+        seg_counts = _count(segment_A, (E + 1) * G)
+        seg_starts = torch.cumsum(seg_counts, 0) - seg_counts
+        rank_in_segment = torch.arange(A, device=flat_ids.device) - seg_starts[segment_A[by_segment]]
+        capacity_A = (capacity if isinstance(capacity, int)
+                      else capacity.index_select(0, group_A[by_segment]))
+        kept = (rank_in_segment < capacity_A) & (flat_ids[by_segment] < E)
+        # Compact: kept ones first (already in expert order), then the rest; a scatter, not a sort.
+        kept_rank = torch.cumsum(kept, 0) - 1
+        rest_rank = torch.cumsum(~kept, 0) - 1 + kept.sum()
+        order_A = torch.empty_like(by_segment).scatter_(0, torch.where(kept, kept_rank, rest_rank), by_segment)
+        counts_E = _count(torch.where(kept, flat_ids[by_segment], torch.full_like(flat_ids, E)), E + 1)[:E]
+    return DispatchPlan(order_A=order_A, weights_A=weights_TK.reshape(-1), counts_E=counts_E,
+                        routed_counts_E=routed_counts_E, num_tokens=T, num_assignments=K)
 
 
-def permute_tokens(x_TD: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def permute_tokens(x_TD: torch.Tensor, kept: KeptAssignments) -> torch.Tensor:
     """[T, D] -> [N, D] rows in expert order (backward is a scatter-add into the token rows)."""
-    return x_TD.index_select(0, plan.token_idx_N)
+    return x_TD.index_select(0, kept.token_idx_N)
 
 
-def combine_tokens(y_ND: torch.Tensor, plan: DispatchPlan, out_dtype: torch.dtype) -> torch.Tensor:
+def combine_tokens(y_ND: torch.Tensor, kept: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
     """Weighted sum of expert outputs back into token order: [N, D] -> [T, D].
 
     Accumulates in at least fp32 (router weights are fp32) so low-precision expert outputs of a
     token's K experts are summed without extra rounding; tokens with every assignment dropped get 0.
     """
-    acc_dtype = torch.promote_types(y_ND.dtype, plan.weights_N.dtype)
-    weighted_ND = y_ND.to(acc_dtype) * plan.weights_N.to(acc_dtype).unsqueeze(-1)
-    out_TD = weighted_ND.new_zeros(plan.num_tokens, y_ND.shape[-1])
-    out_TD = out_TD.index_add(0, plan.token_idx_N, weighted_ND)
+    acc_dtype = torch.promote_types(y_ND.dtype, kept.weights_N.dtype)
+    weighted_ND = y_ND.to(acc_dtype) * kept.weights_N.to(acc_dtype).unsqueeze(-1)
+    out_TD = weighted_ND.new_zeros(kept.num_tokens, y_ND.shape[-1])
+    out_TD = out_TD.index_add(0, kept.token_idx_N, weighted_ND)
     return out_TD.to(out_dtype)
 
 
@@ -149,15 +210,18 @@ class LocalDispatcher(Dispatcher):
 
     The expert-parallel dispatcher (m6.moe.all_to_all) implements the same protocol and adds the
     all-to-all in between, so the MoE layer reads route -> dispatch -> experts -> combine whichever
-    is installed. The handle is the plan itself.
+    is installed. The handle is the plan's kept assignments.
     """
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan
-    ) -> tuple[torch.Tensor, list[int], DispatchPlan]:
-        """Tokens for the local experts, grouped by expert, with their per-expert counts on host."""
-        return permute_tokens(x_TD, plan), plan.counts_E.tolist(), plan
+    ) -> tuple[torch.Tensor, list[int], KeptAssignments]:
+        """Tokens for the local experts, grouped by expert, with their per-expert counts on host
+        (the layer's one host sync)."""
+        (splits,) = host_ints(plan.counts_E)
+        kept = plan.kept(sum(splits))
+        return permute_tokens(x_TD, kept), splits, kept
 
-    def combine(self, y_ND: torch.Tensor, handle: DispatchPlan, out_dtype: torch.dtype) -> torch.Tensor:
+    def combine(self, y_ND: torch.Tensor, handle: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to token order, weighted by the router."""
         return combine_tokens(y_ND, handle, out_dtype)

@@ -1,20 +1,23 @@
 """The MoE feed-forward layer: route -> dispatch -> experts -> combine -> losses, each a named phase.
 
 Shape legend: T tokens (all leading dims flattened), D d_model, E experts, K assignments/token,
-R routed tokens (those the token mask keeps; R = T without a mask). The router sees only the
-routed tokens, so a Routing's [T, ...] tensors have R rows here.
+G routing groups (capacity is decided per group), S tokens per group.
+
+The router scores every row (padding too: picking the real rows out would be a host sync); the
+token mask then keeps padding out of dispatch, capacity and the balance statistics.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from torch import nn
 
-from m6.moe.dispatch import Dispatcher, DispatchPlan, LocalDispatcher, expert_capacity, plan_dispatch
+from m6.moe.dispatch import (Dispatcher, DispatchPlan, LocalDispatcher, expert_capacity, group_capacity,
+                             plan_dispatch)
 from m6.moe.experts import Activation, GroupedExperts
 from m6.moe.losses import balance_fractions, load_balancing_loss, router_entropy, router_z_terms
 from m6.moe.router import Routing, ScoreFunction, TopKRouter
@@ -55,9 +58,16 @@ class MoELayer(nn.Module):
 
     ``y, aux_loss = layer(x)`` with x [..., d_model] -> y of the same shape; ``aux_loss`` is
     ``aux_loss_coef * balance_loss + z_loss_coef * z_loss`` (a scalar tensor to add to the loss).
-    ``capacity_factor=None`` is dropless; otherwise each expert takes at most
-    ``max(min_capacity, ceil(capacity_factor * T * K / E))`` assignments and the lowest-weight
-    ones over that are dropped (their share of the MoE output is zero; the residual carries them).
+    ``capacity_factor=None`` is dropless; otherwise capacity is decided per routing group: in a
+    group of S real tokens each expert takes at most ``max(min_capacity, ceil(capacity_factor * S *
+    K / E))`` of the group's assignments and the lowest-weight ones over that are dropped (their
+    share of the MoE output is zero; the residual carries them).
+
+    ``capacity_group="sequence"`` (default): a group is one sequence, x's second-to-last dim (an
+    input [T, D] is one sequence). The same sequence keeps the same assignments whichever process
+    and micro-batch it lands in, so capacity runs match across world sizes, micro-batch sizes
+    and accumulation like dropless ones. ``"batch"``: one group of all the tokens in this call
+    (Switch/DeepSpeed semantics: it changes with how the global batch is split).
     """
 
     # Swappable from outside (m6.parallel installs the expert-parallel dispatcher and the cross-rank
@@ -73,6 +83,7 @@ class MoELayer(nn.Module):
         top_k: int = 2,
         capacity_factor: Optional[float] = 1.25,
         min_capacity: int = 4,
+        capacity_group: Literal["sequence", "batch"] = "sequence",
         num_prototypes: int = 1,
         activation: Activation = "gelu",
         score_function: ScoreFunction = "softmax",
@@ -100,10 +111,12 @@ class MoELayer(nn.Module):
             raise ValueError(f"capacity_factor must be a finite number > 0 or None (dropless), got {capacity_factor!r}")
         if min_capacity < 0:
             raise ValueError(f"min_capacity must be >= 0, got {min_capacity}")
+        if capacity_group not in ("sequence", "batch"):
+            raise ValueError(f"capacity_group must be 'sequence' or 'batch', got {capacity_group!r}")
         if aux_loss_coef < 0 or z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef}, {z_loss_coef}")
         self.d_model, self.num_experts = d_model, num_experts
-        self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
+        self.capacity_factor, self.min_capacity, self.capacity_group = capacity_factor, min_capacity, capacity_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = TopKRouter(d_model, num_experts, top_k, num_prototypes, score_function,
                                  normalize_weights, router_jitter)
@@ -117,7 +130,7 @@ class MoELayer(nn.Module):
         self.stats: Optional[MoEStats] = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:
-        """Per-expert slot count for a batch of ``num_tokens`` tokens (None when dropless)."""
+        """Per-expert slot count for a routing group of ``num_tokens`` real tokens (None when dropless)."""
         if self.capacity_factor is None:
             return None
         return expert_capacity(num_tokens, self.router.num_assignments, self.num_experts,
@@ -127,16 +140,16 @@ class MoELayer(nn.Module):
         """x [..., D] -> (y [..., D], aux_loss []); also sets ``self.stats``.
 
         ``token_mask`` (bool, x.shape[:-1], True = real token) keeps padding out of the experts:
-        masked tokens are not routed, take no capacity, do not count in the balance statistics and
-        get a zero output.
+        masked tokens are not dispatched, take no capacity, do not count in the balance statistics
+        and get a zero output.
         """
         x_TD, token_mask_T = self._flatten(x, token_mask)
-        routing, routed_rows_R = self.route(x_TD, token_mask_T)
-        plan = self.dispatch_plan(routing, routed_rows_R, num_tokens=x_TD.shape[0])
+        routing = self.router(x_TD)
+        plan = self.dispatch_plan(routing, token_mask_T, self._group_size(x))
         x_ND, splits, handle = self.dispatcher.dispatch(x_TD, plan)
         y_ND = self.experts(x_ND, splits)
         y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
-        aux_loss, self.stats = self.aux_loss_and_stats(routing, plan)
+        aux_loss, self.stats = self.aux_loss_and_stats(routing, plan, token_mask_T)
         return y_TD.view(x.shape), aux_loss
 
     def _flatten(self, x: torch.Tensor, token_mask: Optional[torch.Tensor]
@@ -151,37 +164,48 @@ class MoELayer(nn.Module):
             raise ValueError(f"token_mask shape {tuple(token_mask.shape)} must equal x.shape[:-1] {tuple(x.shape[:-1])}")
         return x_TD, token_mask.reshape(-1)
 
-    def route(self, x_TD: torch.Tensor, token_mask_T: Optional[torch.Tensor] = None
-              ) -> tuple[Routing, Optional[torch.Tensor]]:
-        """Route phase: the router's decision for the real tokens of x_TD [T, D], and their rows.
+    def _group_size(self, x: torch.Tensor) -> int:
+        """S: tokens per routing group (one sequence, or the whole call)."""
+        if self.capacity_group == "sequence" and x.dim() >= 3:
+            return x.shape[-2]
+        return max(x.numel() // self.d_model, 1)
 
-        Returns the Routing (R rows) and routed_rows_R (int64 [R], the row of x_TD of each routed
-        token), or None for routed_rows_R when there is no mask and every row is routed.
-        """
-        if token_mask_T is None:
-            return self.router(x_TD), None
-        routed_rows_R = token_mask_T.nonzero().squeeze(1)
-        return self.router(x_TD.index_select(0, routed_rows_R)), routed_rows_R
+    def dispatch_plan(self, routing: Routing, token_mask_T: Optional[torch.Tensor], group_size: int) -> DispatchPlan:
+        """Dispatch phase, first half: which rows go to which expert, each routing group of
+        ``group_size`` rows with the capacity of its own real tokens (the dispatcher then moves them)."""
+        T = routing.expert_ids_TK.shape[0]
+        capacity_G = None
+        if self.capacity_factor is not None and T > 0:
+            if token_mask_T is None:
+                capacity_G = self.capacity(group_size)
+            else:
+                tokens_G = token_mask_T.view(T // group_size, group_size).sum(dim=1)
+                capacity_G = group_capacity(tokens_G, self.router.num_assignments, self.num_experts,
+                                            self.capacity_factor, self.min_capacity)
+        return plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, capacity_G,
+                             routed_T=token_mask_T, group_size=group_size)
 
-    def dispatch_plan(self, routing: Routing, routed_rows_R: Optional[torch.Tensor], num_tokens: int) -> DispatchPlan:
-        """Dispatch phase, first half: which rows of the [num_tokens, D] input go to which expert,
-        with this layer's capacity for the R routed tokens (the dispatcher then moves them)."""
-        R = routing.expert_ids_TK.shape[0]
-        return plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, self.capacity(R),
-                             token_rows=routed_rows_R, num_tokens=num_tokens)
-
-    def aux_loss_and_stats(self, routing: Routing, plan: DispatchPlan) -> tuple[torch.Tensor, MoEStats]:
+    def aux_loss_and_stats(self, routing: Routing, plan: DispatchPlan, token_mask_T: Optional[torch.Tensor]
+                           ) -> tuple[torch.Tensor, MoEStats]:
         """Losses phase: the weighted aux loss [] to add to the training loss, and the step's stats."""
-        # Balance statistics as sums, so a data-parallel reducer can add them up across ranks
-        # before the losses are formed (aux_loss_scope=global): the loss then does not depend on
-        # how the batch is split over processes.
-        R, dtype = routing.probs_TE.shape[0], routing.probs_TE.dtype
-        counts_E, prob_sum_E, z_sum, num_routed = self.stats_reducer(
-            plan.routed_counts_E, routing.probs_TE.sum(dim=0), router_z_terms(routing.logits_TE).sum(),
-            torch.tensor(R, device=routing.probs_TE.device, dtype=dtype))
-        denom = num_routed.clamp_min(1)
-        balance = load_balancing_loss(balance_fractions(counts_E, dtype), prob_sum_E / denom)
-        z = z_sum / denom
+        # Balance statistics as sums over the routed tokens, so a data-parallel reducer can add them
+        # up across ranks before the losses are formed (aux_loss_scope=global): the loss then does
+        # not depend on how the batch is split over processes. Padding rows are zeroed with where,
+        # not multiplied by the mask, so whatever they hold cannot turn into NaN.
+        probs_TE, z_T, entropy_T = routing.probs_TE, router_z_terms(routing.logits_TE), router_entropy(routing.probs_TE)
+        dtype = probs_TE.dtype
+        if token_mask_T is None:
+            num_routed = torch.tensor(probs_TE.shape[0], device=probs_TE.device, dtype=dtype)
+        else:
+            keep_T = token_mask_T.unsqueeze(1)
+            probs_TE = torch.where(keep_T, probs_TE, 0.0)
+            z_T = torch.where(token_mask_T, z_T, 0.0)
+            entropy_T = torch.where(token_mask_T, entropy_T, 0.0)
+            num_routed = token_mask_T.sum().to(dtype)
+        counts_E, prob_sum_E, z_sum, num_routed_all = self.stats_reducer(
+            plan.routed_counts_E, probs_TE.sum(dim=0), z_T.sum(), num_routed)
+        balance = load_balancing_loss(balance_fractions(counts_E, dtype), prob_sum_E / num_routed_all.clamp_min(1))
+        z = z_sum / num_routed_all.clamp_min(1)
         aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z
 
         num_assignments = plan.routed_counts_E.sum()
@@ -190,7 +214,7 @@ class MoELayer(nn.Module):
             dropped=plan.num_dropped.detach(),
             kept=plan.counts_E.sum().detach(),
             dropped_fraction=plan.num_dropped.float() / num_assignments.clamp_min(1).float(),
-            router_entropy=router_entropy(routing.probs_TE),
+            router_entropy=entropy_T.sum() / num_routed.clamp_min(1),
             aux_loss=balance.detach(),
             z_loss=z.detach(),
         )

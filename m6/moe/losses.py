@@ -33,8 +33,7 @@ def router_z_terms(logits_TE: torch.Tensor) -> torch.Tensor:
 
 
 def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
-    """Mean per-token entropy (nats) of the normalised router scores; log(E) = undecided router."""
-    if probs_TE.shape[0] == 0:
-        return probs_TE.new_zeros(())
+    """[T] per-token entropy (nats) of the normalised router scores, detached, in fp32; log(E) =
+    an undecided router. The layer averages it over the routed tokens."""
     p = probs_TE.detach().float()
-    return -(p * torch.log(p.clamp_min(1e-20))).sum(dim=-1).mean()
+    return -(p * torch.log(p.clamp_min(1e-20))).sum(dim=-1)

@@ -28,7 +28,7 @@ from m6.train.checkpoint import CheckpointManager, agree_on_resume, resolve_resu
 from m6.train.eval import evaluate_captions, rank_slice
 from m6.train.init_from import init_from_checkpoint
 from m6.train.loggers import MetricsLogger
-from m6.train.loss import forward_loss_sums, micro_batch_loss, moe_loss_terms
+from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.update import ParameterUpdate
@@ -75,6 +75,7 @@ class Trainer:
         self.cast_on_use = self.autocast_dtype is not None and cfg.train.precision != "bf16-autocast"
         self.micro_batch = micro_batch_size(cfg.train, self.world_size)
         self.accum = accumulation_steps(cfg.train, self.world_size)
+        self.aux_ranks = aux_loss_ranks(cfg.model.moe.aux_loss_scope, self.world_size)
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
         if self.is_main:
@@ -170,11 +171,13 @@ class Trainer:
             self.update.begin_micro_batch(last=i == len(batches) - 1)
             with self.activations.micro_batch(batch.num_target_tokens):
                 lm_sum, aux = self.forward_loss(batch)
-            micro_batch_loss(lm_sum, aux, num_targets, self.accum).backward()
+            micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks).backward()
             parts.append(moe_loss_terms(self.model, lm_sum, aux))
         self.update.finish()
         lm_local, aux_sum, balance_sum, z_sum = torch.stack(parts).sum(0).tolist()  # the step's one host sync
         aux_total, balance, z = aux_sum / self.accum, balance_sum / self.accum, z_sum / self.accum
+        if self.aux_ranks > 1:  # aux_loss_scope=local: report the mean over ranks, as trained
+            aux_total, balance, z = (v / self.aux_ranks for v in self.all_reduce_sum([aux_total, balance, z]))
         # Counted from shapes and host-side counts: no device sync inside the micro-batch loop.
         positions = sum(b.segment_ids.numel() + b.batch_size * num_patches(self.cfg.model) for b in batches)
         tokens = sum(lb.real_tokens for lb in loaded)
@@ -208,7 +211,7 @@ class Trainer:
         def forward_backward() -> None:  # a real micro-batch, gradients kept local
             self.update.begin_micro_batch(last=False)
             lm_sum, aux = self.forward_loss(batch)
-            micro_batch_loss(lm_sum, aux, num_targets, self.accum).backward()
+            micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks).backward()
 
         densest = batch.densest()
         self.activations.ensure_plan(lambda: self.forward_loss(densest), forward_backward,

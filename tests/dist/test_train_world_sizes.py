@@ -81,6 +81,28 @@ def test_world_size_invariance(reference, tmp_path, nproc, ep):
     assert_same_curve(train_rows(tmp_path), train_rows(reference))
 
 
+# Capacity on: cf 1.25 drops ~10% of the assignments of this model.
+CAPACITY = ["model.moe.capacity_factor=1.25", "train.max_steps=3"]
+
+
+@pytest.mark.parametrize("scope, micro_batch", [("global", None), ("local", 2)])
+def test_capacity_and_aux_loss_scope_are_world_size_invariant(tmp_path, scope, micro_batch):
+    """Same global batch at world 1, 2 and 4: the same assignments dropped (capacity per sequence)
+    and the same aux loss and gradients. global: balance statistics of all ranks' micro-batch
+    (one micro-batch per rank: the whole global batch); local: of each micro-batch of 2 sequences
+    (world 1/2/4 accumulate 4/2/1 of them), averaged over micro-batches and ranks, not summed."""
+    runs = {}
+    for nproc in (1, 2, 4):
+        run = tmp_path / f"w{nproc}"
+        args = (*CAPACITY, f"model.moe.aux_loss_scope={scope}",
+                *([f"train.micro_batch_size={micro_batch}"] if micro_batch else []))
+        single(run, *args) if nproc == 1 else torchrun(run, nproc, *args)
+        runs[nproc] = train_rows(run)
+    assert all(r["moe/layer0/dropped_fraction"] > 0 for r in runs[1])  # capacity is really dropping
+    for nproc in (2, 4):
+        assert_same_curve(runs[nproc], runs[1])
+
+
 def test_two_nodes_match_single_node(reference, tmp_path):
     torchrun(tmp_path, 2, "train.max_steps=10", nnodes=2)
     assert_same_curve(train_rows(tmp_path), train_rows(reference))

@@ -13,6 +13,12 @@ import pytest
 import torch
 
 from m6.moe import expert_capacity, plan_dispatch
+from m6.moe.dispatch import group_capacity
+
+
+def _kept(plan):
+    """The plan's kept assignments (the host learns N from the counts, as the dispatchers do)."""
+    return plan.kept(int(plan.counts_E.sum()))
 
 
 def _hand_routing() -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,8 +46,8 @@ def test_capacity_keeps_highest_weight_and_breaks_ties_by_flat_index():
     #           -> keep flat 2 (token 1, a later token beats token 0 on weight) then flat 0 (tie won).
     # expert 1: 0.5 (flat 6), 0.4 (flat 1), 0.4 (flat 5) -> keep flat 6, flat 1.
     # expert 2: 0.3 (flat 3) -> keep.
-    assert plan.token_idx_N.tolist() == [1, 0, 3, 0, 1]
-    assert plan.weights_N.tolist() == pytest.approx([0.7, 0.6, 0.5, 0.4, 0.3])
+    assert _kept(plan).token_idx_N.tolist() == [1, 0, 3, 0, 1]
+    assert _kept(plan).weights_N.tolist() == pytest.approx([0.7, 0.6, 0.5, 0.4, 0.3])
     assert plan.counts_E.tolist() == [2, 2, 1]
     assert plan.routed_counts_E.tolist() == [4, 3, 1]
     assert int(plan.num_dropped) == 3
@@ -53,7 +59,7 @@ def test_capacity_kept_set_via_weight_gradient():
     ids, weights = _hand_routing()
     weights = weights.clone().requires_grad_(True)
     plan = plan_dispatch(ids, weights, num_experts=3, capacity=2)
-    (grad,) = torch.autograd.grad(plan.weights_N.sum(), weights)
+    (grad,) = torch.autograd.grad(_kept(plan).weights_N.sum(), weights)
     kept = {(0, 0), (0, 1), (1, 0), (1, 1), (3, 0)}
     expected = torch.tensor([[1.0 if (t, k) in kept else 0.0 for k in range(2)] for t in range(4)])
     assert torch.equal(grad, expected)
@@ -62,13 +68,13 @@ def test_capacity_kept_set_via_weight_gradient():
 def test_capacity_one_and_large_capacity():
     ids, weights = _hand_routing()
     plan = plan_dispatch(ids, weights, num_experts=3, capacity=1)
-    assert plan.token_idx_N.tolist() == [1, 3, 1]  # flat 2, flat 6, flat 3
+    assert _kept(plan).token_idx_N.tolist() == [1, 3, 1]  # flat 2, flat 6, flat 3
     assert plan.counts_E.tolist() == [1, 1, 1]
     assert int(plan.num_dropped) == 5
 
     plan = plan_dispatch(ids, weights, num_experts=3, capacity=4)
     # nothing dropped; each expert still lists its assignments highest weight first
-    assert plan.token_idx_N.tolist() == [1, 0, 2, 3, 3, 0, 2, 1]
+    assert _kept(plan).token_idx_N.tolist() == [1, 0, 2, 3, 3, 0, 2, 1]
     assert plan.counts_E.tolist() == [4, 3, 1]
     assert int(plan.num_dropped) == 0
 
@@ -76,7 +82,7 @@ def test_capacity_one_and_large_capacity():
 def test_capacity_zero_drops_everything():
     ids, weights = _hand_routing()
     plan = plan_dispatch(ids, weights, num_experts=3, capacity=0)
-    assert plan.token_idx_N.numel() == 0
+    assert _kept(plan).token_idx_N.numel() == 0
     assert plan.counts_E.tolist() == [0, 0, 0]
     assert int(plan.num_dropped) == 8
 
@@ -84,8 +90,8 @@ def test_capacity_zero_drops_everything():
 def test_dropless_groups_by_expert_in_token_order():
     ids, weights = _hand_routing()
     plan = plan_dispatch(ids, weights, num_experts=4, capacity=None)  # expert 3 receives nothing
-    assert plan.token_idx_N.tolist() == [0, 1, 2, 3, 0, 2, 3, 1]
-    assert plan.weights_N.tolist() == pytest.approx([0.6, 0.7, 0.6, 0.5, 0.4, 0.4, 0.5, 0.3])
+    assert _kept(plan).token_idx_N.tolist() == [0, 1, 2, 3, 0, 2, 3, 1]
+    assert _kept(plan).weights_N.tolist() == pytest.approx([0.6, 0.7, 0.6, 0.5, 0.4, 0.4, 0.5, 0.3])
     assert plan.counts_E.tolist() == [4, 3, 1, 0]
     assert plan.routed_counts_E.tolist() == [4, 3, 1, 0]
     assert int(plan.num_dropped) == 0
@@ -98,7 +104,7 @@ def test_capacity_many_exact_ties_keep_earliest_tokens():
     ids = torch.zeros(T, 1, dtype=torch.long)
     weights = torch.ones(T, 1)
     plan = plan_dispatch(ids, weights, num_experts=2, capacity=37)
-    assert plan.token_idx_N.tolist() == list(range(37))
+    assert _kept(plan).token_idx_N.tolist() == list(range(37))
     assert plan.counts_E.tolist() == [37, 0]
     assert int(plan.num_dropped) == T - 37
 
@@ -111,27 +117,60 @@ def test_capacity_ties_mixed_with_distinct_weights():
                             [0.9, 0.05, 0.05]])  # flat 6, 7, 8
     plan = plan_dispatch(ids, weights, num_experts=1, capacity=3)
     # order: 0.9 (flat 6) then the 0.5 tie in flat order 1, 3, 5 -> keep flat 6, 1, 3.
-    assert plan.token_idx_N.tolist() == [2, 0, 1]
-    assert plan.weights_N.tolist() == pytest.approx([0.9, 0.5, 0.5])
+    assert _kept(plan).token_idx_N.tolist() == [2, 0, 1]
+    assert _kept(plan).weights_N.tolist() == pytest.approx([0.9, 0.5, 0.5])
     assert int(plan.num_dropped) == 6
 
 
 
-def test_plan_points_at_input_rows_when_only_some_were_routed():
-    """The hand routing's 4 tokens are rows 1, 4, 5, 8 of a 10-row input (a token mask)."""
+def test_unrouted_tokens_take_no_capacity_and_are_never_dispatched():
+    """The hand routing's 4 tokens are rows 1, 4, 5, 8 of a 10-row input; the other rows (padding,
+    token mask False) were routed too, all to expert 0 with the top weight, and must not count."""
     ids, weights = _hand_routing()
     rows = torch.tensor([1, 4, 5, 8])
+    all_ids = torch.zeros(10, 2, dtype=torch.long)
+    all_weights = torch.full((10, 2), 0.99)
+    all_ids[rows], all_weights[rows] = ids, weights
+    routed = torch.zeros(10, dtype=torch.bool)
+    routed[rows] = True
     plain = plan_dispatch(ids, weights, num_experts=3, capacity=2)
-    plan = plan_dispatch(ids, weights, num_experts=3, capacity=2, token_rows=rows, num_tokens=10)
-    assert plan.token_idx_N.tolist() == rows[plain.token_idx_N].tolist()
+    plan = plan_dispatch(all_ids, all_weights, num_experts=3, capacity=2, routed_T=routed)
+    assert _kept(plan).token_idx_N.tolist() == rows[_kept(plain).token_idx_N].tolist()
     assert plan.num_tokens == 10 and plain.num_tokens == 4
-    assert torch.equal(plan.weights_N, plain.weights_N) and torch.equal(plan.counts_E, plain.counts_E)
-    with pytest.raises(ValueError, match="token_rows"):
-        plan_dispatch(ids, weights, num_experts=3, capacity=2, num_tokens=10)
-    with pytest.raises(ValueError, match="num_tokens"):
-        plan_dispatch(ids, weights, num_experts=3, capacity=2, token_rows=rows)
+    assert torch.equal(_kept(plan).weights_N, _kept(plain).weights_N)
+    assert torch.equal(plan.counts_E, plain.counts_E)
+    assert torch.equal(plan.routed_counts_E, plain.routed_counts_E) and int(plan.num_dropped) == int(plain.num_dropped)
+    dropless = plan_dispatch(all_ids, all_weights, num_experts=3, capacity=None, routed_T=routed)
+    assert sorted(_kept(dropless).token_idx_N.tolist()) == sorted(rows.repeat_interleave(2).tolist())
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.num_tokens = 4  # a plan is built once, never edited
+
+
+def test_capacity_is_decided_per_routing_group():
+    """Two groups of 4 tokens (the hand routing twice): each keeps exactly what the hand routing
+    keeps alone, whatever the other group holds; per-group capacities may differ."""
+    ids, weights = _hand_routing()
+    two_ids, two_weights = torch.cat([ids, ids]), torch.cat([weights, weights])
+    alone = plan_dispatch(ids, weights, num_experts=3, capacity=2)
+    rows, counts = _kept(alone).token_idx_N.tolist(), alone.counts_E.tolist()
+    both = plan_dispatch(two_ids, two_weights, num_experts=3, capacity=2, group_size=4)
+    # Expert-major, group-minor: expert e's kept rows of group 0, then of group 1 (rows + 4).
+    expected, start = [], 0
+    for n in counts:
+        expected += rows[start:start + n] + [r + 4 for r in rows[start:start + n]]
+        start += n
+    assert _kept(both).token_idx_N.tolist() == expected
+    assert both.counts_E.tolist() == [2 * c for c in counts]
+    # One group of 8 with the same capacity keeps fewer: capacity is not per group there.
+    assert int(plan_dispatch(two_ids, two_weights, num_experts=3, capacity=2).counts_E.sum()) < 2 * sum(counts)
+    # Group 0 with capacity 1, group 1 with capacity 2: each keeps what its capacity keeps alone.
+    mixed = _kept(plan_dispatch(two_ids, two_weights, num_experts=3, capacity=torch.tensor([1, 2]), group_size=4))
+    one = _kept(plan_dispatch(ids, weights, num_experts=3, capacity=1)).token_idx_N.tolist()
+    assert sorted(r for r in mixed.token_idx_N.tolist() if r < 4) == sorted(one)
+    assert sorted(r - 4 for r in mixed.token_idx_N.tolist() if r >= 4) == sorted(rows)
+    with pytest.raises(ValueError, match="routing groups"):
+        plan_dispatch(ids, weights, num_experts=3, capacity=2, group_size=3)
+
 
 @pytest.mark.parametrize(
     "num_tokens, num_assignments, num_experts, capacity_factor, min_capacity, expected",
@@ -150,3 +189,6 @@ def test_plan_points_at_input_rows_when_only_some_were_routed():
 def test_expert_capacity_formula(num_tokens, num_assignments, num_experts, capacity_factor, min_capacity,
                                  expected):
     assert expert_capacity(num_tokens, num_assignments, num_experts, capacity_factor, min_capacity) == expected
+    # The device formula (every routing group at once) agrees with the host one.
+    on_device = group_capacity(torch.tensor([num_tokens]), num_assignments, num_experts, capacity_factor, min_capacity)
+    assert on_device.tolist() == [expected]

@@ -133,18 +133,45 @@ def test_autocast_router_in_fp32_and_output_in_input_dtype(in_dtype):
 # 9. Leading dims
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
 def test_leading_dims_flatten(capacity_factor):
+    """capacity_group="batch": leading dims are just flattened. Dropless: the same either way."""
     D = 6
-    layer = _make_layer(D, 5, 4, top_k=2, capacity_factor=capacity_factor, min_capacity=1)
+    layer = _make_layer(D, 5, 4, top_k=2, capacity_factor=capacity_factor, min_capacity=1, capacity_group="batch")
     x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         y, aux = layer(x)
         stats_3d = layer.stats
         y_flat, aux_flat = layer(x.reshape(-1, D))
+        stats_flat = layer.stats
+        layer.capacity_group = "sequence"
+        y_seq, _ = layer(x)
     assert y.shape == (3, 5, D)
     assert torch.equal(y, y_flat.reshape(3, 5, D))
     assert torch.equal(aux, aux_flat)
-    assert torch.equal(stats_3d.tokens_per_expert, layer.stats.tokens_per_expert)
-    assert torch.equal(stats_3d.dropped, layer.stats.dropped)
+    assert torch.equal(stats_3d.tokens_per_expert, stats_flat.tokens_per_expert)
+    assert torch.equal(stats_3d.dropped, stats_flat.dropped)
+    assert torch.equal(y_seq, y) == (capacity_factor is None)
+
+
+def test_sequence_capacity_groups_are_each_sequence_alone():
+    """capacity_group="sequence" (default): a [B, S, D] batch keeps, per sequence, exactly what that
+    sequence alone keeps, so splitting a batch over processes or micro-batches changes nothing."""
+    D = 6
+    layer = _make_layer(D, 5, 4, top_k=2, capacity_factor=0.5, min_capacity=1)
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(6))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    with torch.no_grad():
+        y, aux = layer(x, mask)
+        dropped, counts = layer.stats.dropped, layer.stats.tokens_per_expert
+        alone, alone_dropped = [], 0
+        for b in range(3):
+            alone.append(layer(x[b:b + 1], mask[b:b + 1]))
+            alone_dropped += int(layer.stats.dropped)
+        y_split, _ = layer(x[1:], mask[1:])
+    assert int(dropped) > 0 and int(dropped) == alone_dropped
+    assert torch.equal(y, torch.cat([ya for ya, _ in alone]))
+    assert torch.equal(y[1:], y_split)
+    assert torch.equal(y[~mask], torch.zeros(int((~mask).sum()), D))
+    assert int(counts.sum()) == 2 * int(mask.sum())
 
 
 def test_single_vector_and_empty_batch():
@@ -179,7 +206,9 @@ def test_router_jitter_only_in_training():
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_token_mask_keeps_padding_out_of_routing(capacity_factor):
     torch.manual_seed(0)
-    layer = MoELayer(8, 16, 4, top_k=2, capacity_factor=capacity_factor, min_capacity=1).double()
+    # One routing group for the whole call, so the real tokens alone form the same group.
+    layer = MoELayer(8, 16, 4, top_k=2, capacity_factor=capacity_factor, min_capacity=1,
+                     capacity_group="batch").double()
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     mask = torch.rand(3, 5) > 0.4
     y, aux = layer(x, mask)
