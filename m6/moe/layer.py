@@ -195,7 +195,7 @@ class MoELayer(nn.Module):
         probs_TE, z_T, entropy_T = routing.probs_TE, router_z_terms(routing.logits_TE), router_entropy(routing.probs_TE)
         dtype = probs_TE.dtype
         if token_mask_T is None:
-            num_routed = torch.tensor(probs_TE.shape[0], device=probs_TE.device, dtype=dtype)
+            num_routed = probs_TE.new_full((), float(probs_TE.shape[0]))  # a fill, not a host-to-device copy
         else:
             keep_T = token_mask_T.unsqueeze(1)
             probs_TE = torch.where(keep_T, probs_TE, 0.0)
