@@ -27,7 +27,7 @@ import torch.distributed as dist
 from bench.harness import machine_info, machine_tag
 from m6.moe import MoELayer
 from m6.moe.all_to_all import AllToAllHandle, all_to_all
-from m6.moe.dispatch import combine_tokens, permute_tokens, plan_dispatch
+from m6.moe.dispatch import combine_tokens, permute_tokens
 from m6.parallel import ParallelPlan, apply_plan, build_layout, create_process_groups
 
 
@@ -53,21 +53,21 @@ def _phases(layer: MoELayer, x_TD: torch.Tensor, group) -> dict[str, float]:
 
     with torch.no_grad():
         routing = layer.router(x_TD)
-        plan = plan_dispatch(routing.expert_ids_TK, routing.weights_TK, layer.num_experts, layer.capacity(x_TD.shape[0]))
+        plan = layer.dispatch_plan(routing, None, x_TD.shape[0])
         mark("route")
         d = layer.dispatcher
-        send, recv_counts = d.exchange_counts(plan)
-        recv = [sum(row) for row in recv_counts]
-        x_ND = permute_tokens(x_TD, plan)
+        splits = d.exchange_counts(plan)
+        kept = plan.kept(sum(splits.send))
+        x_ND = permute_tokens(x_TD, kept)
         mark("permute")
-        x_recv = all_to_all(x_ND, recv, send, group)
+        x_recv = all_to_all(x_ND, splits.recv, splits.send, group)
         mark("all2all_dispatch")
-        order, splits = d.local_order(recv_counts, x_TD.device)
-        y_local = layer.experts(x_recv.index_select(0, order), splits)
+        order = d.local_order(splits.recv_counts_RL, sum(splits.recv))
+        y_local = layer.experts(x_recv.index_select(0, order), splits.local_experts)
         mark("experts")
-        y_ND = d.send_back(y_local, AllToAllHandle(plan, send, recv, order, x_TD.dtype))
+        y_ND = d.send_back(y_local, AllToAllHandle(kept, splits.send, splits.recv, order, x_TD.dtype))
         mark("all2all_combine")
-        combine_tokens(y_ND, plan, x_TD.dtype)
+        combine_tokens(y_ND, kept, x_TD.dtype)
         mark("combine")
     return out
 
@@ -122,7 +122,7 @@ def child(args) -> None:
             phases = [_phases(ep2, x_mine, groups.expert) for _ in range(3)]
             # Rows this rank sent to the other rank in one forward dispatch (measured routing).
             routing = ep2.router(x_mine)
-            plan = plan_dispatch(routing.expert_ids_TK, routing.weights_TK, E, ep2.capacity(share))
+            plan = ep2.dispatch_plan(routing, None, share)
             local = range(groups.layout.first_local_expert, groups.layout.first_local_expert + E // world)
             remote_rows = torch.tensor(float(sum(c for e, c in enumerate(plan.counts_E.tolist()) if e not in local)))
             dist.all_reduce(remote_rows)

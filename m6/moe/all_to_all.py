@@ -42,6 +42,16 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
 
 
 @dataclass
+class Splits:
+    """Row counts of one dispatch, known on the host after the counts exchange."""
+
+    recv_counts_RL: torch.Tensor  # int64 [R, L] on the device: rows from source rank r for local expert l
+    send: list[int]  # rows this rank sends to each rank
+    recv: list[int]  # rows this rank receives from each rank
+    local_experts: list[int]  # rows for each local expert (all sources)
+
+
+@dataclass
 class AllToAllHandle:
     """What combine needs to send expert outputs back and weight them."""
 
@@ -82,19 +92,19 @@ class AllToAllDispatcher(Dispatcher):
         self.num_local = num_experts // self.group_size
         self.a2a_dtype = a2a_dtype
 
-    def exchange_counts(self, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], list[int]]:
-        """The counts exchange and the layer's one host sync.
-
-        Returns recv_counts_RL (int64 [R, L] on the device: rows from source rank r for local
-        expert l), and on the host the kept assignments this rank sends per expert (E) and the
-        rows it receives per (source rank, local expert) (R*L, row-major).
-        """
+    def exchange_counts(self, plan: DispatchPlan) -> Splits:
+        """The counts exchange and the layer's one host sync: how many rows go where."""
         R, L = self.group_size, self.num_local
         send_counts_RL = plan.counts_E.view(R, L)
         recv_counts_RL = torch.empty_like(send_counts_RL)
         dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
-        send_E, recv_RL = host_ints(send_counts_RL, recv_counts_RL)
-        return recv_counts_RL, send_E, recv_RL
+        send, recv = host_ints(send_counts_RL, recv_counts_RL)  # both row-major [R, L]
+        return Splits(
+            recv_counts_RL=recv_counts_RL,
+            send=[sum(send[r * L:(r + 1) * L]) for r in range(R)],
+            recv=[sum(recv[r * L:(r + 1) * L]) for r in range(R)],
+            local_experts=[sum(recv[r * L + e] for r in range(R)) for e in range(L)],
+        )
 
     def local_order(self, recv_counts_RL: torch.Tensor, num_received: int) -> torch.Tensor:
         """Received rows arrive [source rank][local expert]: the permutation that groups them by
@@ -107,20 +117,16 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], AllToAllHandle]:
         """Rows for this rank's local experts, grouped by local expert, and their counts."""
-        R, L = self.group_size, self.num_local
-        recv_counts_RL, send_E, recv_RL = self.exchange_counts(plan)
-        send_splits = [sum(send_E[r * L:(r + 1) * L]) for r in range(R)]
-        recv_splits = [sum(recv_RL[r * L:(r + 1) * L]) for r in range(R)]
-        splits = [sum(recv_RL[r * L + e] for r in range(R)) for e in range(L)]
-        kept = plan.kept(sum(send_splits))
+        splits = self.exchange_counts(plan)
+        kept = plan.kept(sum(splits.send))
         dtype = wire_dtype(x_TD, self.a2a_dtype)
         x_ND = permute_tokens(x_TD, kept).to(dtype)  # grouped by global expert = by destination rank
-        x_recv = all_to_all(x_ND, recv_splits, send_splits, self.group)
-        local_order_M = self.local_order(recv_counts_RL, sum(recv_splits))
+        x_recv = all_to_all(x_ND, splits.recv, splits.send, self.group)
+        local_order_M = self.local_order(splits.recv_counts_RL, sum(splits.recv))
         x_local = x_recv.index_select(0, local_order_M)
         if not torch.is_autocast_enabled(x_TD.device.type):
             x_local = x_local.to(x_TD.dtype)  # a compressed fp32 run computes in fp32 again
-        return x_local, splits, AllToAllHandle(kept, send_splits, recv_splits, local_order_M, dtype)
+        return x_local, splits.local_experts, AllToAllHandle(kept, splits.send, splits.recv, local_order_M, dtype)
 
     def send_back(self, y_local: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         """Expert outputs back to the ranks (and row order) they came from: [M, D] -> [N, D]."""
