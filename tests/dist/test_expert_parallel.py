@@ -43,8 +43,12 @@ def _ep_equals_single_process(rank: int, world: int, cfg: dict) -> None:
     sizes = cfg.get("sizes", [6] * world)  # tokens per rank (uneven, even zero, at the end of data)
     starts = [sum(sizes[:r]) for r in range(world)]
     g = torch.Generator().manual_seed(1)
-    x_all = torch.randn(sum(sizes), 16, generator=g, dtype=torch.float64)
+    # With seq_len: sizes count sequences of seq_len tokens ([B, S, D], capacity per sequence),
+    # some of them padding; else tokens of one [T, D] group.
+    shape = (sum(sizes), cfg["seq_len"], 16) if cfg.get("seq_len") else (sum(sizes), 16)
+    x_all = torch.randn(shape, generator=g, dtype=torch.float64)
     dy_all = torch.randn(x_all.shape, generator=g, dtype=torch.float64)  # not randn_like: global RNG differs per rank
+    mask_all = torch.rand(shape[:-1], generator=g) > 0.25 if cfg.get("seq_len") else None
     reference = _layer(cfg)
     if cfg.get("all_to_one"):
         with torch.no_grad():  # every token prefers expert experts-1 (on the last rank)
@@ -54,7 +58,7 @@ def _ep_equals_single_process(rank: int, world: int, cfg: dict) -> None:
     layer = _layer(cfg)
     layer.load_state_dict(reference.state_dict())
     xr = x_all.clone().requires_grad_(True)
-    y_ref, aux_ref = reference(xr)
+    y_ref, aux_ref = reference(xr, mask_all)
     ((y_ref * dy_all).sum() + aux_ref).backward()
 
     layout = build_layout(world, rank, cfg["ep"], cfg["experts"])
@@ -63,8 +67,13 @@ def _ep_equals_single_process(rank: int, world: int, cfg: dict) -> None:
     tol = dict(rtol=2e-2, atol=2e-2) if cfg.get("a2a_dtype") else dict(rtol=1e-9, atol=1e-12)
     mine = slice(starts[rank], starts[rank] + sizes[rank])
     x = x_all[mine].clone().requires_grad_(True)
-    y, aux = layer(x)
+    y, aux = layer(x, None if mask_all is None else mask_all[mine])
     ((y * dy_all[mine]).sum() + aux).backward()
+    if cfg.get("seq_len"):  # capacity really drops here, and the same assignments as one process
+        assert int(reference.stats.dropped) > 0
+        dropped = layer.stats.dropped.clone()
+        dist.all_reduce(dropped)
+        assert int(dropped) == int(reference.stats.dropped)
 
     torch.testing.assert_close(y, y_ref[mine], **tol)
     assert y.dtype == torch.float64  # a low-precision payload is cast back; the combine stays wide
@@ -93,6 +102,7 @@ EP_CASES = {
     "ep4_all_to_one_expert": dict(world=4, ep=4, experts=4, top_k=1, cf=None, all_to_one=True),
     "ep2_rank_without_tokens": dict(world=2, ep=2, experts=4, top_k=2, cf=None, sizes=[0, 9]),
     "ep4_uneven_capacity": dict(world=4, ep=4, experts=8, top_k=2, cf=50.0, sizes=[3, 0, 7, 5]),
+    "ep2_of_4_sequence_capacity": dict(world=4, ep=2, experts=4, top_k=2, cf=1.0, seq_len=12, sizes=[2, 1, 3, 2]),
     "ep2_bf16_payload": dict(world=2, ep=2, experts=4, top_k=2, cf=None, a2a_dtype=torch.bfloat16),
 }
 
