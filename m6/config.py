@@ -8,6 +8,7 @@ The generic machinery (type checks, nearest-key suggestions, overrides) is in m6
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
@@ -72,8 +73,9 @@ class MoEConfig:
                               f"({self.num_experts}) / model.moe.num_prototypes ({self.num_prototypes})")
         if self.capacity_group not in ("sequence", "batch"):
             raise ConfigError(f"model.moe.capacity_group must be 'sequence' or 'batch', got {self.capacity_group!r}")
-        if self.capacity_factor is not None and self.capacity_factor <= 0:
-            raise ConfigError(f"model.moe.capacity_factor must be > 0 or null (dropless), got {self.capacity_factor}")
+        if self.capacity_factor is not None and not (0 < self.capacity_factor < math.inf):
+            raise ConfigError(f"model.moe.capacity_factor must be a finite number > 0, or null for dropless "
+                              f"(no capacity limit), got {self.capacity_factor}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {self.ffn_dim}")
 
@@ -157,6 +159,9 @@ class DataConfig:
     def validate(self) -> None:
         """Check the data keys on their own (data.image_mean/std against the model: _check_cross_section)."""
         _check_positive({"data.num_samples": self.num_samples, "data.seq_len": self.seq_len})
+        if self.seq_len < 3:
+            raise ConfigError(f"data.seq_len must be >= 3 (BOS and SEP, and room for at least one target token "
+                              f"to learn from), got {self.seq_len}")
         _check_non_negative({"data.eval_samples": self.eval_samples})
         if self.num_workers < 0 or self.prefetch_factor <= 0:
             raise ConfigError(f"data.num_workers ({self.num_workers}) must be >= 0 and data.prefetch_factor "

@@ -243,7 +243,11 @@ def apply_overrides(data: dict, overrides: Sequence[str], cls: type) -> dict:
 
 def _read_yaml(path: Path) -> dict:
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "save the config as UTF-8") from e
     except FileNotFoundError as e:
         raise ConfigError(f"config file not found: {path}") from e
     except OSError as e:

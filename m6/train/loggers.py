@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from m6.config import ConfigError
+
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 WANDB_SAAS_HOST = "api.wandb.ai"
 FORGE_DEFAULT_HOST = "api.forge.coreweave.com"
@@ -81,12 +83,12 @@ def has_wandb_credentials() -> bool:
 def resolve_wandb_mode(mode: str) -> str:
     """Turn ``logging.wandb.mode`` into a concrete W&B mode: auto -> online with credentials, else offline."""
     if mode not in WANDB_MODES:
-        raise ValueError(f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)}; got {mode!r}")
+        raise ConfigError(f"logging.wandb.mode must be one of {', '.join(WANDB_MODES)}; got {mode!r}")
     if mode == "auto":
         return "online" if has_wandb_credentials() else "offline"
     if mode == "online" and not has_wandb_credentials():
         # Online without credentials would make wandb prompt for a key (or hang on a headless node).
-        raise ValueError(
+        raise ConfigError(
             "logging.wandb.mode=online but no W&B credentials were found (WANDB_API_KEY or a netrc entry "
             f"for {' or '.join(_wandb_hosts())}); run `wandb login`, or set logging.wandb.mode=offline or auto"
         )

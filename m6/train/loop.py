@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m6.config import Config, accumulation_steps, dump_yaml, micro_batch_size, num_patches, run_dir, to_dict
+from m6.config import Config, ConfigError, accumulation_steps, dump_yaml, micro_batch_size, num_patches, run_dir, to_dict
 from m6.data.batch import MultimodalBatch
 from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
@@ -27,7 +27,7 @@ from m6.parallel import build_parallel, join_job
 from m6.train.checkpoint import CheckpointManager, agree_on_resume, resolve_resume
 from m6.train.eval import evaluate_captions, rank_slice
 from m6.train.init_from import init_from_checkpoint
-from m6.train.loggers import MetricsLogger
+from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
@@ -42,7 +42,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')")
+        raise ConfigError("train.device: 'cuda' requested but this machine has no usable CUDA device "
+                          f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use auto or cpu")
     return torch.device(name)
 
 
@@ -68,6 +69,8 @@ class Trainer:
         self.rank, self.world_size = self.env.rank, self.env.world_size
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg.train.device)
+        if cfg.logging.wandb.enabled and self.is_main:
+            resolve_wandb_mode(cfg.logging.wandb.mode)  # pre-flight: no credentials fails now, not after setup
         if self.device.type == "cuda" and self.world_size > 1:
             self.device = torch.device("cuda", self.env.local_rank)
         self.autocast_dtype = resolve_precision(cfg.train.precision, self.device)

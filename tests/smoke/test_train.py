@@ -114,6 +114,35 @@ def test_train_py_reports_config_errors(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("override, key", [
+    ("model.moe.capacity_factor=.inf", "model.moe.capacity_factor"),
+    ("model.moe.capacity_factor=.nan", "model.moe.capacity_factor"),
+    ("data.seq_len=2", "data.seq_len"),
+    ("train.device=cuda", "train.device"),
+    ("logging.wandb.mode=online", "logging.wandb.mode"),
+])
+def test_values_that_used_to_fail_deep_inside_are_config_errors(tmp_path, capsys, monkeypatch, override, key):
+    """Each passed validation before and then failed in setup with a traceback (exit 1)."""
+    if override == "train.device=cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no netrc: no W&B credentials
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("NETRC", raising=False)
+    code = train_entry.main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "logging.wandb.enabled=true",
+                             "logging.wandb.mode=offline", override])
+    err = capsys.readouterr().err
+    assert code == 2 and f"config error: {key}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"model:\n  d_model: 64  # caf\xe9\n")
+    assert train_entry.main(["--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: not UTF-8" in err and "Traceback" not in err
+
+
 def test_resume_with_a_different_model_shape_fails_clearly(tmp_path, capsys):
     args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=2",
             "train.eval_every=0"]
