@@ -16,6 +16,7 @@ from typing import Literal, Optional, Union
 from m6.config_loader import ConfigError, dump_yaml, load_config, to_dict
 
 BYTE_VOCAB_SIZE = 261  # m6.data.byte_tokenizer.ByteTokenizer: 256 bytes + PAD, BOS, EOS, SEP, IMG
+SYNTHETIC_MIN_IMAGE_SIZE = 9  # m6.data.synthetic: a GRID_SIZE (3) x 3 grid, cells >= 3 pixels
 
 
 def _check_positive(values: dict[str, float]) -> None:
@@ -357,6 +358,12 @@ def _check_cross_section(cfg: Config) -> None:
     if m.vocab_size < BYTE_VOCAB_SIZE:
         raise ConfigError(f"model.vocab_size ({m.vocab_size}) is smaller than the byte tokenizer's "
                           f"{BYTE_VOCAB_SIZE} ids (data.kind={d.kind})")
+    if m.image_channels != 3:
+        raise ConfigError(f"model.image_channels must be 3, got {m.image_channels}: m6 decodes every image as RGB "
+                          f"(data.kind=files) and renders RGB (data.kind=synthetic)")
+    if d.kind == "synthetic" and m.image_size < SYNTHETIC_MIN_IMAGE_SIZE:
+        raise ConfigError(f"model.image_size ({m.image_size}) is too small for data.kind=synthetic, which draws "
+                          f"shapes on a 3x3 grid of cells at least 3 pixels wide: use >= {SYNTHETIC_MIN_IMAGE_SIZE}")
     if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
         raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
                           f"model.image_channels ({m.image_channels}) values each, std > 0")

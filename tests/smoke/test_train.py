@@ -120,6 +120,8 @@ def test_train_py_reports_config_errors(tmp_path, capsys):
     ("data.seq_len=2", "data.seq_len"),
     ("train.device=cuda", "train.device"),
     ("logging.wandb.mode=online", "logging.wandb.mode"),
+    ("model.image_channels=1 data.image_mean=[0.5] data.image_std=[0.5]", "model.image_channels"),
+    ("model.image_size=8 model.patch_size=8 data.kind=synthetic data.sources=[]", "model.image_size"),
 ])
 def test_values_that_used_to_fail_deep_inside_are_config_errors(tmp_path, capsys, monkeypatch, override, key):
     """Each passed validation before and then failed in setup with a traceback (exit 1)."""
@@ -129,10 +131,21 @@ def test_values_that_used_to_fail_deep_inside_are_config_errors(tmp_path, capsys
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("NETRC", raising=False)
     code = train_entry.main(["--config", TINY, f"run.dir={tmp_path / 'run'}", "logging.wandb.enabled=true",
-                             "logging.wandb.mode=offline", override])
+                             "logging.wandb.mode=offline", *override.split()])
     err = capsys.readouterr().err
     assert code == 2 and f"config error: {key}" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+def test_config_constants_match_what_they_mirror():
+    from m6.config import BYTE_VOCAB_SIZE, SYNTHETIC_MIN_IMAGE_SIZE
+    from m6.data.byte_tokenizer import ByteTokenizer
+    from m6.data.synthetic import GRID_SIZE, SyntheticImageCaptionDataset
+
+    assert BYTE_VOCAB_SIZE == ByteTokenizer().vocab_size and SYNTHETIC_MIN_IMAGE_SIZE == GRID_SIZE * 3
+    SyntheticImageCaptionDataset(num_samples=2, image_size=SYNTHETIC_MIN_IMAGE_SIZE)  # the smallest it draws
+    with pytest.raises(ValueError, match="too small"):
+        SyntheticImageCaptionDataset(num_samples=2, image_size=SYNTHETIC_MIN_IMAGE_SIZE - 1)
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path, capsys):
