@@ -30,6 +30,7 @@ from m6.train.init_from import init_from_checkpoint
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
+from m6.train.run_directory import prepare_run_dir
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.update import ParameterUpdate
 
@@ -81,8 +82,8 @@ class Trainer:
         self.aux_ranks = aux_loss_ranks(cfg.model.moe.aux_loss_scope, self.world_size)
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
+        prepare_run_dir(self.run_dir)  # every rank: each writes its checkpoint shards there
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.run_dir / "config.yaml")
 
         self.data = build_training_data(cfg, self.rank, self.world_size, pin_memory=self.device.type == "cuda")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,27 @@ def test_values_that_used_to_fail_deep_inside_are_config_errors(tmp_path, capsys
     err = capsys.readouterr().err
     assert code == 2 and f"config error: {key}" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before any work
+
+
+@pytest.mark.parametrize("where, expected", [
+    ("file", "is a file, not a directory"),
+    ("under_file", "which is a file, not a directory"),
+    ("virtual_fs", "cannot create"),
+    ("read_only", "cannot write in it"),
+])
+def test_unusable_run_dirs_are_refused_before_any_work(tmp_path, capsys, where, expected):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a directory")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir(mode=0o555)
+    run = {"file": a_file, "under_file": a_file / "run", "virtual_fs": Path("/proc/m6-run/x"),
+           "read_only": read_only}[where]
+    if where == "read_only" and os.access(read_only, os.W_OK):
+        pytest.skip("running as root: permissions do not stop this process")
+    code = train_entry.main(["--config", TINY, f"run.dir={run}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "config error: run.dir: " in err and str(run) in err and expected in err, err
+    assert "Traceback" not in err
 
 
 def test_config_constants_match_what_they_mirror():
