@@ -30,6 +30,7 @@ from m6.train.init_from import init_from_checkpoint
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
+from m6.train.preemption import StopOnSignal
 from m6.train.run_directory import prepare_run_dir
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.update import ParameterUpdate
@@ -133,6 +134,7 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.train.max_steps,
                                     console=cfg.logging.console, is_main_process=self.is_main)
         self.history: list[dict] = []
+        self.last_saved_step: int | None = None
 
     @property
     def step(self) -> int:
@@ -269,6 +271,7 @@ class Trainer:
         ``wait``; a save still running is finished first. Returns the step directory."""
         state, shards = self.state.state_dict()  # collectives inside: every rank
         path = self.checkpoints.save(self.step, state, shards, asynchronous=self.cfg.checkpoint.async_save)
+        self.last_saved_step = self.step
         if self.checkpoints.last_wait_s > 0.05:
             self._print_main(f"checkpoint: waited {self.checkpoints.last_wait_s:.1f} s for the previous save to "
                              f"finish writing before saving step {self.step}")
@@ -289,6 +292,7 @@ class Trainer:
     def fit(self) -> list[dict]:
         """Train to train.max_steps; returns the per-step metrics of this process's steps."""
         cfg = self.cfg
+        stop = StopOnSignal(self.sharded.groups.checkpoint if self.world_size > 1 else None)
         try:
             while self.step < cfg.train.max_steps:
                 metrics = self.train_step()
@@ -303,6 +307,9 @@ class Trainer:
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
                     self.save_checkpoint()
                 self.checkpoints.poll()  # a background save that has finished writing: put it in place
+                if stop.requested():
+                    self._stop_with_checkpoint(stop.signal_name)
+                    break
             self.checkpoints.close()
             final = self.history[-1] if self.history else {}
             self.logger.summary({"final_loss": final.get("loss"), "steps": self.step,
@@ -310,9 +317,19 @@ class Trainer:
                                  "active_params": self.size.active, "skipped_records": self.skips.total,
                                  "skipped_records_by_reason": self.skips.by_reason()})
         finally:
+            stop.close()
             self.loader.close()
             self.logger.close()
         return self.history
+
+    def _stop_with_checkpoint(self, signal_name: str) -> None:
+        """Save this step (unless just saved), wait until it is on disk on every rank, and say so."""
+        if self.last_saved_step != self.step:
+            self.save_checkpoint(wait=True)
+        self.checkpoints.wait()  # a background save of this step: in place before the process ends
+        self._print_main(f"{signal_name}: stopped after step {self.step} of {self.cfg.train.max_steps} with "
+                         f"checkpoint {self.checkpoints.step_dir(self.step)}; run again with "
+                         f"checkpoint.resume=auto (the default) to continue")
 
 
 def train(cfg: Config) -> list[dict]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import signal
 import subprocess
 import sys
 
@@ -101,6 +103,39 @@ def test_capacity_and_aux_loss_scope_are_world_size_invariant(tmp_path, scope, m
     assert all(r["moe/layer0/dropped_fraction"] > 0 for r in runs[1])  # capacity is really dropping
     for nproc in (2, 4):
         assert_same_curve(runs[nproc], runs[1])
+
+
+def _worker_pid(agent_pid: int, rank: int) -> int:
+    """The pid of the torchrun worker with RANK=rank among the agent's children."""
+    for child in (pathlib.Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()):
+        environ = pathlib.Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return int(child)
+    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
+
+
+def test_sigterm_to_one_rank_stops_every_rank_with_one_checkpoint(tmp_path):
+    """Preemption reaching one worker only (a node drained, a kill by hand): the ranks agree to
+    stop after the same step, save it together, and exit 0; resuming continues the curve."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=1000", "logging.console=true",
+            "checkpoint.every=0", "optim.schedule=constant"]
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                              "--master_port", str(free_port()), str(REPO / "train.py"), *args],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    for line in agent.stdout:
+        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 2:
+            os.kill(_worker_pid(agent.pid, 1), signal.SIGTERM)
+            break
+    out, err = agent.communicate(timeout=180)
+    assert agent.returncode == 0, err[-3000:]
+    stopped = [line for line in out.splitlines() if "stopped after step" in line]
+    assert len(stopped) == 1 and stopped[0].startswith("a stop signal on another rank"), out[-2000:]
+    step = int(stopped[0].split("stopped after step ")[1].split()[0])
+    assert (tmp_path / "checkpoints" / f"step_{step:08d}").is_dir()
+    torchrun(tmp_path, 2, f"train.max_steps={step + 2}", "checkpoint.every=0", "optim.schedule=constant")
+    rows = train_rows(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, step + 3))
 
 
 def test_two_nodes_match_single_node(reference, tmp_path):

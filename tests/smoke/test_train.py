@@ -84,6 +84,38 @@ def test_resume_continues_identically(tmp_path):
     assert [h["grad_norm"] for h in first + second] == [h["grad_norm"] for h in straight]
 
 
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(tmp_path):
+    """Preemption: SIGTERM mid-run -> checkpoint of the current step, exit 0; the next run resumes
+    and the whole curve equals an uninterrupted run's (constant LR: max_steps differs)."""
+    import signal
+    import subprocess
+    import sys
+
+    base = [sys.executable, str(Path(TINY).parents[1] / "train.py"), "--config", TINY, *SMALL, "train.eval_every=0",
+            "optim.schedule=constant", "logging.every=1", "logging.console=true", "checkpoint.every=0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run([*base, f"run.dir={tmp_path / 'straight'}", "train.max_steps=10"], check=True, env=env,
+                   capture_output=True, timeout=240)
+    run = tmp_path / "preempted"
+    proc = subprocess.Popen([*base, f"run.dir={run}", "train.max_steps=1000"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    for line in proc.stdout:
+        if line.startswith("step") and "/1000" in line and int(line.split()[1].split("/")[0]) >= 3:
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    stopped = [line for line in out.splitlines() if line.startswith("SIGTERM: stopped after step")]
+    assert len(stopped) == 1, out[-2000:]
+    step = int(stopped[0].split()[4])
+    assert 3 <= step < 10 and (run / "checkpoints" / f"step_{step:08d}").is_dir()
+    resumed = subprocess.run([*base, f"run.dir={run}", "train.max_steps=10"], env=env, text=True,
+                             capture_output=True, timeout=240)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
+    losses = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
+    assert losses == {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight") if "loss" in r}
+
+
 def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path):
     trainer = Trainer(small_cfg(tmp_path, "train.max_steps=20", "train.eval_every=0",
                                 "checkpoint.every=2", "train.max_bad_steps=3"))
