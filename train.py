@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from m6.config import ConfigError, load
 from m6.parallel import LayoutError
-from m6.train.checkpoint import CheckpointError
+from m6.train.checkpoint import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
 
 
@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         finished = True
     except (ConfigError, LayoutError) as e:
         print(f"{where}config error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointMismatch as e:
+        print(f"{where}error: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged) as e:
         print(f"{where}error: {e}", file=sys.stderr)

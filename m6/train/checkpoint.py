@@ -45,6 +45,11 @@ class CheckpointError(RuntimeError):
     """A user-facing checkpoint problem; the message names the file or config key and what is wrong."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """The checkpoint named cannot continue this run: not an m6 checkpoint, or saved for another
+    model, data or optimizer setup (bad input: train.py exits 2, like a config error)."""
+
+
 # --------------------------------------------------------------------------- RNG state
 
 
@@ -381,6 +386,17 @@ def _rank_label() -> str:
     return f"{os.environ.get('RANK', '0')} (host {socket.gethostname()})"
 
 
+def _not_a_step_directory(path: Path) -> str:
+    """What a file given where an m6 checkpoint is expected is, as far as its first bytes tell."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    kind = ("a torch.save file (e.g. a bare state_dict)" if head[:2] == b"PK" or head[:1] == b"\x80"
+            else "a file")
+    return (f"{path} is {kind}, not an m6 checkpoint: m6 checkpoints are step directories "
+            f"(RUN_DIR/checkpoints/step_NNNNNNNN) written by m6's sharded save. To start from other weights, "
+            f"convert them into an m6 checkpoint first, or use checkpoint.resume=none")
+
+
 def checkpoint_dir(path: str | Path) -> Path:
     """The step directory of a checkpoint given the directory or its metadata file."""
     path = Path(path)
@@ -388,8 +404,10 @@ def checkpoint_dir(path: str | Path) -> Path:
         raise CheckpointError(f"checkpoint {path} does not exist")
     if path.is_file() and path.name == METADATA_FILE:
         path = path.parent
-    if not path.is_dir() or not (path / METADATA_FILE).is_file():
-        raise CheckpointError(
+    if path.is_file():
+        raise CheckpointMismatch(_not_a_step_directory(path))
+    if not (path / METADATA_FILE).is_file():
+        raise CheckpointMismatch(
             f"checkpoint {path} has no {METADATA_FILE}: an incomplete save, not a step directory, or not an m6 "
             f"checkpoint")
     return path
@@ -469,8 +487,10 @@ def resolve_resume(resume: str | os.PathLike | None, manager: CheckpointManager)
     path = Path(resume).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint.resume={resume!r}: {path} does not exist")
+    if path.is_file() and path.name != METADATA_FILE:
+        raise CheckpointMismatch(f"checkpoint.resume={resume!r}: {_not_a_step_directory(path)}")
     if path.is_dir() and not (path / METADATA_FILE).is_file():
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"checkpoint.resume={resume!r}: {path} is a directory without {METADATA_FILE}; point it at a "
             f"step directory (e.g. .../checkpoints/step_00000010), or use 'auto'"
         )

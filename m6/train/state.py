@@ -19,7 +19,7 @@ from m6.data.record_dataset import RUNTIME_SKIP_REASONS
 from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
 from m6.parallel import ShardedModel
-from m6.train.checkpoint import CheckpointError, CheckpointManager, rng_state, set_rng_state
+from m6.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, rng_state, set_rng_state
 from m6.train import sharded_io
 from m6.train.sharded_io import Shards
 
@@ -212,7 +212,7 @@ class TrainingState:
         diffs = shape_differences(self.model.global_shapes(), {k[len("model/"):]: v for k, v in saved.items()
                                                                if k.startswith("model/")})
         if diffs:
-            raise CheckpointError(f"checkpoint {path} was written for a different model shape ({len(diffs)} "
+            raise CheckpointMismatch(f"checkpoint {path} was written for a different model shape ({len(diffs)} "
                                   f"difference(s)); check the model config matches the run that saved it:\n  "
                                   + "\n  ".join(diffs[:5]) + (f"\n  ... and {len(diffs) - 5} more" if len(diffs) > 5 else ""))
         with_state = {k.split("/")[2] for k in saved if k.startswith("optimizer/state/")}
@@ -225,13 +225,59 @@ class TrainingState:
             targets["rng"] = {rng_key: None}
         shards = {**self.model.shards("model/"), **self.optimizer.shards("optimizer/state/")}
         loaded = manager.load(path, targets, shards)
+        data_changes = changed_keys(loaded["meta"].get("config", {}), self.metadata.get("config", {}), DATA_IDENTITY)
+        if data_changes:
+            raise CheckpointMismatch(
+                f"checkpoint {path} was saved with other training data, so its data position would point into "
+                f"different samples: " + "; ".join(data_changes) + ". " + _WEIGHTS_ONLY)
         self.model.after_load()
         self.optimizer.load_hyperparameters(loaded["optimizer"]["param_groups"])
         for name, piece in self.values.items():
-            piece.load_state_dict(loaded[name])
+            try:
+                piece.load_state_dict(loaded[name])
+            except (ValueError, KeyError, TypeError) as e:
+                raise CheckpointMismatch(
+                    f"checkpoint {path}: its {name} state does not fit this run ({e}). "
+                    + config_changes(loaded["meta"].get("config", {}), self.metadata.get("config", {}), name)) from e
         if "rng" in loaded:
             self.rng.load_state_dict(loaded["rng"][rng_key])
         return loaded["meta"]
+
+
+# Config sections that decide each restored piece: where to look when it does not fit.
+_DECIDED_BY = {"data": ("data", "run.seed", "train.global_batch_size"), "scheduler": ("optim", "train.max_steps")}
+# What the saved data position means: which sample an index is. A change makes the position point
+# into other data, even when its sizes still fit, so it is refused before anything is restored.
+DATA_IDENTITY = ("data.kind", "data.sources", "data.eval_samples", "data.num_samples", "data.text_only_fraction",
+                 "data.tasks")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def changed_keys(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
+    """Config keys under ``prefixes`` whose values differ between the saving run and this one,
+    each with both values."""
+    before, now = _flat(saved), _flat(current)
+    return [f"{k}: {before.get(k)!r} at save, {now.get(k)!r} now" for k in sorted(set(before) | set(now))
+            if k.startswith(prefixes) and before.get(k) != now.get(k)
+            and k not in ("data.num_workers", "data.prefetch_factor")]
+
+
+_WEIGHTS_ONLY = ("Resume with the saved values, or keep only the weights with checkpoint.init_from=PATH and "
+                 "checkpoint.resume=none.")
+
+
+def config_changes(saved: dict, current: dict, piece: str) -> str:
+    """A sentence naming the changed config keys that decide ``piece``, for an error message."""
+    changed = changed_keys(saved, current, _DECIDED_BY.get(piece, ()))
+    if not changed:
+        return "The config keys that decide it are the same as at save."
+    return "Changed since the save: " + "; ".join(changed) + ". " + _WEIGHTS_ONLY
 
 
 def checkpoint_keys(path: Path) -> dict[str, Any]:

@@ -216,8 +216,33 @@ def test_resume_with_a_different_model_shape_fails_clearly(tmp_path, capsys):
     assert train_entry.main(args) == 0
     code = train_entry.main(args + ["model.moe.num_experts=8", "checkpoint.resume=auto", "train.max_steps=4"])
     err = capsys.readouterr().err
-    assert code == 1
+    assert code == 2
     assert "different model shape" in err and "[4, 64, 128]" in err and "[8, 64, 128]" in err
+
+
+def test_checkpoints_that_do_not_fit_the_run_are_named_with_what_differs(tmp_path, capsys):
+    """Not an m6 checkpoint (a bare state_dict, any file), or saved with other training data:
+    exit 2, the file, what differs and the key to change; never a traceback."""
+    args = ["--config", TINY, *SMALL, f"run.dir={tmp_path / 'run'}", "train.max_steps=2", "train.eval_every=0"]
+    assert train_entry.main(args) == 0
+    capsys.readouterr()
+    bare = tmp_path / "model.pt"
+    torch.save({"final_norm.weight": torch.ones(4)}, bare)
+    text = tmp_path / "notes.txt"
+    text.write_text("hello")
+    cases = [
+        ([f"checkpoint.resume={bare}"], [str(bare), "torch.save file", "not an m6 checkpoint"]),
+        ([f"checkpoint.resume={text}"], [str(text), "not an m6 checkpoint"]),
+        (["data.eval_samples=8"], ["step_00000002", "other training data", "data.eval_samples: 16 at save, 8 now",
+                                   "checkpoint.init_from"]),
+        (["data.num_samples=256"], ["data.num_samples: 512 at save, 256 now"]),
+    ]
+    for extra, expected in cases:
+        code = train_entry.main(args[:-2] + ["train.max_steps=4", "train.eval_every=0", *extra])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, (extra, err)
+        for fragment in expected:
+            assert fragment in err, (extra, fragment, err)
 
 
 def test_train_py_logs_to_offline_wandb(tmp_path, monkeypatch):
