@@ -204,6 +204,7 @@ class PendingSave:
     final: Path
     write: sharded_io.ShardedWrite
     started: float
+    nbytes: int  # tensor bytes this rank holds in the state (what its files need, at most)
 
 
 class CheckpointManager:
@@ -239,13 +240,12 @@ class CheckpointManager:
         self.dir.mkdir(parents=True, exist_ok=True)
         final = self.step_dir(step)
         tmp = self.dir / f"{_TMP_PREFIX}{final.name}"  # the same on every rank: they write one directory
+        nbytes = sum(v.numel() * v.element_size() for v in flat.values() if isinstance(v, torch.Tensor))
         try:
             write = sharded_io.write(tmp, flat, shards or {}, self.group, asynchronous)
         except BaseException as e:
-            if self.rank == 0:  # a failed write (bad value, full disk) must not leave gigabytes behind
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise _as_checkpoint_error(e, f"writing checkpoint {final}") from e
-        self.pending = PendingSave(step, tmp, final, write, time.perf_counter())
+            raise self._write_failed(e, step, tmp, final, nbytes) from e
+        self.pending = PendingSave(step, tmp, final, write, time.perf_counter(), nbytes)
         if not asynchronous:
             self.wait()
         return final
@@ -266,11 +266,34 @@ class CheckpointManager:
         try:
             pending.write.commit()
         except BaseException as e:
-            if self.rank == 0:
-                shutil.rmtree(pending.tmp, ignore_errors=True)
-            raise _as_checkpoint_error(e, f"writing checkpoint {pending.final}") from e
+            raise self._write_failed(e, pending.step, pending.tmp, pending.final, pending.nbytes) from e
         self._finalize(pending.tmp, pending.final)
         return pending.final
+
+    def _write_failed(self, e: BaseException, step: int, tmp: Path, final: Path, nbytes: int) -> BaseException:
+        """Clean up after a failed write and say what happened: a full disk by name, with the space
+        needed and free (the writer's own error is often cryptic then), and in every case what is
+        and is not saved."""
+        try:
+            free = shutil.disk_usage(self.dir).free
+        except OSError:
+            free = None
+        if self.rank == 0:  # a failed write must not leave gigabytes behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = _as_checkpoint_error(e, f"writing checkpoint {final}")
+        if not isinstance(error, CheckpointError) or isinstance(error, CheckpointMismatch):
+            return error
+        previous = self.latest()
+        saved = (f"Saved: {previous} (complete, loadable); not saved: the training after it, up to step {step}."
+                 if previous is not None else f"Nothing of this run is saved yet (up to step {step}).")
+        if _disk_full(e) or (free is not None and free < nbytes):
+            free_text = f"{_gib(free)} free" if free is not None else "free space unknown"
+            return CheckpointError(
+                f"writing checkpoint {final} failed on rank {_rank_label()}: the disk is full: {self.dir} had "
+                f"{free_text} when the write failed, and this rank's share of the checkpoint needs up to "
+                f"{_gib(nbytes)}. The partial checkpoint was removed. {saved} Free space there (or lower "
+                f"checkpoint.keep, or move run.dir), then run again to resume.")
+        return CheckpointError(f"{error} The partial checkpoint was removed. {saved}")
 
     def close(self) -> None:
         """Finish a background save, then wait for every rank to be done with the checkpoint group:
@@ -380,6 +403,26 @@ def _as_checkpoint_error(e: BaseException, doing: str) -> BaseException:
         return e
     reason = (str(e).strip().splitlines() or [""])[0][:300]
     return CheckpointError(f"{doing} failed on rank {_rank_label()}: {type(e).__name__}: {reason}")
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC anywhere in the chain of ``e`` (DCP wraps each rank's failure)."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if getattr(x, "errno", None) == 28 or "No space left on device" in str(x):
+            return True
+        todo += [x.__cause__, x.__context__]
+        for failure in getattr(x, "failures", {}).values():
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return False
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**28 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _rank_label() -> str:

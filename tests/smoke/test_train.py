@@ -245,6 +245,36 @@ def test_checkpoints_that_do_not_fit_the_run_are_named_with_what_differs(tmp_pat
             assert fragment in err, (extra, fragment, err)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs: room for two checkpoints of the model below, not three."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.parametrize("async_save", ["true", "false"])
+def test_a_full_disk_is_named_and_the_last_checkpoint_stays_loadable(small_disk, capsys, async_save):
+    run = small_disk / "run"
+    args = ["--config", TINY, "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64",
+            "data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "train.eval_every=0",
+            "logging.console=false", "checkpoint.every=2", "checkpoint.keep=5", f"checkpoint.async_save={async_save}",
+            f"run.dir={run}", "train.max_steps=8"]
+    assert train_entry.main(args) == 1
+    err = capsys.readouterr().err
+    assert f"writing checkpoint {run / 'checkpoints' / 'step_00000006'} failed" in err and "the disk is full" in err
+    assert "needs up to" in err and "The partial checkpoint was removed" in err and "Traceback" not in err
+    assert f"Saved: {run / 'checkpoints' / 'step_00000004'} (complete, loadable)" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step_00000002", "step_00000004"]
+    assert train_entry.main(args) == 1  # the disk is still full, but the run resumed from step 4 first
+    assert "resumed from" in capsys.readouterr().out
+
+
 def test_train_py_logs_to_offline_wandb(tmp_path, monkeypatch):
     import subprocess
     import sys
