@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from m6.config import ConfigError, load
 from m6.parallel import LayoutError
+from m6.parallel.peer_check import describe_peer_failure
 from m6.train.checkpoint import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
 
@@ -41,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, TrainingDiverged) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 1
-    except dist.DistBackendError as e:
-        # A peer died or a collective timed out (parallel.timeout_s): say so instead of hanging.
-        print(f"{where}error: a collective failed; another rank probably died or timed out: {e}", file=sys.stderr)
+    except dist.DistBackendError:
+        # A peer died or a collective timed out (parallel.timeout_s): name it instead of hanging
+        # or printing the backend's traceback.
+        print(f"{where}error: {describe_peer_failure(int(rank), int(os.environ['WORLD_SIZE']))}", file=sys.stderr)
         return 1
     finally:
         # A finished distributed worker leaves through exit_process with its groups in place

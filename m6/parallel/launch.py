@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from m6.parallel.peer_check import register_host
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -49,6 +51,7 @@ def init_distributed(timeout_s: int) -> DistEnv:
             torch.cuda.set_device(local_rank)
             kwargs["device_id"] = torch.device("cuda", local_rank)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s), **kwargs)
+    register_host(rank)  # so that a survivor of this rank's death can name its host
     return DistEnv(rank, world, local_rank, local_world, backend)
 
 
