@@ -1,6 +1,6 @@
 """TFLOP/s and MFU: the training step charges the FLOPs of the work it asked of the model (real
 tokens, target positions, kept expert assignments, real sequence lengths), against a count made by
-hand; padding adds nothing.
+hand; padding adds nothing; the peak matches what runs (fp32 is not TF32 unless TF32 is on).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from m6.data.loader import LoadedBatch
 from m6.model import M6Model
 from m6.model.flops import forward_flop_rates
 from m6.train.loop import Trainer
+from m6.train.metrics import device_peak_tflops, peak_tflops_for
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 # Block 1 dense, block 2 MoE (4 experts, top-2, capacity 1.0: drops happen), 16x16 images in 8x8
@@ -159,3 +160,45 @@ def test_forward_flop_rates_by_hand(variant):
     assert rates.per_target == 2 * v * d
     assert rates.per_attention_pair == layers * 4 * d
     assert rates.per_assignment == per_assignment
+
+
+# ---------------------------------------------------------------------------------------------
+# The peak: a pure function of device name, dtype and the TF32 flag
+
+
+@pytest.mark.parametrize("name, bf16, fp32, tf32", [
+    ("NVIDIA H100 80GB HBM3", 989.4, 67.0, 494.7),  # SXM5
+    ("NVIDIA H100 PCIe", 756.5, 51.0, 378.0),
+    ("NVIDIA H200", 989.4, 67.0, 494.7),
+    ("NVIDIA A100-SXM4-80GB", 312.0, 19.5, 156.0),
+    ("NVIDIA A100 80GB PCIe", 312.0, 19.5, 156.0),
+    ("Tesla V100-SXM2-16GB", None, 15.7, 15.7),  # no TF32 (nor bf16) on Volta
+    ("Tesla V100-PCIE-32GB", None, 14.0, 14.0),
+    ("NVIDIA H100 NVL", None, None, None),  # a variant with its own figures, not tabulated
+    ("NVIDIA A10", None, None, None),  # not an A100
+    ("NVIDIA H20", None, None, None),  # not an H200
+])
+def test_peak_selection(name, bf16, fp32, tf32):
+    assert peak_tflops_for(name, torch.bfloat16, tf32=False) == bf16
+    assert peak_tflops_for(name, torch.bfloat16, tf32=True) == bf16  # the flag is about fp32 only
+    assert peak_tflops_for(name, torch.float32, tf32=False) == fp32
+    assert peak_tflops_for(name, torch.float32, tf32=True) == tf32
+
+
+@pytest.fixture
+def restore_tf32():
+    saved = torch.backends.cuda.matmul.fp32_precision
+    yield
+    torch.backends.cuda.matmul.fp32_precision = saved
+
+
+def test_device_peak_follows_the_tf32_setting(monkeypatch, restore_tf32):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # torch's default: fp32 matmuls are plain fp32
+    assert device_peak_tflops(cuda, torch.float32, None) == 67.0
+    assert device_peak_tflops(cuda, torch.bfloat16, None) == 989.4
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    assert device_peak_tflops(cuda, torch.float32, None) == 494.7
+    assert device_peak_tflops(cuda, torch.float32, 123.0) == 123.0  # train.peak_tflops wins
+    assert device_peak_tflops(torch.device("cpu"), torch.float32, None) is None
