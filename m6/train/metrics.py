@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 # Dense (no 2:4 sparsity) peaks from NVIDIA's datasheets, TFLOP/s: the MFU denominator, spec-sheet
-# figures, not measurements (datasheets print tensor-core figures with sparsity: halved here).
+# figures, not measurements (half the sparsity figure where a datasheet prints only that one).
 # "tf32" is an fp32 matmul on tensor cores, which runs only when TF32 matmuls are enabled; "fp32"
 # is the plain (CUDA-core) rate, what an fp32 matmul gets by default. Volta has no TF32 (and no bf16
 # tensor cores). First match wins, so a variant comes before its family's default; a variant set
