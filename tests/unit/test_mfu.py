@@ -105,6 +105,8 @@ def test_step_flops_equal_a_hand_count(trainer):
     # assignments to experts 0 and 1, which keep min(routed, capacity) each.
     kept = 2 * min(19, 10) + 2 * min(35, 18)  # micro-batch 1: 19 routed, capacity ceil(9.5) = 10;
     #                                           micro-batch 2: 35 routed, capacity ceil(17.5) = 18
+    # (Capacity per sequence instead of per micro-batch keeps as many here: 2 x ceil(n / 2) for
+    # rows of n = 11, 8 and 12, 11, 12 is 20 and 36 too, at most one odd row per micro-batch.)
     assert kept == 56 and kept < K * positions  # 52 assignments dropped: not charged
 
     per_position = LAYERS * (2 * D * 3 * D + 2 * D * D) + (2 * D * F + 2 * F * D) + 2 * D * E
