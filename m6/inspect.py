@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total params      {_human(r['total_params'])} ({r['total_params']:,})")
     print(f"active params     {_human(r['active_params'])} per token (experts x K/E, LM head included)")
     print(f"expert params     {_human(r['expert_params'])}")
-    print(f"train FLOPs/token {_human(r['flops_per_token'], 'FLOP')} (6 N_active + 12 L D S)")
+    print(f"train FLOPs/token {_human(r['flops_per_token'], 'FLOP')} (6 N_active + 12 L D S, every position "
+          f"real and a target: an upper bound)")
     mem = r["memory_bytes"]
     print(f"memory estimate   (fp32 AdamW, one process, micro-batch {r['micro_batch_size']}, no memory features)")
     for k, v in mem.items():

@@ -1,25 +1,46 @@
 """Parameter counts, training FLOPs and a memory estimate for the M6 model.
 
 Works on a model built on the ``meta`` device, so a 10T-parameter config is counted without
-allocating it.
+allocating it. Forward + backward = 3 x forward throughout (PaLM appendix B); only matmuls are
+counted (norms, softmax, activations and embedding lookups are free).
 
-FLOPs per token of a training step (forward + backward = 3 x forward; PaLM appendix B):
-    6 * N_active  +  12 * num_layers * d_model * S
-N_active counts every weight a token multiplies by: attention, dense FFNs, routers, patch
-projection and the LM head, plus experts scaled by (assignments per token / num_experts) since a
-token only visits K of the E experts. Embedding lookups are free. 12 * L * D * S is QK^T and AV
-(2 * 2 * S * D multiply-adds per token and layer, x3 for backward) over the full prefix-LM
-context S = image patches + text length.
+Two counts, for two questions:
+
+* ``training_flops_per_token`` (what ``m6.inspect`` prints): an upper bound per position,
+      6 * N_active  +  12 * num_layers * d_model * S,
+  as if every position of the full context S = image patches + text length were a real token
+  that goes through every weight, the LM head included. N_active counts every weight a token
+  multiplies by (experts scaled by K/E, the patch projection and the LM head for every position).
+
+* ``step_flops`` (what the training loop's TFLOP/s and MFU divide by time): the FLOPs of the
+  work a step actually asked of the model, per micro-batch, from host-side counts
+  (``TokenCounts``) and the expert assignments the MoE layers kept:
+      attention projections, dense FFNs, routers   x real (non-padding) positions
+      patch projection                             x real image patches (rows with an image)
+      LM head                                      x target positions (the only ones it runs on)
+      expert FFNs                                  x kept assignments (MoEStats.kept: padding is
+                                                     never routed; dropped assignments do no work)
+      QK^T and AV (4 D per pair and layer)         x real_len**2 of each sequence
+  Attention is charged the full real_len**2, not the prefix-LM mask's allowed pairs: SDPA with a
+  boolean mask computes every (query, key) entry and masks afterwards (no kernel skips masked
+  blocks of an arbitrary mask), so that is what the hardware executes on the real tokens. Work
+  done on padding (the dense layers and attention run over the padded [B, S] shape) is not
+  useful and not counted, nor is recompute (activation checkpointing): this is model FLOPs, not
+  hardware FLOPs. The patch projection's backward needs no input gradient (images take none), so
+  3x overstates it slightly (under 1% of a tiny-config step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
+from m6.batch_format import SEG_PAD
 from m6.config import ModelConfig, num_patches
-from m6.moe import GroupedExperts, MoELayer
+from m6.model.m6_model import M6Model
+from m6.moe import MoELayer
 
 
 @dataclass
@@ -50,9 +71,79 @@ def count_parameters(model: nn.Module) -> ModelSize:
 
 
 def training_flops_per_token(cfg: ModelConfig, size: ModelSize, seq_len: int) -> float:
-    """Forward+backward FLOPs per token for a context of ``seq_len`` text + the image patches."""
+    """Forward+backward FLOPs per position for a context of ``seq_len`` text + the image patches:
+    the all-positions upper bound (no padding, every position a target; see the module docstring)."""
     context = num_patches(cfg) + seq_len
     return 6.0 * size.active + 12.0 * cfg.num_layers * cfg.d_model * context
+
+
+@dataclass(frozen=True)
+class ForwardFlopRates:
+    """Forward matmul FLOPs per unit of work, read from the module tree (meta tensors welcome)."""
+
+    per_position: int  # every block's attention projections, dense FFN and router, per real position
+    per_patch: int  # patch projection (conv stem included) per real image patch
+    per_target: int  # LM head per target position
+    per_attention_pair: int  # QK^T and AV per (query, key) pair of one sequence, all blocks
+    per_assignment: int  # one expert FFN on one kept token assignment (the same in every MoE layer)
+
+
+def forward_flop_rates(model: M6Model) -> ForwardFlopRates:
+    """What each unit of work costs this model's forward; with expert parallelism the experts
+    held here have the shapes of every expert, so any rank's share of the model gives the same."""
+    per_position = per_pair = 0
+    per_assignment: set[int] = set()
+    for block in model.blocks:
+        per_position += 2 * (block.attn.qkv.weight.numel() + block.attn.out.weight.numel())
+        per_pair += 2 * 2 * block.attn.qkv.weight.shape[1]  # q.k and p.v over all heads: 2 D each
+        if isinstance(block.ffn, MoELayer):
+            per_position += 2 * block.ffn.router.weight.numel()
+            experts = block.ffn.experts
+            mats = [w for w in (experts.w_in, experts.w_out, experts.w_gate) if w is not None]
+            per_assignment.add(2 * sum(w[0].numel() for w in mats))
+        else:
+            per_position += 2 * (block.ffn.fc_in.weight.numel() + block.ffn.fc_out.weight.numel())
+    assert len(per_assignment) <= 1, "M6Model builds every MoE layer with the same expert shapes"
+    patch = model.patch_embed
+    per_patch = 2 * patch.proj.weight.numel()
+    if patch.kind == "conv":  # the 3x3 stem runs at every pixel: patch_size**2 of them per patch
+        per_patch += 2 * patch.stem[0].weight.numel() * patch.patch_size ** 2
+    head = model.text_embed.tokens.weight if model.lm_head is None else model.lm_head.weight
+    return ForwardFlopRates(per_position=per_position, per_patch=per_patch, per_target=2 * head.numel(),
+                            per_attention_pair=per_pair, per_assignment=next(iter(per_assignment), 0))
+
+
+@dataclass(frozen=True)
+class TokenCounts:
+    """What one micro-batch (or a sum of them) asks of the model, apart from the experts."""
+
+    positions: int = 0  # real positions: image patches of rows with an image + text positions not SEG_PAD
+    image_patches: int = 0  # the real image patches among them
+    targets: int = 0  # positions with a label: the LM head runs on these only
+    attention_pairs: int = 0  # sum over rows of real_len**2
+
+    def __add__(self, other: TokenCounts) -> TokenCounts:
+        return TokenCounts(self.positions + other.positions, self.image_patches + other.image_patches,
+                           self.targets + other.targets, self.attention_pairs + other.attention_pairs)
+
+
+def count_tokens(segment_ids_BL: torch.Tensor, has_image_B: torch.Tensor, patches_per_image: int,
+                 num_targets: int) -> TokenCounts:
+    """Counts of one micro-batch from its host tensors: segment ids int [B, L], has_image bool [B]
+    (a row without an image has its patch slots as padding), and its target count."""
+    patches_B = has_image_B.to(torch.int64) * patches_per_image
+    real_len_B = (segment_ids_BL != SEG_PAD).sum(dim=1) + patches_B
+    return TokenCounts(positions=int(real_len_B.sum()), image_patches=int(patches_B.sum()),
+                       targets=int(num_targets), attention_pairs=int((real_len_B * real_len_B).sum()))
+
+
+def step_flops(rates: ForwardFlopRates, counts: TokenCounts, kept_assignments: float) -> float:
+    """Forward+backward FLOPs (3 x forward) of the work in ``counts`` plus ``kept_assignments``
+    expert assignments (MoEStats.kept summed over MoE layers and micro-batches)."""
+    forward = (rates.per_position * counts.positions + rates.per_patch * counts.image_patches
+               + rates.per_target * counts.targets + rates.per_attention_pair * counts.attention_pairs
+               + rates.per_assignment * kept_assignments)
+    return 3.0 * forward
 
 
 def memory_estimate_bytes(cfg: ModelConfig, size: ModelSize, seq_len: int, micro_batch: int) -> dict[str, float]:

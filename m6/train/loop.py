@@ -22,7 +22,7 @@ from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
 from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
-from m6.model.flops import count_parameters, training_flops_per_token
+from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
 from m6.parallel import build_parallel, join_job
 from m6.train.checkpoint import CheckpointManager, agree_on_resume, resolve_resume
 from m6.train.eval import evaluate_captions, rank_slice
@@ -103,7 +103,7 @@ class Trainer:
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device)
         self.size = count_parameters(self.model)
-        self.flops_per_position = training_flops_per_token(cfg.model, self.size, cfg.data.seq_len)
+        self.flop_rates = forward_flop_rates(self.model)
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
         self.counters = TrainerCounters()
@@ -172,23 +172,24 @@ class Trainer:
         new_skips = self.skips.count(loaded, self.step + 1)
         (num_targets,) = self.all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
         self._ensure_recompute_plan(batches[0], num_targets)
-        parts = []  # per micro-batch: lm sum, aux, balance, z (device tensors, read once at the end)
+        parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
         for i, batch in enumerate(batches):
             self.update.begin_micro_batch(last=i == len(batches) - 1)
             with self.activations.micro_batch(batch.num_target_tokens):
                 lm_sum, aux = self.forward_loss(batch)
             micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks).backward()
-            parts.append(moe_loss_terms(self.model, lm_sum, aux))
+            parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
         self.update.finish()
-        lm_local, aux_sum, balance_sum, z_sum = torch.stack(parts).sum(0).tolist()  # the step's one host sync
+        lm_local, aux_sum, balance_sum, z_sum, kept = torch.stack(parts).sum(0).tolist()  # the step's one host sync
         aux_total, balance, z = aux_sum / self.accum, balance_sum / self.accum, z_sum / self.accum
         if self.aux_ranks > 1:  # aux_loss_scope=local: report the mean over ranks, as trained
             aux_total, balance, z = (v / self.aux_ranks for v in self.all_reduce_sum([aux_total, balance, z]))
-        # Counted from shapes and host-side counts: no device sync inside the micro-batch loop.
-        positions = sum(b.segment_ids.numel() + b.batch_size * num_patches(self.cfg.model) for b in batches)
+        # Counted from the host copies of the batches: no device sync inside the micro-batch loop.
+        counts = sum((count_tokens(lb.batch.segment_ids, lb.batch.has_image, num_patches(self.cfg.model),
+                                   lb.batch.num_target_tokens) for lb in loaded), TokenCounts())
         tokens = sum(lb.real_tokens for lb in loaded)
-        lm_total, positions, tokens, new_skips = self.all_reduce_sum(
-            [lm_local, float(positions), float(tokens), float(new_skips)])
+        lm_total, flops, tokens, new_skips = self.all_reduce_sum(
+            [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips)])
         self.skips.total += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
         lr = self.update.lr
@@ -205,7 +206,7 @@ class Trainer:
             "samples_per_s": self.cfg.train.global_batch_size / dt, "step_time_s": dt,
             "peak_mem_gb": peak_memory_gb(self.device), "skipped_steps": self.counters.skipped_steps,
             "data_wait_s": data_wait, "skipped_records": self.skips.total,
-            **self._throughput(positions, dt), **self.activations.end_step(self.step),
+            **self._throughput(flops, dt), **self.activations.end_step(self.step),
         }
         return metrics
 
@@ -236,10 +237,20 @@ class Trainer:
                 f"The last good checkpoint is {self.checkpoints.latest() or 'none (none was saved yet)'}."
             )
 
-    def _throughput(self, positions: float, seconds: float) -> dict:
-        """Model FLOPs of every position computed by all ranks (padding included: the hardware did
-        that work); MFU divides by the peak of all the job's devices."""
-        tflops = self.flops_per_position * positions / seconds / 1e12
+    def _kept_assignments(self, like: torch.Tensor) -> torch.Tensor:
+        """float64 [1]: assignments of this micro-batch's tokens that reached an expert, summed over
+        the MoE layers (MoEStats.kept of the last forward), on ``like``'s device: no host sync.
+        float64 holds the count exactly (below 2**53)."""
+        kept = like.new_zeros(1, dtype=torch.float64)
+        for layer in self.model.moe_layers().values():
+            kept = kept + layer.stats.kept
+        return kept
+
+    def _throughput(self, flops: float, seconds: float) -> dict:
+        """TFLOP/s of the step's model FLOPs summed over all ranks (m6.model.flops.step_flops: real
+        tokens, target positions, kept expert assignments; padding and recompute not counted);
+        MFU divides by the peak of all the job's devices."""
+        tflops = flops / seconds / 1e12
         out = {"tflops": tflops}
         if self.peak_tflops:
             out["mfu"] = tflops / (self.peak_tflops * self.world_size)

@@ -62,11 +62,19 @@ def train_rows(run_dir) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
+def step_flops(row: dict) -> float:
+    """The model FLOPs of the whole job's step that the logged TFLOP/s stands for."""
+    return row["tflops"] * 1e12 * row["step_time_s"]
+
+
 def assert_same_curve(a: list[dict], b: list[dict], rtol: float = 1e-5) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
             assert ra[key] == pytest.approx(rb[key], rel=rtol), (ra["step"], key, ra[key], rb[key])
+        # Same global batch, dropless: the same work, whichever rank did it (summed over ranks;
+        # with expert parallelism each rank holds a share of the experts but charges its tokens').
+        assert step_flops(ra) == pytest.approx(step_flops(rb), rel=1e-9), ra["step"]
 
 
 @pytest.fixture(scope="module")
