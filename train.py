@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from m6.config import ConfigError, load
 from m6.parallel import LayoutError
-from m6.parallel.peer_check import describe_peer_failure
+from m6.parallel.peer_check import describe_peer_failure, is_peer_failure
 from m6.train.checkpoint import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
 
@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, TrainingDiverged) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 1
-    except dist.DistBackendError:
+    except Exception as e:
+        if rank is None or not is_peer_failure(e):
+            raise
         # A peer died or a collective timed out (parallel.timeout_s): name it instead of hanging
         # or printing the backend's traceback.
         print(f"{where}error: {describe_peer_failure(int(rank), int(os.environ['WORLD_SIZE']))}", file=sys.stderr)

@@ -9,12 +9,26 @@ the others to do the same.
 
 from __future__ import annotations
 
+import signal
 import socket
+import threading
 import time
 
 import torch.distributed as dist
 
 _HOST_KEY, _ALIVE_KEY = "m6/peer/host/{}", "m6/peer/alive/{}"
+
+
+# How a backend reports a peer that went away when it raises a plain RuntimeError (gloo does).
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "transport/tcp/pair",
+              "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another rank is gone or stuck (not a bug here)."""
+    if isinstance(e, (dist.DistBackendError, dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return isinstance(e, RuntimeError) and any(marker in str(e) for marker in _PEER_LOST)
 
 
 def _store():
@@ -45,12 +59,20 @@ def silent_ranks(rank: int, world_size: int, wait_s: float) -> dict[int, str]:
 
 
 def describe_peer_failure(rank: int, world_size: int, wait_s: float = 10.0) -> str:
-    """One line for a survivor of a failed collective: which ranks (and hosts) stopped answering."""
+    """One line for a survivor of a failed collective: which ranks (and hosts) stopped answering.
+
+    The launcher usually sends the survivors SIGTERM as soon as it sees a worker die (and SIGKILL
+    a grace period later): it is held off during the short wait so that the line gets out."""
+    held = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None) if held else None
     try:
         silent = silent_ranks(rank, world_size, wait_s)
     except Exception as e:  # the store is unreachable: its host (the launcher on node 0) is gone
         return (f"a collective failed and the job's store is unreachable too ({type(e).__name__}); the node that "
                 f"hosts it (MASTER_ADDR, node 0) probably died")
+    finally:
+        if held:
+            signal.signal(signal.SIGTERM, previous)
     if not silent:
         return "a collective failed, but every rank is still running: a collective timed out (parallel.timeout_s)"
     names = ", ".join(f"rank {r} (host {h})" for r, h in silent.items())

@@ -327,6 +327,12 @@ class Trainer:
                                  "skipped_steps": self.counters.skipped_steps, "total_params": self.size.total,
                                  "active_params": self.size.active, "skipped_records": self.skips.total,
                                  "skipped_records_by_reason": self.skips.by_reason()})
+        except BaseException:
+            if self.world_size > 1:
+                # A peer's death surfaces here first: keep holding SIGTERM (the launcher sends it to
+                # the survivors at once) so that train.py can still name the dead rank.
+                stop.keep_holding()
+            raise
         finally:
             stop.close()
             self.loader.close()

@@ -41,6 +41,10 @@ class StopOnSignal:
     def signal_name(self) -> str:
         return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"
 
+    def keep_holding(self) -> None:
+        """Leave the handler installed for the rest of the process (``close`` becomes a no-op)."""
+        self._previous.clear()
+
     def close(self) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)

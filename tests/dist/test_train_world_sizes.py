@@ -39,13 +39,24 @@ def torchrun(run_dir, nproc: int, *overrides: str, nnodes: int = 1, timeout: int
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
-    endpoint = f"127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                               "--nproc_per_node", str(nproc), "--node_rank", str(i), "--rdzv_backend", "c10d",
-                               "--rdzv_endpoint", endpoint, "--rdzv_id", "m6test", str(REPO / "train.py"), *args],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-             for i in range(nnodes)]
-    outs = [p.communicate(timeout=timeout) for p in procs]
+    # The rendezvous store lives in its own process, started before the agents and stopped after
+    # them (as the README advises for multi-node runs): an agent hosting it could exit while
+    # another agent still syncs, failing a job that trained to the end.
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "m6.parallel.rendezvous_store", "--host", "127.0.0.1",
+                              "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert "listening" in store.stdout.readline()
+        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                                   "--nproc_per_node", str(nproc), "--node_rank", str(i), "--rdzv_backend", "c10d",
+                                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "is_host=false",
+                                   "--rdzv_id", "m6test", str(REPO / "train.py"), *args],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                 for i in range(nnodes)]
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        store.terminate()
+        store.wait(timeout=30)
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
 
