@@ -25,7 +25,7 @@ from m6.data.tasks import NoApplicableTask, TaskMix
 
 # Why RecordDataset can skip a record while reading it (indexing skips are counted in record_index).
 RUNTIME_SKIP_REASONS = ("corrupt_image", "missing_caption", "missing_file", "no_task", "too_long",
-                        "undecodable_text")
+                        "truncated_shard", "undecodable_text")
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RecordDataset:
         try:
             raw = index.read(record)
         except BadRecord as e:
-            reason = "missing_file" if isinstance(index, ManifestIndex) else "undecodable_text"
+            reason = e.reason or ("missing_file" if isinstance(index, ManifestIndex) else "undecodable_text")
             return _skip(*index.where(record), reason, str(e))
         text = raw.text.strip() if raw.text is not None else ""
         if not text:
