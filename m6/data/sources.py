@@ -2,8 +2,9 @@
 
 Every reader yields RawRecords (undecoded bytes + text) and records each record it cannot use
 in a SkipCounter, with a reason, so that nothing is dropped without being counted and the
-first few bad records can be reported by shard and key. ``decode_record`` turns a RawRecord
-into the ``Sample`` that ``collate`` consumes.
+first few bad records can be reported by shard and key. ``decode_fields`` is the one decoding
+of a RawRecord (image and caption, or why not) that training, the eval hold-out and
+``decode_record`` (the ``Sample`` that ``collate`` consumes) share.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import os
 import re
 import tarfile
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from m6.data.batch import Sample
-from m6.data.images import BadRecord, decode_image
+from m6.data.images import IMAGE_MEAN, IMAGE_STD, BadRecord, decode_image
 from m6.data.tar_members import TarDamage, iter_tar_members
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp"})
@@ -386,6 +387,28 @@ def iter_text_corpus(spec: str | list[str], skips: SkipCounter) -> Iterator[RawR
 
 
 # ---------------------------------------------------------------- decoding
+def decode_fields(
+    rec: RawRecord,
+    image_size: int,
+    train: bool,
+    rng: np.random.Generator | None,
+    image_mean: Sequence[float] = IMAGE_MEAN,
+    image_std: Sequence[float] = IMAGE_STD,
+) -> tuple[np.ndarray | None, str] | SkipExample:
+    """The one decoding of a record (training, the eval hold-out, the streaming reader): its image
+    [3, S, S] (None for text) and caption, or the SkipExample saying why it cannot be used."""
+    caption = rec.text.strip() if rec.text is not None else ""
+    if not caption:
+        return SkipExample(rec.source, rec.key, "missing_caption", "no caption" if rec.text is None else "empty caption")
+    image = None
+    if rec.image_bytes is not None:
+        try:
+            image = decode_image(rec.image_bytes, image_size, train, rng, image_mean, image_std)
+        except BadRecord as e:
+            return SkipExample(rec.source, rec.key, "corrupt_image", str(e))
+    return image, caption
+
+
 def decode_record(
     rec: RawRecord,
     image_size: int,
@@ -394,15 +417,9 @@ def decode_record(
     skips: SkipCounter,
 ) -> Sample | None:
     """Decode ``rec`` into Sample(image [3, S, S] or None, source="", target=caption); None (counted) if unusable."""
-    caption = rec.text.strip() if rec.text is not None else ""
-    if not caption:
-        skips.record(rec.source, rec.key, "missing_caption", "no caption" if rec.text is None else "empty caption")
+    decoded = decode_fields(rec, image_size, train, rng)
+    if isinstance(decoded, SkipExample):
+        skips.record(*decoded)
         return None
-    image = None
-    if rec.image_bytes is not None:
-        try:
-            image = decode_image(rec.image_bytes, image_size, train, rng)
-        except BadRecord as e:
-            skips.record(rec.source, rec.key, "corrupt_image", str(e))
-            return None
+    image, caption = decoded
     return Sample(image=image, source="", target=caption)

@@ -189,3 +189,41 @@ def test_truncated_gzip_shard_is_counted_by_the_streaming_reader(tmp_path):
     # The indexed (training) path refuses compressed shards at start-up, naming the source.
     with pytest.raises(ConfigError, match=r"data.sources\[0\].*compressed"):
         build_training_data(files_cfg(f"[{{path: '{gz}'}}]"), 0, 1)
+
+
+# ---------------------------------------------------------------- (b) the eval hold-out
+def bad_tail_shard(path: Path) -> str:
+    """8 good records, then the 4 that a hold-out of 4 takes: no caption, corrupt image, caption
+    that is not UTF-8, good; and a key without an image (counted while indexing)."""
+    recs = records(9)
+    members = [m for key, png, cap in recs[:8] for m in ((f"{key}.png", png), (f"{key}.txt", cap.encode()))]
+    members += [("h0.png", recs[8][1]),
+                ("h1.png", b"\x89PNG not an image"), ("h1.txt", b"a caption"),
+                ("h2.png", recs[8][1]), ("h2.txt", b"\xff\xfe caption"),
+                ("h3.png", recs[8][1]), ("h3.txt", recs[8][2].encode()),
+                ("noimage.txt", b"caption without an image")]
+    return write_tar(path, members)
+
+
+def test_bad_records_in_the_eval_hold_out_are_counted_like_training_ones(tmp_path, capsys):
+    path = bad_tail_shard(tmp_path / "s.tar")
+    train_only = build_training_data(files_cfg(f"[{{path: '{path}'}}]", "train.global_batch_size=4"), 0, 1)
+    as_training = {}
+    for record in range(8, 11):
+        item = train_only.loader.dataset[(0, record, 0)]
+        as_training[item.skip.key] = item.skip.reason
+
+    data = build_training_data(files_cfg(f"[{{path: '{path}'}}]", "train.global_batch_size=4",
+                                         "data.eval_samples=4"), 0, 1)
+    assert data.loader.sizes == [8] and len(data.eval_set) == 1
+    held = {ex.key: ex.reason for ex in data.index_skips.examples if ex.key.startswith("h")}
+    assert held == as_training == {"h0": "missing_caption", "h1": "corrupt_image", "h2": "undecodable_text"}
+    assert all("eval hold-out" in ex.detail for ex in data.index_skips.examples if ex.key.startswith("h"))
+    # They reach the ledger the training range reports to: the job-wide total and the summary by reason.
+    ledger = SkipLedger(data.index_skips, lambda values: values, 0)
+    assert ledger.total == 4
+    assert ledger.by_reason() == {"corrupt_image": 1, "missing_caption": 1, "missing_image": 1,
+                                  "undecodable_text": 1}
+    ledger.report(data.index_skips, "while indexing data.sources")
+    printed = capsys.readouterr().out
+    assert f"{path} [h0] missing_caption: no caption (eval hold-out)" in printed
