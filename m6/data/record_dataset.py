@@ -99,15 +99,20 @@ class FileData:
 
 def _index_source(i: int, src: DataSourceConfig, skips: SkipCounter) -> RecordIndex:
     key = f"data.sources[{i}]"
+    mine = SkipCounter()
     try:
-        index = build_index(src.format, src.path, skips)
+        index = build_index(src.format, src.path, mine)
     except FileNotFoundError as e:
         raise ConfigError(f"{key}.path: {e}") from e
+    except OSError as e:  # unreadable (permissions, I/O error): not a record-level problem
+        raise ConfigError(f"{key}.path: cannot read {e.filename}: {e.strerror or e}") from e
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from e
     if len(index) == 0:
-        raise ConfigError(f"{key}.path {src.path!r} holds no usable record ({skips.total} skipped: "
-                          f"{dict(skips.counts)})")
+        first = "".join(f"; first: {ex.source} [{ex.key}] {ex.reason}: {ex.detail}" for ex in mine.examples[:1])
+        raise ConfigError(f"{key}.path {src.path!r} holds no usable record ({mine.total} skipped: "
+                          f"{dict(mine.counts)}{first})")
+    skips.merge(mine)
     return index
 
 

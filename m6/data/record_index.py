@@ -3,8 +3,9 @@
 An index lets any rank or DataLoader worker read record ``i`` directly (a seek and a read), so the
 loader can shard one seeded global order by rank and worker with no sample read twice or skipped,
 and resume mid-epoch by position alone. Problems visible from the structure (a key with no image,
-a damaged, cut or empty shard, a bad manifest line, a missing image file) are counted here, once;
-problems in the contents (an undecodable image or caption) are counted when the record is read.
+a damaged, cut or empty shard, a bad manifest line, a missing image file, a text line that is not
+UTF-8) are counted here, once; problems in the contents (an undecodable image or caption) are
+counted when the record is read.
 
 Formats: uncompressed WebDataset tars (``key.jpg|png|webp`` + ``key.txt|json``), JSONL manifests
 (``{"image": relpath, "text": caption}``), and text corpora (one document per non-empty line).
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from m6.data.images import BadRecord
-from m6.data.sources import (RawRecord, SkipCounter, caption_from, expand_shards, iter_manifest_entries,
-                             iter_member_groups)
+from m6.data.sources import (RawRecord, SkipCounter, caption_from, decode_text, expand_shards,
+                             iter_manifest_entries, iter_member_groups)
 from m6.data.tar_members import compression_of
 
 NO_MEMBER = -1  # offset of an absent member (a tar key with no caption file)
@@ -100,11 +101,7 @@ class TextIndex:
         key = f"line {int(self.line_no[i])}"
         with open(path, "rb") as f:
             raw = read_span(f, path, self.span[i], key)
-        try:
-            text = raw.decode("utf-8").strip()
-        except UnicodeDecodeError as e:
-            raise BadRecord(f"line is not valid UTF-8: {e}") from e
-        return RawRecord(path, key, None, text)
+        return RawRecord(path, key, None, decode_text(raw, "line").strip())
 
 
 RecordIndex = TarIndex | ManifestIndex | TextIndex
@@ -159,17 +156,23 @@ def index_manifests(paths: list[str], skips: SkipCounter) -> ManifestIndex:
     return index
 
 
-def index_text_files(paths: list[str]) -> TextIndex:
-    """Byte spans of the non-blank lines of each file (blank lines separate nothing and are not records)."""
+def index_text_files(paths: list[str], skips: SkipCounter) -> TextIndex:
+    """Byte spans of the non-blank lines of each file (blank lines separate nothing and are not
+    records); lines that are not UTF-8 text are counted here, once, instead of at every draw."""
     file_of, spans, line_nos = [], [], []
     for file_id, path in enumerate(paths):
         offset = 0
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 if raw.strip():
-                    file_of.append(file_id)
-                    spans.append((offset, len(raw)))
-                    line_nos.append(line_no)
+                    try:
+                        decode_text(raw, "line")
+                    except BadRecord as e:
+                        skips.record(path, f"line {line_no}", "undecodable_text", str(e))
+                    else:
+                        file_of.append(file_id)
+                        spans.append((offset, len(raw)))
+                        line_nos.append(line_no)
                 offset += len(raw)
     return TextIndex(paths, np.asarray(file_of, dtype=np.int32), np.asarray(spans, dtype=np.int64).reshape(-1, 2),
                      np.asarray(line_nos, dtype=np.int64))
@@ -183,5 +186,5 @@ def build_index(kind: str, spec: str | list[str], skips: SkipCounter) -> RecordI
     if kind == "jsonl":
         return index_manifests(paths, skips)
     if kind == "text":
-        return index_text_files(paths)
+        return index_text_files(paths, skips)
     raise ValueError(f"unknown source format {kind!r} (expected tar, jsonl or text)")

@@ -182,18 +182,27 @@ def split_member_name(name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), ext.lower()
 
 
-def caption_from(ext: str, data: bytes) -> str | None:
-    """Caption text of a .txt or .json member; None if the JSON has no caption; BadRecord if undecodable."""
+def decode_text(data: bytes, what: str) -> str:
+    """``data`` as text; BadRecord (undecodable_text) unless it is UTF-8 without NUL characters
+    (those mean UTF-16 or binary data, which decodes as UTF-8 often enough to pass unnoticed)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRecord(f".{ext} is not valid UTF-8: {e}") from e
+        raise BadRecord(f"{what} is not valid UTF-8: {e}", "undecodable_text") from e
+    if "\0" in text:
+        raise BadRecord(f"{what} holds NUL characters: not UTF-8 text (UTF-16 or binary data?)", "undecodable_text")
+    return text
+
+
+def caption_from(ext: str, data: bytes) -> str | None:
+    """Caption text of a .txt or .json member; None if the JSON has no caption; BadRecord if undecodable."""
+    text = decode_text(data, f".{ext}")
     if ext == "txt":
         return text
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BadRecord(f".json is not valid JSON: {e}") from e
+        raise BadRecord(f".json is not valid JSON: {e}", "undecodable_text") from e
     if isinstance(obj, dict):
         for field in JSON_CAPTION_FIELDS:
             if isinstance(obj.get(field), str):
@@ -378,8 +387,8 @@ def iter_text_corpus(spec: str | list[str], skips: SkipCounter) -> Iterator[RawR
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 try:
-                    text = raw.decode("utf-8").strip()
-                except UnicodeDecodeError as e:
+                    text = decode_text(raw, "line").strip()
+                except BadRecord as e:
                     skips.record(path, f"line {line_no}", "undecodable_text", str(e))
                     continue
                 if text:

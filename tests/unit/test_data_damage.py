@@ -227,3 +227,41 @@ def test_bad_records_in_the_eval_hold_out_are_counted_like_training_ones(tmp_pat
     ledger.report(data.index_skips, "while indexing data.sources")
     printed = capsys.readouterr().out
     assert f"{path} [h0] missing_caption: no caption (eval hold-out)" in printed
+
+
+# ---------------------------------------------------------------- more damage of the same class
+def test_empty_non_tar_manifest_and_text_damage_is_counted_and_named(tmp_path):
+    good = write_shard(tmp_path / "good.tar", records(4))
+    (tmp_path / "empty.tar").write_bytes(b"")
+    (tmp_path / "notatar.tar").write_bytes(b"<html>404 Not Found</html>\n" * 50)
+    (tmp_path / "img").mkdir()
+    lines = []
+    for i, (key, png, cap) in enumerate(records(3)):
+        (tmp_path / "img" / f"{key}.png").write_bytes(png)
+        lines.append(f'{{"image": "img/{key}.png", "text": "{cap}"}}')
+    lines.insert(1, '{"image": "img/001.png", "text": "cut off')  # a broken line in the middle
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "t.txt").write_bytes("first document\n".encode() + "caf\xe9 latin-1\n".encode("latin-1")
+                                      + "third document\n".encode())
+    sources = (f"[{{path: ['{good}', '{tmp_path}/empty.tar', '{tmp_path}/notatar.tar']}}, "
+               f"{{path: '{tmp_path}/m.jsonl', format: jsonl}}, {{path: '{tmp_path}/t.txt', format: text}}]")
+    data = build_training_data(files_cfg(sources, "train.global_batch_size=3"), 0, 1)
+    named = {(ex.source, ex.key, ex.reason) for ex in data.index_skips.examples}
+    assert named == {(f"{tmp_path}/empty.tar", SHARD_KEY, "empty_shard"),
+                     (f"{tmp_path}/notatar.tar", SHARD_KEY, "corrupt_shard"),
+                     (f"{tmp_path}/m.jsonl", "line 2", "bad_manifest_line"),
+                     (f"{tmp_path}/t.txt", "line 2", "undecodable_text")}
+    assert data.loader.sizes == [4, 3, 2]
+    for _ in range(3):  # the rest trains, nothing else skipped
+        batches, _ = data.loader.next_step()
+        assert not [s for b in batches for s in b.skips]
+    data.loader.close()
+
+
+def test_a_source_with_nothing_usable_names_the_damage(tmp_path):
+    (tmp_path / "notatar.tar").write_bytes(b"\x00\x01garbage" * 200)
+    with pytest.raises(ConfigError, match=rf"data.sources\[0\].*{tmp_path}/notatar.tar \[<shard>\] corrupt_shard"):
+        build_training_data(files_cfg(f"[{{path: '{tmp_path}/notatar.tar'}}]"), 0, 1)
+    (tmp_path / "utf16.txt").write_text("one document\nanother\n", encoding="utf-16")
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].*utf16.txt \[line 1\] undecodable_text"):
+        build_training_data(files_cfg(f"[{{path: '{tmp_path}/utf16.txt', format: text}}]"), 0, 1)
