@@ -21,7 +21,12 @@ ALPHA_BACKGROUND_RGB = (255, 255, 255)
 
 
 class BadRecord(ValueError):
-    """A record whose image or text cannot be used (corrupt, truncated, undecodable); carries a short reason."""
+    """A record whose image or text cannot be used (corrupt, truncated, undecodable): the message
+    says why; ``reason`` is the skip reason when the raiser knows it (else the catcher decides)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 def open_image(data: bytes, draft_size: int | None = None) -> Image.Image:

@@ -3,7 +3,9 @@
 ``build_file_datasets(cfg.data, ...)`` indexes every source once at start-up (failing there, naming
 the config key, for a missing path or an empty source list), holds a few image records out for
 evaluation, and returns the map-style training dataset the loader draws ``(source, record, epoch)``
-items from. A record that cannot be used becomes ``None`` plus a SkipExample, never an exception.
+items from. A record that cannot be used becomes ``None`` plus a SkipExample, never an exception;
+the held-out records are read and decoded by the same ``load_record``, and theirs are counted with
+the indexing skips (start-up, once per job), so they reach the same skip ledger.
 """
 
 from __future__ import annotations
@@ -16,16 +18,16 @@ import numpy as np
 from m6.config import DataConfig, DataSourceConfig
 from m6.config_loader import ConfigError
 from m6.data.batch import Sample
-from m6.data.images import BadRecord, decode_image
+from m6.data.images import BadRecord
 from m6.data.record_index import ManifestIndex, RecordIndex, TarIndex, build_index
-from m6.data.sources import SkipCounter, SkipExample
+from m6.data.sources import SkipCounter, SkipExample, decode_fields
 from m6.data.synthetic import CAPTION_PROMPT, SyntheticImageCaptionDataset
 from m6.data.tasks import NoApplicableTask, TaskMix
 
 
 # Why RecordDataset can skip a record while reading it (indexing skips are counted in record_index).
 RUNTIME_SKIP_REASONS = ("corrupt_image", "missing_caption", "missing_file", "no_task", "too_long",
-                        "undecodable_text")
+                        "truncated_shard", "undecodable_text")
 
 
 @dataclass
@@ -37,8 +39,16 @@ class LoadedItem:
     origin: tuple[str, str] = ("", "")  # (file, key) of the record, for reports
 
 
-def _skip(source: str, key: str, reason: str, detail: str) -> LoadedItem:
-    return LoadedItem(None, SkipExample(source, key, reason, detail), (source, key))
+def load_record(index: RecordIndex, record: int, image_size: int, train: bool, rng: np.random.Generator | None,
+                image_mean: Sequence[float], image_std: Sequence[float]) -> tuple[np.ndarray | None, str] | SkipExample:
+    """Read and decode record ``record`` of ``index``: (image [3, S, S] or None, caption), or the
+    SkipExample saying why it cannot be used. Training and the eval hold-out both read through here."""
+    try:
+        raw = index.read(record)
+    except BadRecord as e:
+        reason = e.reason or ("missing_file" if isinstance(index, ManifestIndex) else "undecodable_text")
+        return SkipExample(*index.where(record), reason, str(e))
+    return decode_fields(raw, image_size, train, rng, image_mean, image_std)
 
 
 class RecordDataset:
@@ -55,24 +65,15 @@ class RecordDataset:
         index = self.indexes[source]
         # Per (seed, source, record, epoch): crops and tasks vary by epoch, never by rank or worker.
         rng = np.random.default_rng([self.seed, source, record, epoch])
+        loaded = load_record(index, record, self.image_size, True, rng, self.image_mean, self.image_std)
+        if isinstance(loaded, SkipExample):
+            return LoadedItem(None, loaded, (loaded.source, loaded.key))
+        image, text = loaded
+        origin = index.where(record)
         try:
-            raw = index.read(record)
-        except BadRecord as e:
-            reason = "missing_file" if isinstance(index, ManifestIndex) else "undecodable_text"
-            return _skip(*index.where(record), reason, str(e))
-        text = raw.text.strip() if raw.text is not None else ""
-        if not text:
-            return _skip(raw.source, raw.key, "missing_caption", "no caption" if raw.text is None else "empty caption")
-        image = None
-        if raw.image_bytes is not None:
-            try:
-                image = decode_image(raw.image_bytes, self.image_size, True, rng, self.image_mean, self.image_std)
-            except BadRecord as e:
-                return _skip(raw.source, raw.key, "corrupt_image", str(e))
-        try:
-            return LoadedItem(self.tasks.build(image, text, rng), origin=(raw.source, raw.key))
+            return LoadedItem(self.tasks.build(image, text, rng), origin=origin)
         except NoApplicableTask as e:
-            return _skip(raw.source, raw.key, NoApplicableTask.reason, str(e))
+            return LoadedItem(None, SkipExample(*origin, NoApplicableTask.reason, str(e)), origin)
 
 
 class SyntheticRecords:
@@ -98,15 +99,20 @@ class FileData:
 
 def _index_source(i: int, src: DataSourceConfig, skips: SkipCounter) -> RecordIndex:
     key = f"data.sources[{i}]"
+    mine = SkipCounter()
     try:
-        index = build_index(src.format, src.path, skips)
+        index = build_index(src.format, src.path, mine)
     except FileNotFoundError as e:
         raise ConfigError(f"{key}.path: {e}") from e
+    except OSError as e:  # unreadable (permissions, I/O error): not a record-level problem
+        raise ConfigError(f"{key}.path: cannot read {e.filename}: {e.strerror or e}") from e
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from e
     if len(index) == 0:
-        raise ConfigError(f"{key}.path {src.path!r} holds no usable record ({skips.total} skipped: "
-                          f"{dict(skips.counts)})")
+        first = "".join(f"; first: {ex.source} [{ex.key}] {ex.reason}: {ex.detail}" for ex in mine.examples[:1])
+        raise ConfigError(f"{key}.path {src.path!r} holds no usable record ({mine.total} skipped: "
+                          f"{dict(mine.counts)}{first})")
+    skips.merge(mine)
     return index
 
 
@@ -125,14 +131,13 @@ def build_file_datasets(data: DataConfig, image_size: int, seed: int) -> FileDat
         sizes[image_source] -= held  # training draws records [0, size - held) of that source
         ix = indexes[image_source]
         for record in range(sizes[image_source], sizes[image_source] + held):
-            try:
-                raw = ix.read(record)
-                image = decode_image(raw.image_bytes, image_size, False, None, data.image_mean, data.image_std)
-            except BadRecord as e:
-                skips.record(*ix.where(record), "corrupt_image", str(e))
+            loaded = load_record(ix, record, image_size, False, None, data.image_mean, data.image_std)
+            if isinstance(loaded, SkipExample):  # counted with the indexing skips: once per job, in the ledger
+                skips.record(*loaded[:3], f"{loaded.detail} (eval hold-out)")
                 continue
-            if raw.text and raw.text.strip():
-                eval_samples.append(Sample(image=image, source=CAPTION_PROMPT, target=raw.text.strip()))
+            image, text = loaded
+            assert image is not None, "tar and manifest records always have an image"
+            eval_samples.append(Sample(image=image, source=CAPTION_PROMPT, target=text))
     try:
         tasks = TaskMix(data.tasks, seed=seed)
     except ValueError as e:

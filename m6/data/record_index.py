@@ -3,8 +3,9 @@
 An index lets any rank or DataLoader worker read record ``i`` directly (a seek and a read), so the
 loader can shard one seeded global order by rank and worker with no sample read twice or skipped,
 and resume mid-epoch by position alone. Problems visible from the structure (a key with no image,
-a damaged or empty shard, a bad manifest line, a missing image file) are counted here, once;
-problems in the contents (an undecodable image or caption) are counted when the record is read.
+a damaged, cut or empty shard, a bad manifest line, a missing image file, a text line that is not
+UTF-8) are counted here, once; problems in the contents (an undecodable image or caption) are
+counted when the record is read.
 
 Formats: uncompressed WebDataset tars (``key.jpg|png|webp`` + ``key.txt|json``), JSONL manifests
 (``{"image": relpath, "text": caption}``), and text corpora (one document per non-empty line).
@@ -18,8 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from m6.data.images import BadRecord
-from m6.data.sources import (RawRecord, SkipCounter, caption_from, expand_shards, iter_manifest_entries,
-                             iter_member_groups)
+from m6.data.sources import (RawRecord, SkipCounter, caption_from, decode_text, expand_shards,
+                             iter_manifest_entries, iter_member_groups)
+from m6.data.tar_members import compression_of
 
 NO_MEMBER = -1  # offset of an absent member (a tar key with no caption file)
 
@@ -43,16 +45,16 @@ class TarIndex:
         return self.shards[int(self.shard_of[i])], self.keys[i]
 
     def read(self, i: int) -> RawRecord:
-        """Record ``i``'s bytes, read with two seeks; BadRecord if the caption bytes cannot be decoded."""
-        path = self.shards[int(self.shard_of[i])]
+        """Record ``i``'s bytes, read with two seeks; BadRecord if the caption bytes cannot be decoded
+        or the shard no longer holds them all (cut after indexing)."""
+        path, key = self.shards[int(self.shard_of[i])], self.keys[i]
         with open(path, "rb") as f:
-            f.seek(int(self.image_at[i, 0]))
-            image = f.read(int(self.image_at[i, 1]))
+            image = read_span(f, path, self.image_at[i], f"the image of {key}")
             text = None
             if self.text_at[i, 0] != NO_MEMBER:
-                f.seek(int(self.text_at[i, 0]))
-                text = caption_from(self.text_ext[i], f.read(int(self.text_at[i, 1])))
-        return RawRecord(path, self.keys[i], image, text)
+                ext = self.text_ext[i]
+                text = caption_from(ext, read_span(f, path, self.text_at[i], f"{key}.{ext}"))
+        return RawRecord(path, key, image, text)
 
 
 @dataclass
@@ -96,34 +98,38 @@ class TextIndex:
 
     def read(self, i: int) -> RawRecord:
         path = self.files[int(self.file_of[i])]
-        with open(path, "rb") as f:
-            f.seek(int(self.span[i, 0]))
-            raw = f.read(int(self.span[i, 1]))
         key = f"line {int(self.line_no[i])}"
-        try:
-            text = raw.decode("utf-8").strip()
-        except UnicodeDecodeError as e:
-            raise BadRecord(f"line is not valid UTF-8: {e}") from e
-        return RawRecord(path, key, None, text)
+        with open(path, "rb") as f:
+            raw = read_span(f, path, self.span[i], key)
+        return RawRecord(path, key, None, decode_text(raw, "line").strip())
 
 
 RecordIndex = TarIndex | ManifestIndex | TextIndex
 
 
+def read_span(f, path: str, span: np.ndarray, what: str) -> bytes:
+    """The ``(offset, size)`` bytes of an open file; BadRecord (truncated_shard) if the file ends first."""
+    offset, size = int(span[0]), int(span[1])
+    f.seek(offset)
+    data = f.read(size)
+    if len(data) < size:
+        raise BadRecord(f"{path} ends at byte {offset + len(data)}, inside {what} (bytes {offset}..{offset + size}): "
+                        "cut after indexing", "truncated_shard")
+    return data
+
+
 def index_tar_shards(paths: list[str], skips: SkipCounter) -> TarIndex:
-    """Scan the headers (not the data) of uncompressed tars; ValueError for a compressed one."""
+    """Scan the headers (not the data) of uncompressed tars; ValueError for a compressed one. Each
+    record a cut or an unreadable header costs is counted in ``skips`` (see iter_member_groups)."""
     shard_of, keys, image_at, text_at, text_ext = [], [], [], [], []
 
     for shard, path in enumerate(paths):
-        if os.path.getsize(path) > 0:
-            with open(path, "rb") as f:
-                magic = f.read(6)
-            if magic[:2] == b"\x1f\x8b" or magic[:3] == b"BZh" or magic == b"\xfd7zXZ\x00":
-                raise ValueError(f"{path}: compressed tar shards cannot be read by offset; store shards "
-                                 "uncompressed (python -m m6.data.prepare writes plain .tar)")
-        # Headers only: a member's value is where its data lies. Members whose headers were read
-        # before any damage keep their offsets; the rest is lost.
-        for group in iter_member_groups(path, "r:", skips, lambda _, m: (m.offset_data, m.size)):
+        kind = compression_of(path)
+        if kind is not None:
+            raise ValueError(f"{path}: {kind}-compressed tar shards cannot be read by offset; store shards "
+                             "uncompressed (python -m m6.data.prepare writes plain .tar)")
+        # Headers only: a member's value is where its data lies (checked to lie inside the file).
+        for group in iter_member_groups(path, skips, lambda _, m: (m.offset_data, m.size)):
             ext = "txt" if "txt" in group.texts else ("json" if "json" in group.texts else "")
             shard_of.append(shard)
             keys.append(group.key)
@@ -150,17 +156,23 @@ def index_manifests(paths: list[str], skips: SkipCounter) -> ManifestIndex:
     return index
 
 
-def index_text_files(paths: list[str]) -> TextIndex:
-    """Byte spans of the non-blank lines of each file (blank lines separate nothing and are not records)."""
+def index_text_files(paths: list[str], skips: SkipCounter) -> TextIndex:
+    """Byte spans of the non-blank lines of each file (blank lines separate nothing and are not
+    records); lines that are not UTF-8 text are counted here, once, instead of at every draw."""
     file_of, spans, line_nos = [], [], []
     for file_id, path in enumerate(paths):
         offset = 0
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 if raw.strip():
-                    file_of.append(file_id)
-                    spans.append((offset, len(raw)))
-                    line_nos.append(line_no)
+                    try:
+                        decode_text(raw, "line")
+                    except BadRecord as e:
+                        skips.record(path, f"line {line_no}", "undecodable_text", str(e))
+                    else:
+                        file_of.append(file_id)
+                        spans.append((offset, len(raw)))
+                        line_nos.append(line_no)
                 offset += len(raw)
     return TextIndex(paths, np.asarray(file_of, dtype=np.int32), np.asarray(spans, dtype=np.int64).reshape(-1, 2),
                      np.asarray(line_nos, dtype=np.int64))
@@ -174,5 +186,5 @@ def build_index(kind: str, spec: str | list[str], skips: SkipCounter) -> RecordI
     if kind == "jsonl":
         return index_manifests(paths, skips)
     if kind == "text":
-        return index_text_files(paths)
+        return index_text_files(paths, skips)
     raise ValueError(f"unknown source format {kind!r} (expected tar, jsonl or text)")

@@ -2,8 +2,9 @@
 
 Every reader yields RawRecords (undecoded bytes + text) and records each record it cannot use
 in a SkipCounter, with a reason, so that nothing is dropped without being counted and the
-first few bad records can be reported by shard and key. ``decode_record`` turns a RawRecord
-into the ``Sample`` that ``collate`` consumes.
+first few bad records can be reported by shard and key. ``decode_fields`` is the one decoding
+of a RawRecord (image and caption, or why not) that training, the eval hold-out and
+``decode_record`` (the ``Sample`` that ``collate`` consumes) share.
 """
 
 from __future__ import annotations
@@ -13,26 +14,22 @@ import json
 import os
 import re
 import tarfile
-import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
 from m6.data.batch import Sample
-from m6.data.images import BadRecord, decode_image
+from m6.data.images import IMAGE_MEAN, IMAGE_STD, BadRecord, decode_image
+from m6.data.tar_members import TarDamage, iter_tar_members
 
 IMAGE_EXTENSIONS = frozenset({"jpg", "jpeg", "png", "webp"})
 TEXT_EXTENSIONS = frozenset({"txt", "json"})
 JSON_CAPTION_FIELDS = ("caption", "text")
 SHARD_KEY = "<shard>"  # the key reported when a whole shard is skipped
 DEFAULT_MAX_EXAMPLES = 5
-
-# Errors a damaged tar (or its gzip/bz2/xz wrapper) raises while streaming.
-TAR_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
-
 
 @dataclass(frozen=True)
 class RawRecord:
@@ -185,18 +182,27 @@ def split_member_name(name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), ext.lower()
 
 
-def caption_from(ext: str, data: bytes) -> str | None:
-    """Caption text of a .txt or .json member; None if the JSON has no caption; BadRecord if undecodable."""
+def decode_text(data: bytes, what: str) -> str:
+    """``data`` as text; BadRecord (undecodable_text) unless it is UTF-8 without NUL characters
+    (those mean UTF-16 or binary data, which decodes as UTF-8 often enough to pass unnoticed)."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise BadRecord(f".{ext} is not valid UTF-8: {e}") from e
+        raise BadRecord(f"{what} is not valid UTF-8: {e}", "undecodable_text") from e
+    if "\0" in text:
+        raise BadRecord(f"{what} holds NUL characters: not UTF-8 text (UTF-16 or binary data?)", "undecodable_text")
+    return text
+
+
+def caption_from(ext: str, data: bytes) -> str | None:
+    """Caption text of a .txt or .json member; None if the JSON has no caption; BadRecord if undecodable."""
+    text = decode_text(data, f".{ext}")
     if ext == "txt":
         return text
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as e:
-        raise BadRecord(f".json is not valid JSON: {e}") from e
+        raise BadRecord(f".json is not valid JSON: {e}", "undecodable_text") from e
     if isinstance(obj, dict):
         for field in JSON_CAPTION_FIELDS:
             if isinstance(obj.get(field), str):
@@ -206,57 +212,102 @@ def caption_from(ext: str, data: bytes) -> str | None:
 
 class MemberGroup:
     """The members of one WebDataset key gathered while reading a tar: its image and its .txt /
-    .json, each as the reader's value (the bytes when streaming, (offset, size) when indexing)."""
+    .json, each as the reader's value (the bytes when streaming, (offset, size) when indexing), and
+    the damage just before its first member that no record has been charged with yet."""
 
-    def __init__(self, key: str) -> None:
+    def __init__(self, key: str, damage: TarDamage | None = None) -> None:
         self.key = key
         self.image = None
         self.texts: dict[str, object] = {}
+        self.damage = damage
+
+    def whole(self) -> bool:
+        """It has an image and a caption member (damage next to a record that lacks one took it)."""
+        return self.image is not None and bool(self.texts)
 
 
-def iter_member_groups(path: str, mode: str, skips: SkipCounter,
+def iter_member_groups(path: str, skips: SkipCounter,
                        value: Callable[[tarfile.TarFile, tarfile.TarInfo], object]) -> Iterator[MemberGroup]:
     """Consecutive file members of the tar ``path`` grouped by key, each member stored as
     ``value(tar, member)``: the first image, the first .txt and .json (other extensions are extra
-    fields m6 does not use). A member with an empty key or a second image, a damaged shard (the
-    groups read before the damage are kept), a key without an image (not yielded) and a tar without
-    file members are counted in ``skips``."""
-    if os.path.exists(path) and os.path.getsize(path) == 0:
+    fields m6 does not use). Counted in ``skips``: a member with an empty key or a second image, a
+    key without an image (not yielded), a tar without file members, and every record that damage
+    (a cut, an unreadable header: see tar_members) costs, under the key it hit. The records read
+    before and after the damage are kept."""
+    if os.path.getsize(path) == 0:
         skips.record(path, SHARD_KEY, "empty_shard", "file is empty")
         return
-    def complete(group: MemberGroup) -> bool:
+
+    def finish(group: MemberGroup | None) -> MemberGroup | None:
+        """The group to yield, or None once it is counted as skipped."""
+        if group is None:
+            return None
+        if group.damage is not None:
+            if not group.whole():  # the damage took its first members
+                skips.record(path, group.key, group.damage.reason, group.damage.detail)
+                return None
+            skips.record(path, SHARD_KEY, group.damage.reason, group.damage.detail)
         if group.image is None:
             skips.record(path, group.key, "missing_image", "no .jpg/.jpeg/.png/.webp member")
-        return group.image is not None
+            return None
+        return group
 
     group: MemberGroup | None = None
+    pending: TarDamage | None = None  # damage that hit no known record yet: the next group may be its victim
+    lost = None  # key of a record already counted as lost to damage: its readable members are dropped
     seen = False
-    try:
-        with tarfile.open(path, mode=mode) as tar:
-            for member in tar:
-                if not member.isfile():
-                    continue
-                key, ext = split_member_name(member.name)
-                if not key.rsplit("/", 1)[-1]:
-                    skips.record(path, member.name, "bad_member_name", "member name has an empty key")
-                    continue
-                data = value(tar, member)  # a stream must be read before the next member
-                if group is None or group.key != key:
-                    if group is not None and complete(group):
-                        yield group
-                    group, seen = MemberGroup(key), True
-                if ext in IMAGE_EXTENSIONS:
-                    if group.image is not None:
-                        skips.record(path, key, "duplicate_member", f"second image member {member.name}")
-                        continue
-                    group.image = data
-                elif ext in TEXT_EXTENSIONS:
-                    group.texts.setdefault(ext, data)
-    except TAR_ERRORS as e:
-        skips.record(path, SHARD_KEY, "corrupt_shard", f"{type(e).__name__}: {e}")
-        seen = True  # counted once, as damaged
-    if group is not None and complete(group):
-        yield group
+    for event in iter_tar_members(path, value):
+        if isinstance(event, TarDamage):
+            seen = True
+            hit = split_member_name(event.name)[0] if event.name else None
+            if group is not None and hit is not None and group.key.endswith("/" + hit):
+                hit = group.key  # a cut ustar header: its directory (the prefix field) was lost
+            if group is not None and (hit == group.key or (hit is None and not group.whole())):
+                if group.damage is not None:  # earlier damage, next to this record: counted on its own
+                    skips.record(path, SHARD_KEY, group.damage.reason, group.damage.detail)
+                skips.record(path, group.key, event.reason, event.detail)
+                group, lost = None, group.key
+                continue
+            done = finish(group)
+            group = None
+            if done is not None:
+                yield done
+            if pending is not None:
+                skips.record(path, SHARD_KEY, pending.reason, pending.detail)
+                pending = None
+            if hit is not None:
+                skips.record(path, hit, event.reason, event.detail)
+                lost = hit
+            else:
+                pending = event
+            continue
+        member, data = event
+        if not member.isfile():
+            continue
+        key, ext = split_member_name(member.name)
+        if not key.rsplit("/", 1)[-1]:
+            skips.record(path, member.name, "bad_member_name", "member name has an empty key")
+            continue
+        if key == lost:
+            continue
+        lost = None
+        if group is None or group.key != key:
+            done = finish(group)
+            if done is not None:
+                yield done
+            group, pending, seen = MemberGroup(key, pending), None, True
+        if ext in IMAGE_EXTENSIONS:
+            if group.image is not None:
+                skips.record(path, key, "duplicate_member", f"second image member {member.name}")
+                continue
+            group.image = data
+        elif ext in TEXT_EXTENSIONS:
+            group.texts.setdefault(ext, data)
+    done = finish(group)
+    if done is not None:
+        yield done
+    if pending is not None:
+        skips.record(path, SHARD_KEY, pending.reason, pending.detail)
     if not seen:
         skips.record(path, SHARD_KEY, "empty_shard", "tar has no file members")
 
@@ -281,8 +332,9 @@ def _finish_group(path: str, group: MemberGroup, skips: SkipCounter) -> RawRecor
 
 
 def iter_tar_samples(path: str, skips: SkipCounter) -> Iterator[RawRecord]:
-    """Stream a WebDataset tar, yielding one RawRecord per key; damaged shards are counted, not raised."""
-    for group in iter_member_groups(path, "r|*", skips, _member_bytes):
+    """Read a WebDataset tar front to back (compressed ones too), one RawRecord per key; damage is
+    counted, not raised."""
+    for group in iter_member_groups(path, skips, _member_bytes):
         record = _finish_group(path, group, skips)
         if record is not None:
             yield record
@@ -335,8 +387,8 @@ def iter_text_corpus(spec: str | list[str], skips: SkipCounter) -> Iterator[RawR
         with open(path, "rb") as f:
             for line_no, raw in enumerate(f, start=1):
                 try:
-                    text = raw.decode("utf-8").strip()
-                except UnicodeDecodeError as e:
+                    text = decode_text(raw, "line").strip()
+                except BadRecord as e:
                     skips.record(path, f"line {line_no}", "undecodable_text", str(e))
                     continue
                 if text:
@@ -344,6 +396,28 @@ def iter_text_corpus(spec: str | list[str], skips: SkipCounter) -> Iterator[RawR
 
 
 # ---------------------------------------------------------------- decoding
+def decode_fields(
+    rec: RawRecord,
+    image_size: int,
+    train: bool,
+    rng: np.random.Generator | None,
+    image_mean: Sequence[float] = IMAGE_MEAN,
+    image_std: Sequence[float] = IMAGE_STD,
+) -> tuple[np.ndarray | None, str] | SkipExample:
+    """The one decoding of a record (training, the eval hold-out, the streaming reader): its image
+    [3, S, S] (None for text) and caption, or the SkipExample saying why it cannot be used."""
+    caption = rec.text.strip() if rec.text is not None else ""
+    if not caption:
+        return SkipExample(rec.source, rec.key, "missing_caption", "no caption" if rec.text is None else "empty caption")
+    image = None
+    if rec.image_bytes is not None:
+        try:
+            image = decode_image(rec.image_bytes, image_size, train, rng, image_mean, image_std)
+        except BadRecord as e:
+            return SkipExample(rec.source, rec.key, "corrupt_image", str(e))
+    return image, caption
+
+
 def decode_record(
     rec: RawRecord,
     image_size: int,
@@ -352,15 +426,9 @@ def decode_record(
     skips: SkipCounter,
 ) -> Sample | None:
     """Decode ``rec`` into Sample(image [3, S, S] or None, source="", target=caption); None (counted) if unusable."""
-    caption = rec.text.strip() if rec.text is not None else ""
-    if not caption:
-        skips.record(rec.source, rec.key, "missing_caption", "no caption" if rec.text is None else "empty caption")
+    decoded = decode_fields(rec, image_size, train, rng)
+    if isinstance(decoded, SkipExample):
+        skips.record(*decoded)
         return None
-    image = None
-    if rec.image_bytes is not None:
-        try:
-            image = decode_image(rec.image_bytes, image_size, train, rng)
-        except BadRecord as e:
-            skips.record(rec.source, rec.key, "corrupt_image", str(e))
-            return None
+    image, caption = decoded
     return Sample(image=image, source="", target=caption)

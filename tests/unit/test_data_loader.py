@@ -125,7 +125,7 @@ def test_bad_records_are_skipped_counted_and_reported(tmp_path):
     data = build_training_data(cfg, 0, 1)
     assert data.index_skips.counts["missing_image"] == 1
     assert data.index_skips.counts["empty_shard"] == 1
-    assert data.index_skips.counts["corrupt_shard"] == 1
+    assert data.index_skips.counts["truncated_shard"] == 1
     loader = data.loader
     size = loader.sizes[0]
     rows, skips = [], []
