@@ -91,7 +91,7 @@ class Trainer:
         self.loader, self.eval_set = self.data.loader, self.data.eval_set
         self.skips = SkipLedger(self.data.index_skips, self.all_reduce_sum, self.rank)
         if self.is_main:
-            self.skips.report(self.data.index_skips, "while indexing data.sources")
+            self.skips.report(self.data.index_skips, "at start-up (indexing data.sources and the eval hold-out)")
 
         # optimizer+params keeps the blocks' weights on the host: initialise there, so the device
         # never holds the whole model (m6.memory.offload moves the rest to the device).
