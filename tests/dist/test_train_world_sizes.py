@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -39,26 +40,33 @@ def torchrun(run_dir, nproc: int, *overrides: str, nnodes: int = 1, timeout: int
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
-    # The rendezvous store lives in its own process, started before the agents and stopped after
-    # them (as the README advises for multi-node runs): an agent hosting it could exit while
-    # another agent still syncs, failing a job that trained to the end.
+    with agents_on_nodes(args, nproc, nnodes, env) as procs:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+
+
+@contextlib.contextmanager
+def agents_on_nodes(args: list[str], nproc: int, nnodes: int, env: dict):
+    """``nnodes`` torchrun agents of ``nproc`` workers each, as separate "nodes" on this machine.
+
+    The rendezvous store lives in its own process, started before the agents and stopped after
+    them (as the README advises for multi-node runs): an agent hosting it could exit while another
+    agent still syncs, failing a job that trained to the end."""
     port = free_port()
     store = subprocess.Popen([sys.executable, "-m", "m6.parallel.rendezvous_store", "--host", "127.0.0.1",
                               "--port", str(port)], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         assert "listening" in store.stdout.readline()
-        procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                                   "--nproc_per_node", str(nproc), "--node_rank", str(i), "--rdzv_backend", "c10d",
-                                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "is_host=false",
-                                   "--rdzv_id", "m6test", str(REPO / "train.py"), *args],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-                 for i in range(nnodes)]
-        outs = [p.communicate(timeout=timeout) for p in procs]
+        yield [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                                 "--nproc_per_node", str(nproc), "--node_rank", str(i), "--rdzv_backend", "c10d",
+                                 "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_conf", "is_host=false",
+                                 "--rdzv_id", "m6test", str(REPO / "train.py"), *args],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+               for i in range(nnodes)]
     finally:
         store.terminate()
         store.wait(timeout=30)
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
 
 
 def single(run_dir, *overrides: str) -> None:
@@ -125,13 +133,13 @@ def test_capacity_and_aux_loss_scope_are_world_size_invariant(tmp_path, scope, m
         assert_same_curve(runs[nproc], runs[1])
 
 
-def _worker_pid(agent_pid: int, rank: int) -> int:
-    """The pid of the torchrun worker with RANK=rank among the agent's children."""
+def _worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The pid of the torchrun worker with RANK=rank among the agent's children (None: not this agent's)."""
     for child in (pathlib.Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()):
         environ = pathlib.Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
         if f"RANK={rank}".encode() in environ:
             return int(child)
-    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
+    return None
 
 
 def test_sigterm_to_one_rank_stops_every_rank_with_one_checkpoint(tmp_path):
@@ -145,7 +153,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_one_checkpoint(tmp_path):
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     for line in agent.stdout:
         if line.startswith("step") and int(line.split()[1].split("/")[0]) >= 2:
-            os.kill(_worker_pid(agent.pid, 1), signal.SIGTERM)
+            os.kill(_worker_pid(agent.pid, 1), signal.SIGTERM)  # rank 1 is one of this agent's workers
             break
     out, err = agent.communicate(timeout=180)
     assert agent.returncode == 0, err[-3000:]
@@ -202,30 +210,35 @@ def test_scaling_experts_is_one_key(tmp_path):
     assert row["moe/layer0/mean_tokens"] * 16 == pytest.approx(2 * tokens, rel=1e-6)
 
 
-def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path):
-    import signal
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path, nnodes):
+    """SIGKILL to rank 1 mid-run, under one torchrun agent or two (two "nodes"): every survivor
+    ends well within the collective timeout, naming rank 1 and its host in one line."""
     import time
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(REPO / "train.py"), "--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=100000",
-           "parallel.timeout_s=30"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
-    metrics = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        time.sleep(0.5)
-    assert metrics.exists(), "training never started"
-    workers = subprocess.run(["pgrep", "-f", f"run.dir={tmp_path}"], capture_output=True, text=True).stdout.split()
-    victim = max(int(pid) for pid in workers if int(pid) != proc.pid)  # a worker, not the launcher
-    os.kill(victim, signal.SIGKILL)
-    start = time.time()
-    _, err = proc.communicate(timeout=90)  # must end well within the collective timeout + margin
-    assert proc.returncode != 0
-    assert time.time() - start < 90
+    args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=100000", "parallel.timeout_s=30"]
+    with contextlib.ExitStack() as stack:
+        if nnodes == 1:
+            agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                        "--master_port", str(free_port()), str(REPO / "train.py"), *args],
+                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)]
+        else:
+            agents = stack.enter_context(agents_on_nodes(args, 1, 2, env))
+        metrics = tmp_path / "metrics.jsonl"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            time.sleep(0.5)
+        assert metrics.exists(), "training never started"
+        victim = next(pid for pid in (_worker_pid(a.pid, 1) for a in agents) if pid is not None)
+        os.kill(victim, signal.SIGKILL)
+        start = time.time()
+        errs = [a.communicate(timeout=90)[1] for a in agents]  # well within the collective timeout + margin
+    assert all(a.returncode != 0 for a in agents) and time.time() - start < 90
     # The survivor names the dead rank and its host in one line, instead of the backend's traceback.
+    err = "\n".join(errs)
     named = [line for line in err.splitlines() if "has stopped answering (died or hung)" in line]
-    assert len(named) == 1 and re.search(r"error: rank [01] \(host \S+\) has stopped", named[0]), err[-3000:]
+    assert len(named) == 1 and re.search(r"rank 0: error: rank 1 \(host \S+\) has stopped", named[0]), err[-3000:]
     assert "DistBackendError" not in err  # no backend traceback from the survivor
 
 
