@@ -170,7 +170,7 @@ class Trainer:
             self.update.begin_micro_batch(last=i == len(batches) - 1)
             with self.activations.micro_batch(batch.num_target_tokens):
                 lm_sum, aux = self.forward_loss(batch)
-            micro_batch_loss(lm_sum, aux, num_targets, self.accum).backward()
+            self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum))
             parts.append(moe_loss_terms(self.model, lm_sum, aux))
         self.update.finish()
         lm_local, aux_sum, balance_sum, z_sum = torch.stack(parts).sum(0).tolist()  # the step's one host sync
