@@ -1,4 +1,5 @@
-"""Spawn real gloo process groups for tests: one spawn runs many asserts (spawning costs seconds)."""
+"""Spawn real gloo process groups for tests: one spawn runs many asserts (spawning costs seconds).
+Also the plain gradient-sync reference the sync tests compare against."""
 
 from __future__ import annotations
 
@@ -55,3 +56,16 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float | None = None) 
                 if p.is_alive():
                     p.terminate()
             raise TimeoutError(f"{world_size} ranks still running after {4 * timeout_s:.0f} s (hung collective?)")
+
+
+def flat_bucket_sums(sync) -> dict[int, torch.Tensor]:
+    """id(param) -> its gradient summed by the plain algorithm, with no overlap: each of the
+    GradientSync's buckets, local gradients (zeros for a parameter without one) in one flat
+    tensor, all-reduced over its group after backward."""
+    out = {}
+    for bucket in sync.buckets:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket.params])
+        dist.all_reduce(flat, group=bucket.group)
+        for p, part in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
+            out[id(p)] = part.view_as(p)
+    return out

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_helpers import run_distributed
+from dist_helpers import flat_bucket_sums, run_distributed
 from torch import nn
 
 from m6.moe import MoELayer
@@ -75,18 +74,6 @@ def _reference_grads(case: tuple, world: int) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _summed_flat_buckets(sync: GradientSync) -> dict[int, torch.Tensor]:
-    """The plain algorithm, with no overlap: each bucket's local gradients (zeros for a parameter
-    without one) in one flat tensor, summed over its group at the end."""
-    out = {}
-    for bucket in sync.buckets:
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket.params])
-        dist.all_reduce(flat, group=bucket.group)
-        for p, part in zip(bucket.params, flat.split([p.numel() for p in bucket.params])):
-            out[id(p)] = part.view_as(p)
-    return out
-
-
 def _sync_branchy(rank: int, world: int, case: tuple, prepare: bool, max_in_flight: int) -> None:
     extra_dim, with_late, uses = case
     model = Branchy(extra_dim, with_late).double()
@@ -98,7 +85,7 @@ def _sync_branchy(rank: int, world: int, case: tuple, prepare: bool, max_in_flig
 
     sync.enabled = False  # local gradients first: the reference the sync must sum bitwise
     model(x, *uses[rank]).backward()
-    expected = _summed_flat_buckets(sync)
+    expected = flat_bucket_sums(sync)
     model.zero_grad(set_to_none=True)
 
     sync.enabled = True
@@ -171,7 +158,7 @@ def _moe_unused_on_some_ranks(rank: int, world: int) -> None:
 
     sync.enabled = False
     model(x[rank], *uses[rank]).backward()
-    expected = _summed_flat_buckets(sync)
+    expected = flat_bucket_sums(sync)
     model.zero_grad(set_to_none=True)
     sync.enabled = True
     for prepare in (True, False):
