@@ -1,7 +1,7 @@
 """Gradient sync memory at world size 2: per-rank device-side bytes during backward, with and
 without CPU offload.
 
-    python -m bench.grad_sync_memory              # ~3 min on 2 CPU cores
+    python -m bench.grad_sync_memory              # ~1.5 min on 2 CPU cores
     python -m bench.grad_sync_memory --quick      # tiny model: a harness check, not a measurement
     python -m bench.grad_sync_memory --label before --code "main 498bff5"   # on older code: *-before files
 
