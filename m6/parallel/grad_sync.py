@@ -176,7 +176,6 @@ class GradientSync:
         for b in self.buckets:
             b.ready, b.flat, b.work = 0, None, None
         self._next = 0  # the first bucket not launched yet
-        self._prepared = False
         self._may_wait = False  # whether a launch may wait for the oldest bucket inside backward
         self._device: torch.device | None = None
 
@@ -197,7 +196,6 @@ class GradientSync:
         self._may_wait = bool(((counts == 0) | (counts == size)).all())
         for b in self.buckets:
             b.ready += sum(id(p) not in reached for p in b.params)
-        self._prepared = True
         self._launch_complete()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:

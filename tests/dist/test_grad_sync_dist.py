@@ -74,10 +74,9 @@ def _reference_grads(case: tuple, world: int) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _sync_branchy(rank: int, world: int, case: tuple, prepare: bool, max_in_flight: int) -> None:
+def _sync_branchy(rank: int, world: int, groups, case: tuple, prepare: bool, max_in_flight: int) -> None:
     extra_dim, with_late, uses = case
     model = Branchy(extra_dim, with_late).double()
-    groups = create_process_groups(build_layout(world, rank, 1, 1))
     sharded = apply_plan(model, ParallelPlan(), groups)
     # One byte per bucket: every tensor is a bucket of its own, so orders are easy to get wrong.
     sync = GradientSync(sharded, bucket_bytes=1, max_in_flight=max_in_flight)
@@ -102,13 +101,14 @@ def _sync_branchy(rank: int, world: int, case: tuple, prepare: bool, max_in_flig
 
 
 def _unused_on_some_ranks(rank: int, world: int) -> None:
+    groups = create_process_groups(build_layout(world, rank, 1, 1))
     for case in CASES:
         for prepare, max_in_flight in ((False, 2), (True, 1), (True, 3)):
-            _sync_branchy(rank, world, case, prepare, max_in_flight)
+            _sync_branchy(rank, world, groups, case, prepare, max_in_flight)
     # A rank that built another model: every rank fails at construction, naming it, instead of
     # reducing mismatched buckets later.
     model = Branchy(16 if rank != 1 else 24, True).double()
-    sharded = apply_plan(model, ParallelPlan(), create_process_groups(build_layout(world, rank, 1, 1)))
+    sharded = apply_plan(model, ParallelPlan(), groups)
     with pytest.raises(GradientLayoutError, match=r"rank 1\b.*extra\.bias"):
         GradientSync(sharded, bucket_bytes=1)
 
