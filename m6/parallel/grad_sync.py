@@ -6,11 +6,29 @@ the ranks' gradients: replicated params over all ranks, expert params over the r
 same experts (the expert-data-parallel group). The other EP ranks' tokens already reached these
 experts through the all-to-all backward. No division by the world or EP size anywhere, which is
 where expert gradients come out off by the EP size in stacks that average.
+
+Order: all-reduces are matched by their order on each group, so every rank must issue the same
+ones in the same order, whatever its graph reaches (a custom model's branch, a modality missing
+from one rank's batch). Buckets are fixed at construction (checked equal on every rank) and launch
+strictly in bucket order: a bucket goes once it and every bucket before it are complete. A
+parameter the step's graph does not reach counts as complete at ``prepare(loss)`` and contributes
+zeros; without ``prepare`` it completes at ``finish()``, and so does every bucket after it.
+
+Memory: a bucket's flat copy lives from its launch until it is drained (waited for, the sums copied
+back into ``.grad``, the copy freed, the params handed to ``on_grads_final``: offload streams them
+to the host and frees the device gradients). Draining is in bucket order; one that has completed
+is drained at the next launch, and launching one more than ``max_in_flight`` first waits for the
+oldest. That wait inside backward is safe only when every rank's graph reaches the same parameters:
+then every rank completes bucket k at the same point of its backward, so the rank waited for never
+needs the waiting one in a later collective first (an earlier MoE layer's all-to-all). ``prepare``
+checks it with one small all-reduce; otherwise (or without ``prepare``) backward drains only what
+has completed, and ``finish()`` the rest.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -21,101 +39,227 @@ from torch import nn
 from m6.parallel.plan import ShardedModel
 
 
+class GradientLayoutError(ValueError):
+    """The ranks' gradient buckets differ (parameters, shapes, dtypes, groups): their all-reduces
+    could not match. Raised on every rank at construction, before any gradient is reduced."""
+
+
 @dataclass
 class _Bucket:
+    """Parameters reduced together over ``group`` as one flat tensor of ``dtype``."""
+
     params: list[nn.Parameter]
+    names: list[str]
     group: object
+    group_name: str  # "world" (replicated params) or "expert_data" (expert params)
     group_size: int
-    ready: int = 0
-    flat: torch.Tensor | None = None
+    dtype: torch.dtype
+    ready: int = 0  # params whose gradient is final for this step (or that the graph does not reach)
+    flat: torch.Tensor | None = None  # alive from launch to drain
     work: object = None
-    launched: bool = False
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(p.numel() for p in self.params) * self.dtype.itemsize
+
+    @property
+    def complete(self) -> bool:
+        return self.ready == len(self.params)
+
+    def signature(self) -> tuple:
+        """What must be equal on every rank for the all-reduces to match."""
+        return (self.group_name, self.group_size, str(self.dtype),
+                tuple((n, tuple(p.shape)) for n, p in zip(self.names, self.params)))
+
+
+def _describe(signature: tuple | None) -> str:
+    if signature is None:
+        return "nothing (fewer buckets)"
+    group, size, dtype, params = signature
+    return f"{group} group of {size}, {dtype}, " + ", ".join(f"{n} {list(s)}" for n, s in params)
+
+
+def _reached_params(loss: torch.Tensor) -> set[int]:
+    """ids of the leaf tensors ``loss``'s autograd graph reaches (their gradients will be written)."""
+    reached, seen, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it writes
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return reached
 
 
 @dataclass
 class GradientSync:
-    """Launches an async SUM all-reduce per bucket as soon as its last gradient is accumulated.
+    """Sums gradients over their groups in buckets, launched in bucket order during backward.
 
     Set ``enabled = False`` for the micro-batches of an accumulation step that are not the last,
-    so only the final backward communicates; call ``finish()`` after the last backward.
-    ``on_grads_final`` (e.g. CPU offload streaming gradients to the host) receives each bucket's
-    params once their gradients are final: each parameter as backward writes it when its group is
-    this process alone (one process, or experts no other rank holds), the bucket after its
-    all-reduce otherwise, so nothing moves an unreduced gradient. One process is the same object
-    with nothing to reduce (and an unused parameter keeps no gradient, as without the sync).
+    so only the final backward communicates; call ``prepare(loss)`` before that backward (it
+    learns which parameters the graph reaches) and ``finish()`` after it. ``on_grads_final``
+    (e.g. CPU offload streaming gradients to the host) receives params once their gradients are
+    final: each parameter as backward writes it when its group is this process alone (one
+    process, or experts no other rank holds), a bucket's params when it is drained otherwise, so
+    nothing moves an unreduced gradient. One process is the same object with nothing to reduce
+    (and an unused parameter keeps no gradient, as without the sync).
     """
 
     sharded: ShardedModel
     bucket_bytes: int
     on_grads_final: Optional[Callable[[list[nn.Parameter]], None]] = None
+    max_in_flight: int = 2  # buckets launched and not yet drained (each holds a flat copy)
     buckets: list[_Bucket] = field(default_factory=list)
     enabled: bool = True
 
     def __post_init__(self) -> None:
-        groups, layout = self.sharded.groups, self.sharded.groups.layout
-        # Reverse registration order approximates the order backward produces gradients.
-        self._make_buckets(list(self.sharded.replicated_params.values())[::-1], groups.world, layout.world_size)
-        self._make_buckets(list(self.sharded.expert_params.values())[::-1], groups.expert_data,
-                           layout.expert_data_parallel_size)
+        if self.max_in_flight < 1:
+            raise ValueError(f"GradientSync.max_in_flight must be >= 1, got {self.max_in_flight}")
+        self._local: set[int] = set()  # params whose group is this process alone
+        self._make_buckets()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for b in self.buckets:
-            for p in b.params:
-                p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for _, p in self._trainable():
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        if self.sharded.groups.world is not None and self.sharded.groups.layout.world_size > 1:
+            self._check_same_layout()
+        self._in_flight: deque[_Bucket] = deque()
+        self._reset()
 
-    def _make_buckets(self, params: list[nn.Parameter], group, size: int) -> None:
-        current, current_bytes = [], 0
-        for p in params:
-            if not p.requires_grad:
+    def _trainable(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.sharded.model.named_parameters() if p.requires_grad]
+
+    def _make_buckets(self) -> None:
+        groups, layout = self.sharded.groups, self.sharded.groups.layout
+        experts = {id(p) for p in self.sharded.expert_params.values()}
+        # Reverse registration order approximates the order backward produces gradients; both
+        # groups' buckets interleave in that order, so a bucket's predecessors tend to be complete
+        # by the time it is, and launching in bucket order rarely holds one back.
+        open_buckets: dict[tuple, _Bucket] = {}
+        for name, p in reversed(self._trainable()):
+            if id(p) in experts:
+                group, group_name, size = groups.expert_data, "expert_data", layout.expert_data_parallel_size
+            else:
+                group, group_name, size = groups.world, "world", layout.world_size
+            if size == 1:
+                self._local.add(id(p))
                 continue
-            current.append(p)
-            current_bytes += p.numel() * p.element_size()
-            if current_bytes >= self.bucket_bytes:
-                self.buckets.append(_Bucket(current, group, size))
-                current, current_bytes = [], 0
-        if current:
-            self.buckets.append(_Bucket(current, group, size))
+            key = (group_name, p.dtype)
+            bucket = open_buckets.setdefault(key, _Bucket([], [], group, group_name, size, p.dtype))
+            bucket.params.append(p)
+            bucket.names.append(name)
+            if bucket.num_bytes >= self.bucket_bytes:
+                self.buckets.append(open_buckets.pop(key))
+        self.buckets.extend(open_buckets.values())
+
+    def _check_same_layout(self) -> None:
+        """Every rank must hold the same buckets in the same order (one collective, at construction)."""
+        mine = [b.signature() for b in self.buckets]
+        world = self.sharded.groups.world
+        everyone: list = [None] * dist.get_world_size(world)
+        dist.all_gather_object(everyone, mine, group=world)
+        for rank, theirs in enumerate(everyone):
+            if theirs == everyone[0]:
+                continue
+            i = next(i for i in range(max(len(theirs), len(everyone[0])))
+                     if i >= len(theirs) or i >= len(everyone[0]) or theirs[i] != everyone[0][i])
+            at = lambda buckets: buckets[i] if i < len(buckets) else None  # noqa: E731
+            raise GradientLayoutError(
+                f"gradient buckets differ between ranks: rank {rank}'s bucket {i} holds {_describe(at(theirs))}; "
+                f"rank 0's holds {_describe(at(everyone[0]))} ({len(theirs)} vs {len(everyone[0])} buckets). Every "
+                f"rank must build the same model (parameter names, shapes, dtypes, requires_grad) with the same "
+                f"parallel.bucket_size_mb, or their all-reduces would not match")
+
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.ready, b.flat, b.work = 0, None, None
+        self._next = 0  # the first bucket not launched yet
+        self._may_wait = False  # whether a launch may wait for the oldest bucket inside backward
+        self._device: torch.device | None = None
+
+    # ---- one synced backward ------------------------------------------------------------------
+    def prepare(self, loss: torch.Tensor) -> None:
+        """Before the synced backward of ``loss``: parameters its graph does not reach count as
+        complete now (zeros); one all-reduce tells whether every rank's graph reaches the same
+        ones, which is when waiting for a bucket inside backward is safe."""
+        if not self.enabled or not self.buckets:
+            return
+        reached = _reached_params(loss)
+        self._device = loss.device
+        counts = torch.tensor([id(p) in reached for b in self.buckets for p in b.params],
+                              dtype=torch.int32, device=loss.device)
+        world = self.sharded.groups.world
+        dist.all_reduce(counts, group=world)  # per param: how many ranks' graphs reach it
+        size = dist.get_world_size(world)
+        self._may_wait = bool(((counts == 0) | (counts == size)).all())
+        for b in self.buckets:
+            b.ready += sum(id(p) not in reached for p in b.params)
+        self._launch_complete()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self.enabled:
             return
-        bucket = self._bucket_of[id(param)]
-        if bucket.group_size == 1:
+        if id(param) in self._local:
             # Nothing to add up: final as soon as backward wrote it, one parameter at a time (so
             # offload frees each device gradient right away, not a bucket's worth).
             if self.on_grads_final is not None:
                 self.on_grads_final([param])
             return
+        bucket = self._bucket_of[id(param)]
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
-            self._launch(bucket)
+        assert bucket.ready <= len(bucket.params), "a parameter's gradient was final twice in one backward"
+        if bucket.complete:
+            self._launch_complete()
+
+    def _launch_complete(self) -> None:
+        """Launch, in bucket order, every bucket that is complete with all buckets before it."""
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._launch(self.buckets[self._next])
+            self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        self._drain(wait=False)
+        while self._may_wait and len(self._in_flight) >= self.max_in_flight:
+            self._drain_oldest()
         for p in bucket.params:
             if p.grad is None:  # unused in this step: contributes zeros, keeps collectives aligned
                 p.grad = torch.zeros_like(p)
-        bucket.launched = True
-        bucket.flat = torch.cat([p.grad.reshape(-1) for p in bucket.params])
+        grads = [p.grad.reshape(-1) for p in bucket.params]
+        if self._device is not None:
+            grads = [g.to(self._device) for g in grads]
+        bucket.flat = torch.cat(grads)
         bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+        self._in_flight.append(bucket)
 
-    def _final(self, bucket: _Bucket) -> None:
+    def _drain(self, wait: bool) -> None:
+        """Drain in order the buckets in flight: all (``wait``), or those already reduced."""
+        while self._in_flight and (wait or self._in_flight[0].work.is_completed()):
+            self._drain_oldest()
+
+    def _drain_oldest(self) -> None:
+        bucket = self._in_flight.popleft()
+        bucket.work.wait()
+        offset = 0
+        for p in bucket.params:
+            n = p.numel()
+            p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+            offset += n
+        bucket.flat, bucket.work = None, None  # the flat copy is freed here, not at finish()
         if self.on_grads_final is not None:
             self.on_grads_final(bucket.params)
 
     def finish(self) -> None:
-        """Launch what backward did not (unused params), wait, and write the sums into .grad."""
-        for bucket in self.buckets:
-            if not bucket.launched and bucket.group_size > 1:
+        """After the synced backward: launch in order what it did not (parameters it did not
+        reach contribute zeros), drain everything, and get ready for the next step."""
+        if self.enabled and self.buckets:
+            # Past its backward, a rank needs no peer in any other collective before these: waiting is safe.
+            self._may_wait = True
+            for bucket in self.buckets[self._next:]:
                 self._launch(bucket)
-        for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
-                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
-                    offset += n
-                self._final(bucket)
-            bucket.ready, bucket.flat, bucket.work, bucket.launched = 0, None, None, False
+            self._drain(wait=True)
+        self._reset()
 
 
 def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:

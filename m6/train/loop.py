@@ -177,7 +177,7 @@ class Trainer:
             self.update.begin_micro_batch(last=i == len(batches) - 1)
             with self.activations.micro_batch(batch.num_target_tokens):
                 lm_sum, aux = self.forward_loss(batch)
-            micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks).backward()
+            self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
         self.update.finish()
         lm_local, aux_sum, balance_sum, z_sum, kept = torch.stack(parts).sum(0).tolist()  # the step's one host sync

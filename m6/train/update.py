@@ -2,7 +2,7 @@
 CPU offload, clipping to the global norm, the (group-wise) optimizer update and the LR schedule.
 
     update.begin_micro_batch(last=i == n - 1)   # only the last backward communicates
-    loss.backward()
+    update.backward(loss)
     update.finish()                             # reduced gradients, on the host when offloaded
     norm = update.clip(max_norm)
     update.step(apply=finite)                   # update (unless skipped), zero grads, next lr
@@ -53,6 +53,13 @@ class ParameterUpdate:
         """Before a backward: only the step's last one reduces (and offloads) gradients; the
         others accumulate locally."""
         self.sync.enabled = last
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()`` for one micro-batch; before the step's last one the gradient sync
+        learns which parameters its graph reaches (every rank then reduces the same buckets in the
+        same order, and may free each bucket's copy during backward)."""
+        self.sync.prepare(loss)
+        loss.backward()
 
     def finish(self) -> None:
         """After the last backward: gradients reduced, and on the host when offloaded (clipping
