@@ -275,6 +275,31 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_stays_loadable(small_disk,
     assert "resumed from" in capsys.readouterr().out
 
 
+def test_a_non_editable_install_trains_with_its_console_script(tmp_path):
+    """`pip install .` (not editable): m6-train, python -m m6.train and the other commands work
+    outside the repository, with only the installed package importable as m6."""
+    import subprocess
+    import sys
+
+    repo, site = Path(TINY).parents[1], tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target",
+                    str(site), str(repo)], check=True, capture_output=True, timeout=300)
+    env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
+    where = subprocess.run([sys.executable, "-c", "import m6; print(m6.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(str(site))
+    run = tmp_path / "run"
+    trained = subprocess.run([str(site / "bin" / "m6-train"), "--config", TINY, *SMALL, f"run.dir={run}",
+                              "train.max_steps=2", "train.eval_every=0"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=240)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert [r["step"] for r in read_metrics(run) if "loss" in r][-1] == 2
+    for command in ([sys.executable, "-m", "m6.train", "--help"], [str(site / "bin" / "m6-inspect"), "--help"],
+                    [str(site / "bin" / "m6-prepare"), "--help"]):
+        shown = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and "usage:" in shown.stdout, (command, shown.stderr[-1000:])
+
+
 def test_train_py_logs_to_offline_wandb(tmp_path, monkeypatch):
     import subprocess
     import sys
