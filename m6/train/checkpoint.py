@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from m6.parallel.peer_check import is_peer_failure
 from m6.train import sharded_io
 from m6.train.sharded_io import METADATA_FILE, Shards
 POINTER_FILE = "latest"
@@ -244,7 +245,10 @@ class CheckpointManager:
         try:
             write = sharded_io.write(tmp, flat, shards or {}, self.group, asynchronous)
         except BaseException as e:
-            raise self._write_failed(e, step, tmp, final, nbytes) from e
+            error = self._write_failed(e, step, tmp, final, nbytes)
+            if error is e:
+                raise
+            raise error from e
         self.pending = PendingSave(step, tmp, final, write, time.perf_counter(), nbytes)
         if not asynchronous:
             self.wait()
@@ -266,7 +270,10 @@ class CheckpointManager:
         try:
             pending.write.commit()
         except BaseException as e:
-            raise self._write_failed(e, pending.step, pending.tmp, pending.final, pending.nbytes) from e
+            error = self._write_failed(e, pending.step, pending.tmp, pending.final, pending.nbytes)
+            if error is e:
+                raise
+            raise error from e
         self._finalize(pending.tmp, pending.final)
         return pending.final
 
@@ -398,8 +405,9 @@ class CheckpointManager:
 
 
 def _as_checkpoint_error(e: BaseException, doing: str) -> BaseException:
-    """Keep user-facing errors as they are; say what was being done for the rest."""
-    if isinstance(e, (CheckpointError, TypeError, KeyboardInterrupt)):
+    """Keep user-facing errors as they are, and a peer's death (train.py names the dead rank); say
+    what was being done for the rest."""
+    if isinstance(e, (CheckpointError, TypeError, KeyboardInterrupt)) or is_peer_failure(e):
         return e
     reason = (str(e).strip().splitlines() or [""])[0][:300]
     return CheckpointError(f"{doing} failed on rank {_rank_label()}: {type(e).__name__}: {reason}")

@@ -217,7 +217,9 @@ def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path, nnodes):
     import time
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=100000", "parallel.timeout_s=30"]
+    # A checkpoint every step: the death often lands inside a save, whose error must still name it.
+    args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=100000", "parallel.timeout_s=30",
+            "checkpoint.every=1"]
     with contextlib.ExitStack() as stack:
         if nnodes == 1:
             agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
