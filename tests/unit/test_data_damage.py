@@ -5,7 +5,6 @@ training range; training goes on with the rest."""
 from __future__ import annotations
 
 import gzip
-import io
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -20,6 +19,7 @@ from m6.data.record_dataset import RUNTIME_SKIP_REASONS
 from m6.data.record_index import build_index
 from m6.data.sources import SHARD_KEY, SkipCounter, iter_tar_samples, split_member_name
 from m6.train.state import SkipLedger
+from test_data_sources import write_tar
 
 BLOCK = tarfile.BLOCKSIZE
 
@@ -32,15 +32,6 @@ def records(n: int, first: int = 0) -> list[tuple[str, bytes, str]]:
         png, caption = sample_png(i)
         out.append((f"{i:03d}", png, caption + " " + "x" * (i * 37 % 600)))
     return out
-
-
-def write_tar(path: Path, members: list[tuple[str, bytes]]) -> str:
-    with tarfile.open(path, "w") as tar:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return str(path)
 
 
 def write_shard(path: Path, recs: list[tuple[str, bytes, str]]) -> str:
