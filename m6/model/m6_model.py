@@ -103,8 +103,8 @@ class M6Model(nn.Module):
         return parts
 
     def moe_layers(self) -> dict[str, MoELayer]:
-        """Name -> MoE layer, for routing statistics."""
-        return {f"layer{i}": b.ffn for i, b in enumerate(self.blocks) if b.is_moe}
+        """``block<i>`` -> the MoE layer of block i (i counts all blocks, as configs do), for routing statistics."""
+        return {f"block{i}": b.ffn for i, b in enumerate(self.blocks) if b.is_moe}
 
     def forward(self, images_BCHW: torch.Tensor, has_image_B: torch.Tensor, text_ids_BL: torch.Tensor,
                 segment_ids_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -201,8 +201,8 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
         metrics = {
-            "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss": aux_total, "balance_loss": balance,
-            "z_loss": z, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
+            "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss_weighted": aux_total,
+            "balance_loss_unweighted": balance, "z_loss_unweighted": z, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
             "samples_per_s": self.cfg.train.global_batch_size / dt, "step_time_s": dt,
             "peak_mem_gb": peak_memory_gb(self.device), "skipped_steps": self.counters.skipped_steps,
             "data_wait_s": data_wait, "skipped_records": self.skips.total,

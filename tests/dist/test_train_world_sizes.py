@@ -128,7 +128,7 @@ def test_capacity_and_aux_loss_scope_are_world_size_invariant(tmp_path, scope, m
                 *([f"train.micro_batch_size={micro_batch}"] if micro_batch else []))
         single(run, *args) if nproc == 1 else torchrun(run, nproc, *args)
         runs[nproc] = train_rows(run)
-    assert all(r["moe/layer0/dropped_fraction"] > 0 for r in runs[1])  # capacity is really dropping
+    assert all(r["moe/block0/dropped_fraction"] > 0 for r in runs[1])  # capacity is really dropping
     for nproc in (2, 4):
         assert_same_curve(runs[nproc], runs[1])
 
@@ -207,7 +207,7 @@ def test_scaling_experts_is_one_key(tmp_path):
     row = train_rows(tmp_path)[-1]
     # Load of all 16 global experts, summed over the 4 ranks: top-2 assignments of every token.
     tokens = row["tokens_per_s"] * row["step_time_s"]
-    assert row["moe/layer0/mean_tokens"] * 16 == pytest.approx(2 * tokens, rel=1e-6)
+    assert row["moe/block0/mean_tokens"] * 16 == pytest.approx(2 * tokens, rel=1e-6)
 
 
 @pytest.mark.parametrize("nnodes", [1, 2])

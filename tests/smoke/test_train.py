@@ -32,7 +32,7 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-REQUIRED_KEYS = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s",
+REQUIRED_KEYS = {"step", "loss", "lm_loss", "aux_loss_weighted", "balance_loss_unweighted", "z_loss_unweighted", "lr", "grad_norm", "tokens_per_s",
                  "samples_per_s", "step_time_s", "tflops", "peak_mem_gb"}
 
 
@@ -48,8 +48,8 @@ def test_training_writes_outputs_and_loss_falls(tmp_path):
     assert [r["step"] for r in rows] == [5, 10, 15, 20, 25, 30, 35, 40]
     assert [r["step"] for r in evals] == [40] and math.isfinite(evals[0]["eval/caption_loss_shuffled_images"])
     assert REQUIRED_KEYS <= set(rows[-1])
-    assert {"moe/layer0/max_tokens", "moe/layer0/mean_tokens", "moe/layer0/dropped_fraction",
-            "moe/layer0/router_entropy", "moe/layer1/max_tokens"} <= set(rows[-1])
+    assert {"moe/block0/max_tokens", "moe/block0/mean_tokens", "moe/block0/dropped_fraction",
+            "moe/block0/router_entropy", "moe/block1/max_tokens"} <= set(rows[-1])
     assert all(math.isfinite(r["loss"]) for r in rows)
     assert (tmp_path / "config.yaml").read_text().count("num_experts: 4") == 1
     ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
@@ -331,7 +331,7 @@ def test_train_py_logs_to_offline_wandb(tmp_path, monkeypatch):
     logged = {h["step"]["num"]: h["item"]["loss"] for h in history if "loss" in h["item"]}
     expected = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
     assert logged == expected and sorted(logged) == [2, 4]
-    assert any("expert_load/layer0.values" in h["item"] for h in history)
+    assert any("expert_load/block0.values" in h["item"] for h in history)
 
 
 def test_tiny_config_learns_to_use_the_image(tmp_path):

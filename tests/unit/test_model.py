@@ -288,8 +288,8 @@ def test_moe_placement(every, num_layers, moe_blocks):
         else:
             assert isinstance(block.ffn, DenseMLP), f"block {i}"
     layers = model.moe_layers()
-    assert list(layers) == [f"layer{i}" for i in moe_blocks]
-    assert all(layers[f"layer{i}"] is model.blocks[i].ffn for i in moe_blocks)
+    assert list(layers) == [f"block{i}" for i in moe_blocks]
+    assert all(layers[f"block{i}"] is model.blocks[i].ffn for i in moe_blocks)
 
 
 def test_dense_model_has_zero_aux_loss():
