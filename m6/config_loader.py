@@ -190,10 +190,14 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """Split a CLI override `a.b.c=VALUE` into its key path and its YAML-parsed value."""
+    """Split a CLI override `a.b.c=VALUE` into its key path and its YAML-parsed value. A list
+    element is a numeric key: `data.sources.0.path=x` or `data.sources[0].path=x`."""
     key, sep, raw = text.partition("=")
-    keys = [k.strip() for k in key.split(".")]
+    keys = [k.strip() for k in _INDEX.sub(r".\1", key).split(".")]
     if not sep or not all(keys):
         raise ConfigError(f"bad override {text!r}: expected the form key=value, e.g. model.moe.num_experts=64")
     try:
@@ -216,6 +220,11 @@ def _child_type(tp: Any, key: str, path: str) -> Any:
     if tp is dict or typing.get_origin(tp) is dict:
         args = typing.get_args(tp)
         return args[1] if args else Any
+    if tp is list or typing.get_origin(tp) is list:
+        if not key.isdigit():
+            raise ConfigError(f"{path} is a list: index it with a number, e.g. {path}.0 or {path}[0]; got {key!r}")
+        args = typing.get_args(tp)
+        return args[0] if args else Any
     if tp is Any:
         return Any
     raise ConfigError(f"{path}: is a {_type_name(tp)} value, not a section; cannot set {_join(path, key)!r}")
@@ -229,16 +238,54 @@ def apply_overrides(data: dict, overrides: Sequence[str], cls: type) -> dict:
         tp, path = cls, ""
         for key in keys:  # check the whole path against the schema, even where the YAML lacks the section
             tp, path = _child_type(tp, key, path), _join(path, key)
-        node, path = data, ""
-        for key in keys[:-1]:
-            path = _join(path, key)
-            if node.get(key) is None:  # absent or null section: the override creates it
-                node[key] = {}
-            elif not isinstance(node[key], dict):
+        node, path, section = data, "", cls
+        for key, child in zip(keys[:-1], keys[1:]):
+            absent = isinstance(node, dict) and key not in node
+            key = _slot(node, key, path)
+            path = _join(path, str(key))
+            if absent and child.isdigit():  # indexing a list the YAML leaves at its default
+                node[key] = _default_of(section, key)
+            if node[key] is None:  # absent or null: the override creates the section or list
+                node[key] = [] if child.isdigit() else {}
+            elif not isinstance(node[key], (dict, list)):
                 raise ConfigError(f"{path}: expected a mapping (config section), got {_show(node[key])}")
-            node = node[key]
-        node[keys[-1]] = value
+            node, section = node[key], _child_type(section, str(key), path)
+        node[_slot(node, keys[-1], path)] = value
     return data
+
+
+def _unwrap(tp: Any) -> Any:
+    """The one non-None arm of an Optional annotation, else ``tp``."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if a is not _NONE]
+        return arms[0] if len(arms) == 1 else tp
+    return tp
+
+
+def _default_of(section: Any, key: str) -> Any:
+    """The schema default of field ``key`` of dataclass ``section`` as plain data, or None."""
+    section = _unwrap(section)
+    if not _is_section(section):
+        return None
+    f = _init_fields(section).get(key)
+    if f is None or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
+        return None
+    return to_dict(f.default_factory() if f.default is dataclasses.MISSING else copy.deepcopy(f.default))
+
+
+def _slot(node: dict | list, key: str, path: str) -> str | int:
+    """Where ``key`` goes in ``node``: a dict key as is (created as None when absent); a list index
+    as an int, where one past the end appends an element (so `sources.1.path=...` adds a source)."""
+    if isinstance(node, dict):
+        node.setdefault(key, None)
+        return key
+    index = int(key)
+    if index > len(node):
+        raise ConfigError(f"{_join(path, key)}: {path} has {len(node)} element(s), so the index must be at most "
+                          f"{len(node)} (which adds one)")
+    if index == len(node):
+        node.append(None)
+    return index
 
 
 def _read_yaml(path: Path) -> dict:
@@ -276,13 +323,18 @@ def load_config(cls: type[T], path: str | os.PathLike | None, overrides: Sequenc
     return obj
 
 
+def dumps_yaml(obj: Any) -> str:
+    """A config tree as YAML text (what dump_yaml writes)."""
+    return yaml.dump(to_dict(obj), Dumper=_Dumper, sort_keys=False)
+
+
 def dump_yaml(obj: Any, path: str | os.PathLike) -> None:
     """Write a config tree as YAML, atomically, so a crash never leaves a half-written resolved config."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # same directory, so os.replace is atomic
     try:
         with open(tmp, "w") as f:
-            yaml.dump(to_dict(obj), f, Dumper=_Dumper, sort_keys=False)
+            f.write(dumps_yaml(obj))
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

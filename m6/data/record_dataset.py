@@ -20,7 +20,7 @@ from m6.config_loader import ConfigError
 from m6.data.batch import Sample
 from m6.data.images import BadRecord
 from m6.data.record_index import ManifestIndex, RecordIndex, TarIndex, build_index
-from m6.data.sources import SkipCounter, SkipExample, decode_fields
+from m6.data.sources import SkipCounter, SkipExample, decode_fields, relative_to_cwd_note
 from m6.data.synthetic import CAPTION_PROMPT, SyntheticImageCaptionDataset
 from m6.data.tasks import NoApplicableTask, TaskMix
 
@@ -86,6 +86,26 @@ class SyntheticRecords:
         return LoadedItem(self.dataset.sample_at(item[1]), origin=("synthetic", f"sample {item[1]}"))
 
 
+class UserSamples:
+    """A user's map-style dataset (``len`` and ``[i] -> Sample``, the Python API's ``dataset=``)
+    behind the ``(source, record, epoch)`` interface. Each item is checked as it is drawn, so a
+    wrong one stops the run naming its index instead of failing inside the collator."""
+
+    def __init__(self, dataset: Sequence[Sample], image_shape: tuple[int, int, int]) -> None:
+        self.dataset, self.image_shape = dataset, tuple(image_shape)
+
+    def __getitem__(self, item: tuple[int, int, int]) -> LoadedItem:
+        sample = self.dataset[item[1]]
+        where = f"dataset[{item[1]}]"
+        if not isinstance(sample, Sample):
+            raise TypeError(f"{where} is a {type(sample).__name__}; the dataset passed to Trainer must return "
+                            "m6.data.batch.Sample(image, source, target)")
+        if sample.image is not None and tuple(np.shape(sample.image)) != self.image_shape:
+            raise ValueError(f"{where}.image has shape {tuple(np.shape(sample.image))}; the model takes "
+                             f"{self.image_shape} (normalised float32 [C, H, W]: model.image_channels, model.image_size)")
+        return LoadedItem(sample, origin=("dataset", str(item[1])))
+
+
 @dataclass
 class FileData:
     """What the trainer needs from configured files: training items, source sizes and weights, eval samples."""
@@ -99,19 +119,20 @@ class FileData:
 
 def _index_source(i: int, src: DataSourceConfig, skips: SkipCounter) -> RecordIndex:
     key = f"data.sources[{i}]"
+    where = relative_to_cwd_note([src.path] if isinstance(src.path, str) else src.path)
     mine = SkipCounter()
     try:
         index = build_index(src.format, src.path, mine)
     except FileNotFoundError as e:
-        raise ConfigError(f"{key}.path: {e}") from e
+        raise ConfigError(f"{key}.path: {e}{where}") from e
     except OSError as e:  # unreadable (permissions, I/O error): not a record-level problem
-        raise ConfigError(f"{key}.path: cannot read {e.filename}: {e.strerror or e}") from e
+        raise ConfigError(f"{key}.path: cannot read {e.filename}: {e.strerror or e}{where}") from e
     except ValueError as e:
-        raise ConfigError(f"{key}: {e}") from e
+        raise ConfigError(f"{key}: {e}{where}") from e
     if len(index) == 0:
         first = "".join(f"; first: {ex.source} [{ex.key}] {ex.reason}: {ex.detail}" for ex in mine.examples[:1])
         raise ConfigError(f"{key}.path {src.path!r} holds no usable record ({mine.total} skipped: "
-                          f"{dict(mine.counts)}{first})")
+                          f"{dict(mine.counts)}{first}){where}")
     skips.merge(mine)
     return index
 

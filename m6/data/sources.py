@@ -149,6 +149,15 @@ def expand_braces(pattern: str) -> list[str]:
     return [expanded for option in options for expanded in expand_braces(head + option + tail)]
 
 
+def relative_to_cwd_note(paths: Sequence[str]) -> str:
+    """' (relative paths resolve against the working directory DIR)' when any of ``paths`` is
+    relative, else ''. Data paths in a config are relative to where the job starts, not to the
+    config file, as with torchrun and Slurm scripts; every message about them says which folder."""
+    if all(os.path.isabs(p) for p in paths):
+        return ""
+    return f" (relative paths resolve against the working directory {os.getcwd()})"
+
+
 def expand_shards(spec: str | list[str]) -> list[str]:
     """Expand paths, globs and brace patterns into a sorted, de-duplicated list of existing files."""
     patterns = [spec] if isinstance(spec, str) else list(spec)

@@ -24,7 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -206,6 +206,23 @@ class PendingSave:
     write: sharded_io.ShardedWrite
     started: float
     nbytes: int  # tensor bytes this rank holds in the state (what its files need, at most)
+    asynchronous: bool
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A checkpoint now in place, as rank 0 reports it."""
+
+    step: int
+    path: Path
+    nbytes: int  # the files of every rank (one shared directory)
+    seconds: float  # from the start of the save to the directory in place
+    asynchronous: bool
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files under ``path``."""
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
 class CheckpointManager:
@@ -224,6 +241,7 @@ class CheckpointManager:
         self.keep, self.rank, self.group = keep, rank, group
         self.pending: Optional[PendingSave] = None
         self.last_wait_s = 0.0  # how long the last save waited for the one before it
+        self.on_saved: Optional[Callable[[SavedCheckpoint], None]] = None  # rank 0, each save in place
 
     def step_dir(self, step: int) -> Path:
         """Return the directory that holds (or will hold) the checkpoint for `step`."""
@@ -249,7 +267,7 @@ class CheckpointManager:
             if error is e:
                 raise
             raise error from e
-        self.pending = PendingSave(step, tmp, final, write, time.perf_counter(), nbytes)
+        self.pending = PendingSave(step, tmp, final, write, time.perf_counter(), nbytes, asynchronous)
         if not asynchronous:
             self.wait()
         return final
@@ -275,6 +293,9 @@ class CheckpointManager:
                 raise
             raise error from e
         self._finalize(pending.tmp, pending.final)
+        if self.rank == 0 and self.on_saved is not None:
+            self.on_saved(SavedCheckpoint(pending.step, pending.final, directory_bytes(pending.final),
+                                          time.perf_counter() - pending.started, pending.asynchronous))
         return pending.final
 
     def _write_failed(self, e: BaseException, step: int, tmp: Path, final: Path, nbytes: int) -> BaseException:

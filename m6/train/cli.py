@@ -3,6 +3,9 @@
     m6-train --config configs/tiny.yaml [key=value ...]
     m6-train --config configs/tiny.yaml model.moe.num_experts=16 train.max_steps=50
 
+Config keys: the table in the README's "Config" section (defaults and comments in m6/config.py);
+every key with the value this command line gives it: add --print-config.
+
 Exit codes: 0 trained (or stopped cleanly on SIGTERM with a checkpoint), 1 a failure during
 training (named), 2 bad input (a config error, or a checkpoint that cannot continue the run).
 """
@@ -16,6 +19,7 @@ import sys
 import torch.distributed as dist
 
 from m6.config import ConfigError, load
+from m6.config_loader import dumps_yaml
 from m6.parallel import LayoutError
 from m6.parallel.peer_check import describe_peer_failure, is_peer_failure
 from m6.train.checkpoint import CheckpointError, CheckpointMismatch
@@ -25,7 +29,10 @@ from m6.train.loop import TrainingDiverged, train
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="m6-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50 or "
+                        "data.sources.0.path=/data/shards-{000..099}.tar (list elements by index)")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (every key, defaults filled in) as YAML and exit")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -34,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     finished = False
     try:
         cfg = load(args.config, args.overrides)
+        if args.print_config:
+            print(dumps_yaml(cfg), end="")
+            return 0
         train(cfg)
         finished = True
     except (ConfigError, LayoutError) as e:

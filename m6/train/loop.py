@@ -10,6 +10,7 @@ import math
 import random
 import time
 from contextlib import nullcontext
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,14 +18,16 @@ import torch
 import torch.distributed as dist
 
 from m6.config import Config, ConfigError, accumulation_steps, dump_yaml, micro_batch_size, num_patches, run_dir, to_dict
-from m6.data.batch import MultimodalBatch
+from m6.data.batch import MultimodalBatch, Sample
 from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
 from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
 from m6.parallel import build_parallel, join_job
-from m6.train.checkpoint import CheckpointManager, agree_on_resume, resolve_resume
+from m6.inspect import build_meta_model
+from m6.train.banner import RunFacts, checkpoint_line, end_line, startup_banner
+from m6.train.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, resolve_resume
 from m6.train.eval import evaluate_captions, rank_slice
 from m6.train.init_from import init_from_checkpoint
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
@@ -63,9 +66,14 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """Owns the model, its update, the data position and the outputs of one run."""
+    """Owns the model, its update, the data position and the outputs of one run.
 
-    def __init__(self, cfg: Config) -> None:
+    ``Trainer(cfg).fit()`` trains on the configured data; ``dataset`` (a map-style sequence of
+    m6.data.batch.Sample, picklable when data.num_workers > 0) replaces data.kind/data.sources, and
+    ``eval_samples`` (image-caption Samples) feed the caption-loss eval."""
+
+    def __init__(self, cfg: Config, dataset: Sequence[Sample] | None = None,
+                 eval_samples: Sequence[Sample] | None = None) -> None:
         self.cfg = cfg
         self.env = join_job(cfg.parallel.timeout_s)
         self.rank, self.world_size = self.env.rank, self.env.world_size
@@ -87,7 +95,9 @@ class Trainer:
         if self.is_main:
             dump_yaml(cfg, self.run_dir / "config.yaml")
 
-        self.data = build_training_data(cfg, self.rank, self.world_size, pin_memory=self.device.type == "cuda")
+        self.data = build_training_data(cfg, self.rank, self.world_size, pin_memory=self.device.type == "cuda",
+                                        dataset=dataset, eval_samples=eval_samples)
+        self.dataset_name = None if dataset is None else type(dataset).__name__
         self.loader, self.eval_set = self.data.loader, self.data.eval_set
         self.skips = SkipLedger(self.data.index_skips, self.all_reduce_sum, self.rank)
         if self.is_main:
@@ -102,7 +112,7 @@ class Trainer:
         self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device)
-        self.size = count_parameters(self.model)
+        self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         self.flop_rates = forward_flop_rates(self.model)
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
@@ -117,7 +127,9 @@ class Trainer:
                       "expert_parallel_size": layout.expert_parallel_size})
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.rank,
                                              self.sharded.groups.checkpoint)
+        self.checkpoints.on_saved = self._say_saved
         self.checkpoints.sweep_temporaries()  # rank 0, before any rank writes (the first save follows a step)
+        self.start = "fresh start"
         resume_from = agree_on_resume(resolve_resume(cfg.checkpoint.resume, self.checkpoints), self.rank,
                                       self.world_size, self.sharded.groups.checkpoint)
         if resume_from is not None:
@@ -135,6 +147,18 @@ class Trainer:
                                     console=cfg.logging.console, is_main_process=self.is_main)
         self.history: list[dict] = []
         self.last_saved_step: int | None = None
+        self._print_main(startup_banner(cfg, self._facts()))
+
+    def _facts(self) -> RunFacts:
+        precision = "fp32" if self.autocast_dtype is None else (
+            "bf16 (cast-on-use)" if self.cast_on_use else "bf16 (autocast)")
+        return RunFacts(
+            world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,
+            micro_batch=self.micro_batch, accumulation=self.accum, device=self.device, precision=precision,
+            size=self.size, source_records=self.data.source_records,
+            tokenizer=f"{self.cfg.data.tokenizer or 'byte'} (vocab {self.data.tokenizer.vocab_size:,})",
+            run_dir=self.run_dir.resolve(), start=self.start, wandb=self.logger.wandb_mode,
+            user_dataset=self.dataset_name)
 
     @property
     def step(self) -> int:
@@ -295,14 +319,18 @@ class Trainer:
         saved_world = meta.get("world_size", 1)
         rng = "" if saved_world == self.world_size else (
             "; RNG streams are per rank, so at another world size they restart from the run seed")
-        self._print_main(f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
-                         f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
-                         f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
+        self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
+                      f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
+                      f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
+
+    def _say_saved(self, saved: SavedCheckpoint) -> None:
+        self._print_main(checkpoint_line(saved.step, saved.path, saved.nbytes, saved.seconds, saved.asynchronous))
 
     # ---- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         """Train to train.max_steps; returns the per-step metrics of this process's steps."""
         cfg = self.cfg
+        started, first_step = time.perf_counter(), self.step
         stop = StopOnSignal(self.sharded.groups.checkpoint if self.world_size > 1 else None)
         try:
             while self.step < cfg.train.max_steps:
@@ -327,6 +355,9 @@ class Trainer:
                                  "skipped_steps": self.counters.skipped_steps, "total_params": self.size.total,
                                  "active_params": self.size.active, "skipped_records": self.skips.total,
                                  "skipped_records_by_reason": self.skips.by_reason()})
+            tokens = sum(h["tokens_per_s"] * h["step_time_s"] for h in self.history)
+            self._print_main(end_line(self.step - first_step, self.step, cfg.train.max_steps, final, tokens,
+                                      time.perf_counter() - started, self.run_dir.resolve(), self.checkpoints.latest()))
         except BaseException:
             if self.world_size > 1:
                 # A peer's death surfaces here first: keep holding SIGTERM (the launcher sends it to
@@ -349,6 +380,6 @@ class Trainer:
                          f"checkpoint.resume=auto (the default) to continue")
 
 
-def train(cfg: Config) -> list[dict]:
+def train(cfg: Config) -> list[dict]:  # the CLI's one call
     """Build a Trainer for ``cfg`` and run it to completion."""
     return Trainer(cfg).fit()

@@ -224,3 +224,44 @@ def test_optional_section_keeps_inner_error():
     assert from_dict(Opt, {"moe": {"top_k": 1}}).moe == MoE(top_k=1)
     assert "did you mean 'moe.top_k'" in errmsg(from_dict, Opt, {"moe": {"top_kk": 1}})
     assert from_dict(Opt, apply_overrides({}, ["moe.top_k=1"], Opt)).moe == MoE(top_k=1)
+
+
+@dataclass
+class Source:
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
+class Data:
+    sources: list[Source] = field(default_factory=list)
+    mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+
+
+@dataclass
+class WithLists:
+    data: Data = field(default_factory=Data)
+
+
+def test_list_elements_are_overridden_by_index():
+    raw = {"data": {"sources": [{"path": "a.tar", "weight": 0.9}, {"path": "b.txt"}]}}
+    cfg = from_dict(WithLists, apply_overrides(raw, ["data.sources.0.path=/abs/a.tar", "data.sources[1].weight=0.5",
+                                                     "data.mean.2=0.25"], WithLists))
+    assert cfg.data.sources == [Source("/abs/a.tar", 0.9), Source("b.txt", 0.5)]
+    assert cfg.data.mean == [0.5, 0.5, 0.25]
+    assert raw["data"]["sources"][0]["path"] == "a.tar"  # the caller's dict is untouched
+
+
+def test_an_index_one_past_the_end_adds_an_element():
+    cfg = from_dict(WithLists, apply_overrides({}, ["data.sources.0.path=x.tar", "data.sources.1.path=y.txt",
+                                                    "data.sources.1.weight=0.1"], WithLists))
+    assert cfg.data.sources == [Source("x.tar"), Source("y.txt", 0.1)]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("data.sources.2.path=x", "data.sources.2: data.sources has 0 element(s), so the index must be at most 0"),
+    ("data.sources.first.path=x", "data.sources is a list: index it with a number, e.g. data.sources.0"),
+    ("data.sources.0.pth=x", "unknown config key 'data.sources.0.pth'; did you mean 'data.sources.0.path'?"),
+])
+def test_bad_list_overrides_name_the_key(override, expected):
+    assert expected in errmsg(apply_overrides, {}, [override], WithLists)

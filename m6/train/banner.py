@@ -1,0 +1,128 @@
+"""What a run says about itself on the console: the start-up banner, checkpoint lines, the end line.
+
+Plain functions of plain facts (no model, no process group), so each line is tested as text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from m6 import __version__
+from m6.config import Config, num_patches
+from m6.data.sources import relative_to_cwd_note
+from m6.model.flops import ModelSize
+from m6.train.loggers import format_duration
+
+SYNTHETIC_WARNING = ("SYNTHETIC (data.kind=synthetic: generated shapes and captions, not real data; "
+                     "set data.kind=files and data.sources to train on yours)")
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the trainer decided at start-up, as the banner shows it."""
+
+    world_size: int
+    expert_parallel_size: int
+    micro_batch: int
+    accumulation: int
+    device: torch.device
+    precision: str  # e.g. "bf16 (cast-on-use)" or "fp32"
+    size: ModelSize  # the whole model (all experts), not this rank's share
+    source_records: list[int]  # records indexed per data source (synthetic: [num_samples])
+    tokenizer: str  # e.g. "byte (vocab 261)"
+    run_dir: Path
+    start: str  # "fresh" or "resumed from PATH at step N (...)"
+    wandb: str | None  # resolved W&B mode, None = off
+    user_dataset: str | None = None  # type name of the dataset passed to Trainer (Python API)
+
+
+def human_count(n: float) -> str:
+    """1234567 -> '1.23M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return f"{n:.0f}"
+
+
+def human_bytes(n: float) -> str:
+    for scale, suffix in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= scale:
+            return f"{n / scale:.1f} {suffix}"
+    return f"{n:.0f} B"
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def _model_line(cfg: Config, size: ModelSize) -> str:
+    m, moe = cfg.model, cfg.model.moe
+    shape = f"{m.num_layers} blocks x d_model {m.d_model}, {m.num_heads} heads"
+    if moe.every == 0 or moe.num_experts == 0:
+        ffn = f"dense FFN {m.ffn_dim}"
+    else:
+        blocks = [i for i in range(m.num_layers) if (i + 1) % moe.every == 0]
+        where = "every block" if moe.every == 1 else f"blocks {','.join(map(str, blocks))}"
+        capacity = "dropless" if moe.capacity_factor is None else f"capacity {moe.capacity_factor:g} per {moe.capacity_group}"
+        groups = f" in {moe.num_prototypes} prototypes" if moe.num_prototypes > 1 else ""
+        ffn = f"MoE in {where}: {moe.num_experts} experts{groups}, top-{moe.top_k}, {capacity}"
+    return f"{shape}; {ffn} | {human_count(size.total)} params, {human_count(size.active)} active per token"
+
+
+def _data_lines(cfg: Config, facts: RunFacts) -> list[str]:
+    d = cfg.data
+    if facts.user_dataset is not None:
+        return [f"data     the {facts.user_dataset} passed to Trainer ({facts.source_records[0]:,} samples; "
+                f"data.kind and data.sources unused); tokenizer {facts.tokenizer}"]
+    if d.kind == "synthetic":
+        return [f"!! data: {SYNTHETIC_WARNING}, {facts.source_records[0]:,} samples per epoch"]
+    specs = [", ".join([src.path] if isinstance(src.path, str) else src.path) for src in d.sources]
+    paths = [p for src in d.sources for p in ([src.path] if isinstance(src.path, str) else src.path)]
+    count = f"{len(d.sources)} source{'s' if len(d.sources) > 1 else ''}"
+    lines = [f"data     {count}, tokenizer {facts.tokenizer}{relative_to_cwd_note(paths)}"]
+    width = max(len(spec) for spec in specs)
+    for src, spec, records in zip(d.sources, specs, facts.source_records):
+        lines.append(f"           {src.format:<5} {spec:<{width}}  weight {src.weight:g}, {records:,} records")
+    return lines
+
+
+def startup_banner(cfg: Config, facts: RunFacts) -> str:
+    """The block a run prints before its first step: what trains, where, on what, from where."""
+    t, mem = cfg.train, cfg.memory
+    dp = facts.world_size // facts.expert_parallel_size
+    ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
+    lines = [
+        f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}",
+        f"model    {_model_line(cfg, facts.size)}",
+        f"parallel world {facts.world_size} = expert-parallel {facts.expert_parallel_size} x expert-data-parallel "
+        f"{dp}; batch {t.global_batch_size} = micro-batch {facts.micro_batch} x accumulation {facts.accumulation} "
+        f"x {facts.world_size} rank{'s' if facts.world_size > 1 else ''}; per sample {cfg.data.seq_len} text tokens + "
+        f"{num_patches(cfg.model)} image patches",
+        f"memory   offload {mem.offload}, recompute {mem.activation_checkpointing}",
+        *_data_lines(cfg, facts),
+        f"run      {facts.run_dir} | {facts.start} | {t.max_steps} steps | metrics.jsonl"
+        f"{', W&B ' + facts.wandb if facts.wandb else ''} | checkpoint every "
+        f"{cfg.checkpoint.every or 'end only'}{', async' if cfg.checkpoint.async_save else ''}",
+    ]
+    return "\n".join(lines)
+
+
+def checkpoint_line(step: int, path: Path, nbytes: int, seconds: float, background: bool) -> str:
+    """One line per checkpoint in place: where, how big, how long the write took."""
+    how = " in the background" if background else ""
+    return f"checkpoint: step {step} saved to {path} ({human_bytes(nbytes)}, written{how} in {seconds:.1f} s)"
+
+
+def end_line(steps_run: int, step: int, max_steps: int, final: dict, tokens: float, seconds: float,
+             run_dir: Path, latest: Path | None) -> str:
+    """The run's last line: what it did and where its outputs are."""
+    loss = (f"final loss {final['loss']:.4f} (lm {final['lm_loss']:.4f})" if "loss" in final
+            else "no step run")
+    saved = f", checkpoint {latest}" if latest is not None else ""
+    return (f"done: step {step}/{max_steps}, {steps_run} steps run in {format_duration(seconds)}, {loss}, "
+            f"{human_count(tokens)} tokens | outputs in {run_dir}: metrics.jsonl, summary.json{saved}")
