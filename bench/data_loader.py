@@ -50,9 +50,9 @@ def time_m6_loader(num_workers: int, batches: int, micro_batch: int) -> float:
 def time_streaming_anchor(batches: int, micro_batch: int) -> float:
     """Samples/s of sequential tar streaming + the same decode/task/collate, in one process."""
     cfg = load(TINY)
-    from m6.data.tokenizer import load_tokenizer
+    from m6.data.pipeline import build_tokenizer
 
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = build_tokenizer(cfg)
     tasks = TaskMix(cfg.data.tasks, seed=0)
     shards = expand_shards(cfg.data.sources[0].path)
     image_shape = (3, cfg.model.image_size, cfg.model.image_size)

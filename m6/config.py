@@ -140,12 +140,34 @@ class DataSourceConfig:
 
 
 @dataclass
+class SpecialTokensConfig:
+    """The token of data.tokenizer's vocabulary that plays each role m6 needs (m6.data.hf_tokenizer).
+
+    Roles may share a token (BERT: eos and sep both [SEP]): m6 finds every boundary by position.
+    """
+
+    pad: str = "<pad>"  # fills a row after the target
+    bos: str = "<bos>"  # opens the source
+    eos: str = "<eos>"  # closes the target (the last label of a row)
+    sep: str = "<sep>"  # closes the source; the model predicts the first target token there
+    img: Optional[str] = "<img>"  # null: no image token (no batch holds its id; images are patch embeddings)
+
+    def validate(self) -> None:
+        """Check that every mapped token is a non-empty string."""
+        for role, token in to_dict(self).items():
+            if token is not None and not token.strip():
+                raise ConfigError(f"data.special_tokens.{role} is empty; name a token of data.tokenizer's vocabulary"
+                                  + (" or null" if role == "img" else ""))
+
+
+@dataclass
 class DataConfig:
     """Training data: the built-in synthetic task, or files (WebDataset tars, JSONL manifests, text)."""
 
     kind: Literal["synthetic", "files"] = "synthetic"
     sources: list[DataSourceConfig] = field(default_factory=list)  # kind=files: a weighted mixture
     tokenizer: Optional[str] = None  # null/"byte" = byte-level; else the path of a tokenizer.json
+    special_tokens: SpecialTokensConfig = field(default_factory=SpecialTokensConfig)  # roles -> tokens of it
     tasks: Optional[dict[str, float]] = None  # M6 task weights (caption, denoise, continue, image_denoise)
     # Per-channel mean/std of the corpus's [0, 1] pixels (default: ImageNet's, the usual choice for photos).
     image_mean: list[float] = field(default_factory=lambda: [0.485, 0.456, 0.406])
@@ -178,6 +200,14 @@ class DataConfig:
             raise ConfigError("data.sources: every weight is 0; give at least one source a weight > 0")
         if not 0.0 <= self.text_only_fraction <= 1.0:
             raise ConfigError(f"data.text_only_fraction must be in [0, 1], got {self.text_only_fraction}")
+        self.special_tokens.validate()
+        defaults = to_dict(SpecialTokensConfig())
+        renamed = {role: token for role, token in to_dict(self.special_tokens).items() if token != defaults[role]}
+        if self.tokenizer in (None, "byte") and renamed:
+            keys = ", ".join(f"data.special_tokens.{role}={token!r}" for role, token in renamed.items())
+            raise ConfigError(f"{keys} set, but data.tokenizer is the byte tokenizer, whose special ids are fixed "
+                              f"(<pad> <bos> <eos> <sep> <img> = 256..260): remove data.special_tokens, or set "
+                              f"data.tokenizer to the tokenizer.json whose tokens you map")
 
 
 @dataclass
@@ -412,5 +442,5 @@ def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-           "TrainConfig", "WandbConfig", "MemoryConfig", "DataSourceConfig", "CheckpointConfig", "RunConfig", "ParallelConfig", "load", "dump_yaml", "to_dict",
+           "TrainConfig", "WandbConfig", "MemoryConfig", "DataSourceConfig", "SpecialTokensConfig", "CheckpointConfig", "RunConfig", "ParallelConfig", "load", "dump_yaml", "to_dict",
            "expert_ffn_dim", "num_patches", "micro_batch_size", "accumulation_steps", "per_rank_batch_size", "run_dir"]

@@ -74,7 +74,11 @@ def _type_error(path: str, tp: Any, value: Any) -> ConfigError:
         expected = "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     else:
         expected = _type_name(tp)
-    return ConfigError(f"{path}: expected {expected}, got {_show(value)}")
+    hint = ""
+    if isinstance(value, list) and len(value) == 1 and "str" in expected.split(" | "):
+        # YAML reads an unquoted [PAD] (a BERT special token) as a one-element list.
+        hint = f"; YAML reads an unquoted [{value[0]}] as a list: quote it, \"[{value[0]}]\""
+    return ConfigError(f"{path}: expected {expected}, got {_show(value)}{hint}")
 
 
 def _is_section(tp: Any) -> bool:

@@ -1,8 +1,9 @@
-"""Byte-level BPE tokenizer (Hugging Face `tokenizers`) with the same interface as ByteTokenizer.
+"""Training m6's byte-level BPE tokenizer (Hugging Face `tokenizers`); it loads as an HFTokenizer.
 
 A trained tokenizer lives in one `tokenizer.json`. Its first five ids are the special tokens
-(<pad>, <bos>, <eos>, <sep>, <img> = 0..4); every byte is in the base alphabet, so any UTF-8
-text (Chinese, emoji, characters never seen in training) round-trips exactly with no unknown token.
+(<pad>, <bos>, <eos>, <sep>, <img> = 0..4, m6's default role names); every byte is in the base
+alphabet, so any UTF-8 text (Chinese, emoji, characters never seen in training) round-trips exactly
+with no unknown token.
 
     python -m m6.data.bpe_tokenizer train --input a.txt b.jsonl --vocab-size 32000 --out tok.json
 """
@@ -14,63 +15,17 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from m6.data.hf_tokenizer import DEFAULT_SPECIAL_TOKENS, HFTokenizer
+
 # Order fixes the ids of a freshly trained tokenizer: <pad>=0, <bos>=1, <eos>=2, <sep>=3, <img>=4.
-SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<sep>", "<img>")
+SPECIAL_TOKENS = tuple(DEFAULT_SPECIAL_TOKENS[role] for role in ("pad", "bos", "eos", "sep", "img"))
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the specials
-
-
-class HFTokenizer:
-    """Wraps a `tokenizer.json` so it encodes/decodes like ByteTokenizer (no specials added on encode)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {self.path}")
-        try:
-            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
-        except Exception as exc:  # the Rust side raises a bare Exception for malformed files
-            raise ValueError(f"{self.path}: not a valid tokenizer.json ({exc})") from exc
-        ids = {name: self._tok.token_to_id(name) for name in SPECIAL_TOKENS}
-        missing = [name for name, i in ids.items() if i is None]
-        if missing:
-            raise ValueError(f"{self.path}: tokenizer lacks special tokens {', '.join(missing)}")
-        # Text that literally contains "<eos>" is data, not a control token, exactly as with
-        # ByteTokenizer; otherwise a corpus could inject specials into the training stream.
-        self._tok.encode_special_tokens = True
-        self.pad_id: int = ids["<pad>"]
-        self.bos_id: int = ids["<bos>"]
-        self.eos_id: int = ids["<eos>"]
-        self.sep_id: int = ids["<sep>"]
-        self.img_id: int = ids["<img>"]
-        self._special_ids = frozenset(ids.values())
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of distinct ids, added (special) tokens included."""
-        return self._tok.get_vocab_size(with_added_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        """Encode text to BPE ids; adds no special tokens."""
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Decode ids back to text, skipping the five special ids."""
-        # Filter ourselves: a hand-made file may hold "<pad>" etc. without marking them special.
-        kept = [i for i in (int(x) for x in ids) if i not in self._special_ids]
-        return self._tok.decode(kept, skip_special_tokens=True)
-
-    def is_special(self, token_id: int) -> bool:
-        """True for the PAD, BOS, EOS, SEP and IMG ids."""
-        return int(token_id) in self._special_ids
-
-    def __repr__(self) -> str:
-        return f"HFTokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
 def iter_documents(path: str | Path) -> Iterator[str]:

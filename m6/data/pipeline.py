@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from m6.config import Config, micro_batch_size, num_patches
+from m6.config import Config, micro_batch_size, num_patches, to_dict
 from m6.config_loader import ConfigError
 from m6.data.batch import Sample
+from m6.data.hf_tokenizer import OPTIONAL_ROLES, MissingSpecialTokens
 from m6.data.loader import BatchCollator, TrainLoader
 from m6.data.record_dataset import SyntheticRecords, UserSamples, build_file_datasets
 from m6.data.sources import SkipCounter, relative_to_cwd_note
@@ -28,15 +29,30 @@ class TrainingData:
 
 
 def build_tokenizer(cfg: Config) -> TextTokenizer:
-    """The configured tokenizer, checked against model.vocab_size."""
+    """The configured tokenizer with data.special_tokens mapped, checked against model.vocab_size."""
     try:
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, to_dict(cfg.data.special_tokens))
+    except MissingSpecialTokens as e:
+        raise ConfigError(missing_tokens_message(e)) from e
     except (FileNotFoundError, ValueError) as e:
         raise ConfigError(f"data.tokenizer: {e}{relative_to_cwd_note([str(cfg.data.tokenizer)])}") from e
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the tokenizer's "
-                          f"{tokenizer.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r})")
+                          f"{tokenizer.vocab_size} ids (data.tokenizer={cfg.data.tokenizer!r}): set "
+                          f"model.vocab_size={tokenizer.vocab_size} (or more)")
     return tokenizer
+
+
+def missing_tokens_message(e: MissingSpecialTokens) -> str:
+    """One line naming each unmapped role's config key and token, the file, and tokens it does have."""
+    keys = ", ".join(f"data.special_tokens.{role}={token!r}" for role, token in e.missing.items())
+    have = ", ".join(e.available) if e.available else "none that look special"
+    hint = "map each role to a token of the file"
+    optional = [role for role in e.missing if role in OPTIONAL_ROLES]
+    if optional:
+        names = ", ".join(f"data.special_tokens.{role}" for role in optional)
+        hint += f"; {names} may be null (m6 uses no image token id)"
+    return f"{keys}: not in the vocabulary of data.tokenizer ({e.path}); its special tokens include {have}; {hint}"
 
 
 def build_training_data(cfg: Config, rank: int, world_size: int, pin_memory: bool = False,
