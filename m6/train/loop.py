@@ -324,7 +324,7 @@ class Trainer:
                       f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
 
     def _say_saved(self, saved: SavedCheckpoint) -> None:
-        self._print_main(checkpoint_line(saved.step, saved.path, saved.nbytes, saved.seconds, saved.asynchronous))
+        self._print_main(checkpoint_line(saved.step, saved.path.resolve(), saved.nbytes, saved.seconds, saved.asynchronous))
 
     # ---- the loop ---------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -356,8 +356,10 @@ class Trainer:
                                  "active_params": self.size.active, "skipped_records": self.skips.total,
                                  "skipped_records_by_reason": self.skips.by_reason()})
             tokens = sum(h["tokens_per_s"] * h["step_time_s"] for h in self.history)
+            latest = self.checkpoints.latest()
             self._print_main(end_line(self.step - first_step, self.step, cfg.train.max_steps, final, tokens,
-                                      time.perf_counter() - started, self.run_dir.resolve(), self.checkpoints.latest()))
+                                      time.perf_counter() - started, self.run_dir.resolve(),
+                                      latest.resolve() if latest else None))
         except BaseException:
             if self.world_size > 1:
                 # A peer's death surfaces here first: keep holding SIGTERM (the launcher sends it to
