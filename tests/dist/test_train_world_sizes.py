@@ -89,7 +89,7 @@ def step_flops(row: dict) -> float:
 def assert_same_curve(a: list[dict], b: list[dict], rtol: float = 1e-5) -> None:
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
-        for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm"):
+        for key in ("loss", "lm_loss", "aux_loss_weighted", "z_loss_unweighted", "grad_norm"):
             assert ra[key] == pytest.approx(rb[key], rel=rtol), (ra["step"], key, ra[key], rb[key])
         # Same global batch, dropless: the same work, whichever rank did it (summed over ranks;
         # with expert parallelism each rank holds a share of the experts but charges its tokens').
