@@ -1,6 +1,9 @@
-"""Print a config's model size, FLOPs and memory estimate without allocating the model.
+"""Print a config's model size, FLOPs and per-rank memory estimate without allocating the model.
 
-    python -m m6.inspect configs/m6-10t.yaml [key=value ...]
+    python -m m6.inspect configs/m6-10t.yaml [--world-size 512] [--device cuda|cpu] [key=value ...]
+
+The memory is one rank's at the layout ``--world-size`` ranks and parallel.expert_parallel_size
+(auto: the largest divisor of both the world size and the expert count) give.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from m6.config_loader import ConfigError
 from m6.model.flops import count_parameters, memory_estimate_bytes, training_flops_per_token
 from m6.model.m6_model import M6Model
 from m6.memory.estimate import COMPONENTS, estimate_memory
-from m6.train.optim import no_decay_ids
+from m6.model.param_groups import no_decay_ids
+from m6.parallel.layout import LayoutError, resolve_expert_parallel_size
+from m6.plan.memory import rank_model
 
 
 def build_meta_model(cfg: m6config.ModelConfig) -> M6Model:
@@ -35,8 +40,11 @@ def _bytes(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
-def report(cfg: m6config.Config) -> dict:
+def report(cfg: m6config.Config, world_size: int = 1, device_type: str = "cuda") -> dict:
+    """Counts and FLOPs of the whole model; memory of one rank at ``world_size`` ranks."""
     model = build_meta_model(cfg.model)
+    ep = resolve_expert_parallel_size(cfg.parallel.expert_parallel_size, world_size, cfg.model.moe.num_experts)
+    rank = rank_model(cfg, world_size, ep)
     size = count_parameters(model)
     mb = m6config.micro_batch_size(cfg.train)
     mem = memory_estimate_bytes(cfg.model, size, cfg.data.seq_len, mb)
@@ -45,7 +53,8 @@ def report(cfg: m6config.Config) -> dict:
         "embedding_params": size.embedding,
         "flops_per_token": training_flops_per_token(cfg.model, size, cfg.data.seq_len),
         "memory_bytes": mem, "micro_batch_size": mb, "moe_layers": len(model.moe_layers()),
-        "memory_with_features": estimate_memory(cfg, model, no_decay_ids(model)),
+        "memory_with_features": estimate_memory(cfg, rank, no_decay_ids(rank), world_size, ep, device_type),
+        "world_size": world_size, "expert_parallel_size": ep,
     }
 
 
@@ -53,13 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.moe.num_experts=64")
-    args = p.parse_args(argv)
+    p.add_argument("--world-size", type=int, default=1, help="ranks of the job the memory is sized for")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where it runs (train.precision=auto is bf16 on cuda, fp32 on cpu)")
+    args = p.parse_intermixed_args(argv)
     try:
         cfg = m6config.load(args.config, args.overrides)
-    except ConfigError as e:
+        if args.world_size <= 0:
+            raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+        r = report(cfg, args.world_size, args.device)
+    except (ConfigError, LayoutError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    r = report(cfg)
     m, moe = cfg.model, cfg.model.moe
     print(f"config            {args.config}")
     print(f"layers            {m.num_layers} x d_model {m.d_model}, {m.num_heads} heads, ffn {m.ffn_dim}")
@@ -76,11 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {k:<15} {v / 2**30:,.1f} GiB")
     print(f"  {'total':<15} {sum(mem.values()) / 2**30:,.1f} GiB")
     feat = r["memory_with_features"]
+    print(f"per rank at world size {r['world_size']}, expert-parallel size {r['expert_parallel_size']}, "
+          f"{args.device} (micro-batch {m6config.micro_batch_size(cfg.train, r['world_size'])})")
     print(f"with memory features (optim.apply_groups={cfg.optim.apply_groups}, memory.offload={cfg.memory.offload})")
     print(f"  {'':<30} {'device':>14} {'host':>14}")
     for k in COMPONENTS:
         print(f"  {k:<30} {_bytes(feat.device.get(k, 0.0)):>14} {_bytes(feat.host.get(k, 0.0)):>14}")
-    print(f"  {'total':<30} {_bytes(feat.total('device')):>14} {_bytes(feat.total('host')):>14}")
+    print(f"  {'sum of components':<30} {_bytes(feat.total('device')):>14} {_bytes(feat.total('host')):>14}")
+    print(f"  {'peak over a step':<30} {_bytes(feat.peak_device):>14} {_bytes(feat.peak_host):>14}")
     return 0
 
 

@@ -1,35 +1,51 @@
-"""Where the training state of one process lives, in bytes, given the chosen memory features.
+"""Where the training state of one process lives, in bytes, given its layout and memory features.
 
-Extends m6.model.flops.memory_estimate_bytes (fp32 AdamW, no features) with optim.apply_groups
-(the update's temporaries shrink to the largest group) and memory.offload (model states move
-to the host). Works on a model built on ``meta``, so any config is reported without allocating it.
+One home for the per-process memory model: ``m6.inspect`` prints it and the planner (m6.plan)
+searches over it. Works on a model built on ``meta`` holding this process's share of the
+parameters (its experts only, as m6.parallel shards them), so any config and layout is reported
+without allocating it. Activations come from m6.model.activation_bytes (the one formula).
 
 Bytes per parameter: 4 weight, 4 gradient, 8 Adam moments (+ a 4 B step count per tensor).
 The update's temporary is foreach AdamW's sqrt(exp_avg_sq): 4 B per element of one foreach
 call, and torch calls it per (param group x apply group), so the largest such call counts.
+
+The peak is the largest of three moments of a step, on top of what lives all the time (weights,
+and optimizer state when it stays on the device):
+  backward   gradients of earlier micro-batches + the activations kept for backward + the largest
+             transient (one layer's gradient buffers, a recomputed part's activations again, or
+             the all-to-all payload) + the gradient-sync buckets in flight;
+  end of backward   every gradient + the buckets;
+  update     every gradient + the step's temporaries (on the host when offloaded).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from torch import nn
 
 from m6.config import Config, accumulation_steps, micro_batch_size
-from m6.model.flops import count_parameters, memory_estimate_bytes
+from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes
 from m6.moe import MoELayer
 from m6.memory.grouped_apply import split_apply_groups
 
 
-COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)")
+COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)",
+              "all-to-all buffers", "backward transients", "gradient-sync buckets")
+MAX_BUCKETS_IN_FLIGHT = 2  # m6.parallel.grad_sync.GradientSync.max_in_flight
 
 
 @dataclass
 class MemoryReport:
-    """Estimated bytes per component (names in COMPONENTS) on the accelerator and in host memory."""
+    """Estimated bytes per component (names in COMPONENTS) on the accelerator and in host memory,
+    and the peaks of a step (see the module docstring)."""
 
     device: dict[str, float] = field(default_factory=dict)
     host: dict[str, float] = field(default_factory=dict)
+    peak_device: float = 0.0  # the accelerator's high-water mark over a step
+    peak_host: float = 0.0  # model states in host memory (offload), with the update's temporaries
+    peak_shared: float = 0.0  # both in one memory (device = cpu): the high-water mark of their sum
 
     def total(self, where: str) -> float:
         return sum(getattr(self, where).values())
@@ -43,19 +59,64 @@ def _streamed_window(blocks: list[nn.Module]) -> int:
     return max(a + b for a, b in zip(sizes, sizes[1:]))
 
 
-def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int = 1) -> MemoryReport:
+def compute_bytes(cfg: Config, device_type: str) -> int:
+    """Element size of the compute dtype: train.precision (auto = bf16 on CUDA, fp32 on CPU)."""
+    precision = cfg.train.precision
+    if precision == "auto":
+        return 2 if device_type == "cuda" else 4
+    return 2 if precision in ("bf16", "bf16-autocast") else 4
+
+
+def activation_report(cfg: Config, world_size: int, expert_parallel_size: int, device_type: str) -> ActivationBytes:
+    """The activation formula at this layout's micro-batch and precision."""
+    c = compute_bytes(cfg, device_type)
+    a2a = 2 if cfg.model.moe.a2a_dtype == "bf16" else c
+    shape = ActivationShape(micro_batch_size(cfg.train, world_size), cfg.data.seq_len, c, a2a, expert_parallel_size)
+    return activation_bytes(cfg.model, shape)
+
+
+def recomputed_parts(cfg: Config, acts: ActivationBytes) -> set[str]:
+    """The parts memory.activation_checkpointing recomputes: none, every part (full), or for auto
+    the parts that free the most bytes, one by one, until the kept bytes fit its budget (GiB, or
+    a fraction of the no-recompute bytes). The run's own planner (m6.memory.recompute_plan) ranks
+    parts by bytes freed per second of recompute, measured; here every part of a kind costs
+    time in proportion to its bytes, so the two orders agree up to ties."""
+    mode, mem, parts = cfg.memory.activation_checkpointing, cfg.memory, acts.parts
+    if mode == "none":
+        return set()
+    if mode == "full":
+        return set(parts)
+    none = acts.kept()
+    budget = mem.activation_budget_gb * 2**30 if mem.activation_budget_gb is not None else \
+        (0.5 if mem.activation_budget_fraction is None else mem.activation_budget_fraction) * none
+    chosen, kept = set(), none
+    for name in sorted(parts, key=lambda n: parts[n][1] - parts[n][0]):  # most bytes freed first
+        if kept <= budget:
+            break
+        chosen.add(name)
+        kept -= parts[name][0] - parts[name][1]
+    return chosen
+
+
+def kept_activations(cfg: Config, acts: ActivationBytes) -> tuple[float, float]:
+    """(bytes kept for backward, the largest recomputed part's bytes re-made in backward)."""
+    chosen = recomputed_parts(cfg, acts)
+    return acts.kept(chosen), max((acts.parts[n][0] for n in chosen), default=0.0)
+
+
+def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int = 1,
+                    expert_parallel_size: Optional[int] = None, device_type: str = "cuda") -> MemoryReport:
     """Per-process estimate for ``cfg`` with ``model`` (meta or real) holding this process's params.
 
     ``no_decay``: ids of the params in the optimizer's no-weight-decay group (torch updates each
     param group in its own foreach call). ``world_size`` > 1: gradients are all-reduced on the
     device before they may be offloaded, so the device holds all of them until then.
+    ``expert_parallel_size``: the all-to-all's degree (None: 1); ``device_type``: where it runs
+    (train.precision=auto computes in bf16 on cuda, fp32 on cpu).
     """
+    ep = expert_parallel_size or 1
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
-    size = count_parameters(model)
-    mb = micro_batch_size(cfg.train, world_size)
-    activations = memory_estimate_bytes(cfg.model, size, cfg.data.seq_len, mb)["activations"]
-
     expert_ids = {id(p) for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
     replicated = [p for p in params if id(p) not in expert_ids]
     experts = [p for p in params if id(p) in expert_ids]
@@ -63,6 +124,17 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         else [params]
     largest_call = max((sum(p.numel() for p in g if (id(p) in no_decay) == nd) for g in groups for nd in (False, True)),
                        default=0)
+
+    acts = activation_report(cfg, world_size, ep, device_type)
+    kept, redo = kept_activations(cfg, acts)
+    accum = accumulation_steps(cfg.train, world_size)
+    # Gradients summed over other ranks travel in flat bucket copies: replicated ones whenever
+    # world > 1, expert ones when another rank holds the same experts.
+    synced = sum(p.numel() for p in replicated) * (world_size > 1) + \
+        sum(p.numel() for p in experts) * (world_size // ep > 1)
+    buckets = min(4.0 * synced, MAX_BUCKETS_IN_FLIGHT * cfg.parallel.bucket_size_mb * 2**20)
+    transients = {"activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
+                  "backward transients": max(acts.backward_transient, redo), "gradient-sync buckets": buckets}
 
     states = {
         "params": 4.0 * numel,
@@ -72,20 +144,35 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     }
     mode = cfg.memory.offload
     if mode == "none":
-        return MemoryReport(device={**states, "activations (per micro-batch)": activations}, host={})
-
-    # Offloaded: a gradient leaves the device once final. Until then (accumulation, all-reduce)
-    # the device holds it; without either, only a transient tensor at a time (the largest one).
-    keeps_grads = accumulation_steps(cfg.train, world_size) > 1 or world_size > 1
-    device_grads = 4.0 * numel if keeps_grads else 4.0 * max((p.numel() for p in params), default=0)
-    if mode == "optimizer+params":
-        blocks = list(getattr(model, "blocks", []))
-        streamed = sum(p.numel() for b in blocks for p in b.parameters())
-        device_params = 4.0 * (numel - streamed + _streamed_window(blocks))
+        device = {**states, **transients}
+        host: dict[str, float] = {}
+        grads_before = states["grads"] if accum > 1 else 0.0
+        resident, update_device, update_host = states["params"] + states["optimizer state"], \
+            states["grads"] + states["optimizer step temporaries"], 0.0
+        grads_end = states["grads"]
     else:
-        device_params = 4.0 * numel
+        # Offloaded: a gradient leaves the device once final. Until then (accumulation, all-reduce)
+        # the device holds it; without either, only a transient tensor at a time (the largest one).
+        keeps_grads = accum > 1 or world_size > 1
+        device_grads = 4.0 * numel if keeps_grads else 4.0 * max((p.numel() for p in params), default=0)
+        if mode == "optimizer+params":
+            blocks = list(getattr(model, "blocks", []))
+            streamed = sum(p.numel() for b in blocks for p in b.parameters())
+            device_params = 4.0 * (numel - streamed + _streamed_window(blocks))
+        else:
+            device_params = 4.0 * numel
+        device = {"params": device_params, "grads": device_grads, **transients}
+        host = {"params": states["params"], "grads": states["grads"], "optimizer state": states["optimizer state"],
+                "optimizer step temporaries": states["optimizer step temporaries"]}
+        grads_before = device_grads if accum > 1 else 0.0
+        resident, update_device, update_host = device_params, 0.0, states["optimizer step temporaries"]
+        grads_end = device_grads
+    backward = grads_before + kept + max(acts.a2a_buffers, acts.backward_transient, redo) + buckets
+    phases_device = max(backward, grads_end + buckets, update_device)
+    host_resident = sum(v for k, v in host.items() if k != "optimizer step temporaries")
     return MemoryReport(
-        device={"params": device_params, "grads": device_grads, "activations (per micro-batch)": activations},
-        host={"params": states["params"], "grads": states["grads"], "optimizer state": states["optimizer state"],
-              "optimizer step temporaries": states["optimizer step temporaries"]},
+        device=device, host=host,
+        peak_device=resident + phases_device,
+        peak_host=host_resident + update_host,
+        peak_shared=resident + host_resident + max(backward, grads_end + buckets, update_device + update_host),
     )

@@ -39,6 +39,7 @@ from torch import nn
 
 from m6.batch_format import SEG_PAD
 from m6.config import ModelConfig, num_patches
+from m6.model.activation_bytes import ActivationShape, activation_bytes
 from m6.model.m6_model import M6Model
 from m6.moe import MoELayer
 
@@ -147,27 +148,15 @@ def step_flops(rates: ForwardFlopRates, counts: TokenCounts, kept_assignments: f
 
 
 def memory_estimate_bytes(cfg: ModelConfig, size: ModelSize, seq_len: int, micro_batch: int) -> dict[str, float]:
-    """Rough per-process training memory with fp32 AdamW and no memory features.
+    """Per-process training memory with fp32 AdamW, no memory features and no parallelism.
 
-    Model states: 4 B params + 4 B grads + 8 B Adam moments = 16 B/param. Activations (fp32,
-    saved for backward, per layer and token): ~8 D for attention (norm in, qkv, output, residual),
-    2 D + 2 F for a dense FFN (norm in, hidden, activation, output), and K * (D + 2 F_e) + 2 E for an MoE FFN (permuted input, hidden,
-    activation; router logits/probs). An estimate: the memory issue measures and refines it.
+    Model states: 4 B params + 4 B grads + 8 B Adam moments = 16 B/param. Activations: what an
+    fp32 forward of the densest micro-batch keeps for backward (m6.model.activation_bytes, the
+    one formula; m6.memory.estimate adds layouts, precision and memory features).
     """
-    d, f, moe = cfg.d_model, cfg.ffn_dim, cfg.moe
-    fe = moe.ffn_dim or f
-    k = moe.num_prototypes * moe.top_k
-    tokens = micro_batch * (num_patches(cfg) + seq_len)
-    per_token = 0.0
-    for i in range(cfg.num_layers):
-        per_token += 8 * d
-        if moe.every > 0 and (i + 1) % moe.every == 0:
-            per_token += k * (d + 2 * fe) + 2 * moe.num_experts
-        else:
-            per_token += 2 * d + 2 * f
     return {
         "params": 4.0 * size.total,
         "grads": 4.0 * size.total,
         "optimizer": 8.0 * size.total,
-        "activations": 4.0 * per_token * tokens,
+        "activations": activation_bytes(cfg, ActivationShape(micro_batch, seq_len)).kept(),
     }

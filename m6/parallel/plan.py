@@ -19,7 +19,7 @@ from torch import nn
 
 from m6.moe import GlobalRoutingStats, GroupedExperts, MoELayer
 from m6.moe.all_to_all import AllToAllDispatcher
-from m6.parallel.layout import ProcessGroups
+from m6.parallel.layout import ParallelLayout, ProcessGroups
 
 
 @dataclass
@@ -77,20 +77,25 @@ def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
     if aux_loss_scope not in ("global", "local"):
         raise ValueError(f"model.moe.aux_loss_scope must be 'global' or 'local', got {aux_loss_scope!r}")
     layout = groups.layout
-    split_ids = {id(m) for m in plan.split}
+    keep_local_experts(plan, layout)
     for module in model.modules():
         if not isinstance(module, MoELayer):
             continue
         if aux_loss_scope == "global" and layout.world_size > 1:
             module.stats_reducer = GlobalRoutingStats(groups.world)
-        if id(module) in split_ids:
-            if module.num_experts % layout.expert_parallel_size:
-                raise ValueError(f"model.moe.num_experts ({module.num_experts}) must be divisible by "
-                                 f"parallel.expert_parallel_size ({layout.expert_parallel_size})")
-            count = module.num_experts // layout.expert_parallel_size
-            module.experts = _shard_experts(module.experts, layout.ep_rank * count, count)
-            if layout.expert_parallel_size > 1:
-                module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype)
+        if module in plan.split and layout.expert_parallel_size > 1:
+            module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype)
+
+
+def keep_local_experts(plan: ParallelPlan, layout: ParallelLayout) -> None:
+    """The parameter half of a plan: each split MoE layer keeps only this rank's experts (no
+    process group needed, so the planner sizes any rank of any layout with it on ``meta``)."""
+    for module in plan.split:
+        if module.num_experts % layout.expert_parallel_size:
+            raise ValueError(f"model.moe.num_experts ({module.num_experts}) must be divisible by "
+                             f"parallel.expert_parallel_size ({layout.expert_parallel_size})")
+        count = module.num_experts // layout.expert_parallel_size
+        module.experts = _shard_experts(module.experts, layout.ep_rank * count, count)
 
 
 def classify_parameters(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups) -> ShardedModel:

@@ -9,18 +9,7 @@ import torch
 from torch import nn
 
 from m6.config import OptimConfig
-
-
-def no_decay_ids(model: nn.Module) -> set[int]:
-    """Norm weights, biases and embedding tables: decaying them hurts and saves nothing."""
-    ids = set()
-    for module in model.modules():
-        if isinstance(module, (nn.LayerNorm, nn.Embedding)):
-            ids.update(id(p) for p in module.parameters(recurse=False))
-    for name, p in model.named_parameters():
-        if name.endswith("bias"):
-            ids.add(id(p))
-    return ids
+from m6.model.param_groups import no_decay_ids  # noqa: F401  (re-exported: the optimizer's groups)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig,

@@ -72,13 +72,14 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("importer,forbidden", [
-    ("m6.config", ("m6.model", "m6.moe", "m6.data", "m6.parallel", "m6.memory", "m6.train", "m6.inspect")),
+    ("m6.config", ("m6.model", "m6.moe", "m6.data", "m6.parallel", "m6.memory", "m6.train", "m6.inspect", "m6.plan")),
     ("m6.batch_format", ("m6",)),
     ("m6.data", ("m6.model", "m6.moe", "m6.parallel", "m6.memory", "m6.train", "m6.inspect")),
     ("m6.moe", ("m6.model", "m6.data", "m6.parallel", "m6.memory", "m6.train", "m6.inspect")),
     ("m6.model", ("torch.distributed", "m6.data", "m6.parallel", "m6.memory", "m6.train", "m6.inspect")),
     ("m6.parallel", ("m6.memory", "m6.data", "m6.train", "m6.inspect")),
     ("m6.memory", ("m6.parallel", "m6.data", "m6.train", "m6.inspect")),
+    ("m6.plan", ("m6.data", "m6.train", "m6.inspect")),
 ])
 def test_imports_point_one_way(importer, forbidden):
     assert not _violations(importer, forbidden)

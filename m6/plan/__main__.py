@@ -1,0 +1,123 @@
+"""Plan an m6 layout: the fastest predicted layout that fits, with its memory and time by component.
+
+    python -m m6.plan configs/m6-10t.yaml --gpus 512 --gpu-memory 80GB --gpus-per-node 8 --gpu h100 \\
+        [--host-memory 1TB] [--intra-node-GBps X --inter-node-GBps Y] [--top 5] [--out plan.overrides]
+
+Every number printed is PREDICTED; the GPU figures rest on the assumptions printed with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import time
+
+from m6 import config as m6config
+from m6.config_loader import ConfigError
+from m6.plan.search import Candidate, search
+from m6.plan.timing import GPUS, HostProfile, cpu_hardware
+
+GiB = 2**30
+
+
+def parse_size(text: str, flag: str) -> float:
+    """'80GB', '80GiB', '1TB', '512M' -> GiB (binary units whatever the spelling)."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
+    if not m:
+        raise ConfigError(f"{flag}: cannot read {text!r} as a size (e.g. 80GB, 1TB)")
+    scale = {"": 1.0, "k": 2**-20, "m": 2**-10, "g": 1.0, "t": 1024.0}[m.group(2).lower()]
+    return float(m.group(1)) * scale
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f}"
+
+
+def describe(c: Candidate, rank: int) -> str:
+    t, mem = c.time, c.memory
+    lines = [f"#{rank}  EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}"
+             + (f" (budget {c.budget_gb:.2f} GiB)" if c.budget_gb is not None else "")
+             + f", offload {c.offload}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}",
+             f"    PREDICTED {c.tokens_per_s:,.0f} tokens/s, step {t.total:.3f} s = compute {t.compute:.3f} + "
+             f"all-to-all {t.all_to_all:.3f} + grad sync {t.grad_sync:.3f} + offload {t.offload:.3f} + "
+             f"update {t.update:.3f}" + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
+             f"    per-GPU device memory peak {_gib(mem.peak_device)} GiB: "
+             + ", ".join(f"{k} {_gib(v)}" for k, v in mem.device.items() if v),
+             f"    host memory per rank {_gib(mem.peak_host)} GiB"]
+    return "\n".join(lines)
+
+
+def short_of(c: Candidate, limit_gib: float, host_gib: float, ranks_per_node: int) -> str:
+    """What the closest plan is short of, by how much, and where its bytes go."""
+    mem = c.memory
+    states = sum(v for k, v in mem.device.items() if k in ("params", "optimizer state", "grads"))
+    where = (f"EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}, "
+             f"offload {c.offload}")
+    device = (f"{_gib(mem.peak_device)} GiB per GPU of {limit_gib:g} GiB (params+grads+optimizer on the device "
+              f"{_gib(states)} GiB, activations {_gib(mem.device.get('activations (per micro-batch)', 0))} GiB)")
+    host = f"{_gib(mem.peak_host * ranks_per_node)} GiB host memory per node of {host_gib:g} GiB"
+    return f"the closest plan ({where}) needs {device} and {host}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides applied before planning")
+    p.add_argument("--gpus", type=int, required=True, help="ranks of the job")
+    p.add_argument("--gpu-memory", default="80GB", help="device memory per rank")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--host-memory", default="1TB", help="host memory per node")
+    p.add_argument("--gpu", choices=sorted(GPUS) + ["cpu"], default="h100")
+    p.add_argument("--intra-node-GBps", type=float, default=None)
+    p.add_argument("--inter-node-GBps", type=float, default=None)
+    p.add_argument("--latency-us", type=float, default=None, help="per collective")
+    p.add_argument("--cores", type=int, default=os.cpu_count(), help="--gpu cpu: cores of a node")
+    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--out", default="plan.overrides", help="file of key=value lines for train.py")
+    args = p.parse_intermixed_args(argv)
+    t0 = time.perf_counter()
+    try:
+        cfg = m6config.load(args.config, args.overrides)
+        if args.gpus <= 0 or cfg.train.global_batch_size % args.gpus:
+            raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be divisible by "
+                              f"--gpus ({args.gpus})")
+        memory_gib, host_gib = parse_size(args.gpu_memory, "--gpu-memory"), parse_size(args.host_memory, "--host-memory")
+        if args.gpu == "cpu":
+            hw = cpu_hardware(memory_gib, args.intra_node_GBps or 1.0, (args.latency_us or 100.0) * 1e-6)
+        else:
+            hw = dataclasses.replace(GPUS[args.gpu], memory_gib=memory_gib)
+            for flag, fieldname in (("intra_node_GBps", "intra_node_GBps"), ("inter_node_GBps", "inter_node_GBps")):
+                if getattr(args, flag) is not None:
+                    hw = dataclasses.replace(hw, **{fieldname: getattr(args, flag)})
+            if args.latency_us is not None:
+                hw = dataclasses.replace(hw, latency_s=args.latency_us * 1e-6)
+        threads = max(1, (args.cores or 1) // min(args.gpus, args.gpus_per_node))
+        result = search(cfg, args.gpus, args.gpus_per_node, hw, HostProfile(threads), host_gib, args.cores or 1)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if not result.feasible:
+        print(f"no layout fits: {short_of(result.smallest, memory_gib, host_gib, min(args.gpus, args.gpus_per_node))} "
+              f"({result.considered} layouts considered)", file=sys.stderr)
+        return 2
+    print(f"{args.config} on {args.gpus} x {hw.name} ({memory_gib:g} GiB), {args.gpus_per_node} per node: "
+          f"{len(result.feasible)} of {result.considered} layouts fit ({time.perf_counter() - t0:.1f} s)")
+    if hw.assumed:
+        print("ASSUMED (not measured): " + "; ".join(hw.assumed))
+    for i, c in enumerate(result.feasible[:args.top], 1):
+        print(describe(c, i))
+    best = result.feasible[0]
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write("\n".join(best.overrides()) + "\n")
+    launcher = f"torchrun --nnodes {max(1, args.gpus // args.gpus_per_node)} --nproc_per_node " \
+               f"{min(args.gpus, args.gpus_per_node)}"
+    print(f"wrote {args.out}; run:\n  {launcher} train.py --config {args.config} "
+          + " ".join(list(args.overrides) + best.overrides()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Per-rank memory of a candidate layout: this rank's share of the model on ``meta``, sharded
+by m6.parallel's own code, sized by m6.memory.estimate (the one memory model)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from m6.config import Config
+from m6.memory.estimate import MemoryReport, estimate_memory
+from m6.model.m6_model import M6Model
+from m6.model.param_groups import no_decay_ids
+from m6.parallel.layout import build_layout
+from m6.parallel.plan import default_plan, keep_local_experts
+
+
+def rank_model(cfg: Config, world_size: int, expert_parallel_size: int, rank: int = 0) -> M6Model:
+    """The model ``rank`` holds at this layout, on ``meta`` (its experts only; nothing allocated)."""
+    with torch.device("meta"):
+        model = M6Model(cfg.model)
+    layout = build_layout(world_size, rank, expert_parallel_size, cfg.model.moe.num_experts, world_size)
+    keep_local_experts(default_plan(model), layout)
+    return model
+
+
+class RankMemory:
+    """Memory of any candidate at one (world size, EP size): the rank model is built once."""
+
+    def __init__(self, cfg: Config, world_size: int, expert_parallel_size: int, device_type: str) -> None:
+        self.world_size, self.expert_parallel_size, self.device_type = world_size, expert_parallel_size, device_type
+        self.model = rank_model(cfg, world_size, expert_parallel_size)
+        self.no_decay = no_decay_ids(self.model)
+
+    def report(self, cfg: Config) -> MemoryReport:
+        """m6.memory.estimate for ``cfg`` (its train/memory/optim/moe settings) at this layout."""
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                    expert_parallel_size=self.expert_parallel_size))
+        return estimate_memory(cfg, self.model, self.no_decay, self.world_size, self.expert_parallel_size,
+                               self.device_type)

@@ -1,0 +1,118 @@
+"""Exhaustive search over the layouts m6 can run: EP size, micro-batch x accumulation, recompute,
+offload, optim.apply_groups and the all-to-all dtype; infeasible ones dropped, the rest ranked by
+predicted tokens/s."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Optional
+
+from m6.config import Config, num_patches
+from m6.memory.estimate import MemoryReport
+from m6.plan.memory import RankMemory
+from m6.plan.timing import Hardware, HostProfile, StepTime, step_time
+
+RECOMPUTE = ("none", "auto", "full")
+OFFLOAD = ("none", "optimizer", "optimizer+params")
+APPLY_GROUPS = (1, 2, 4, 8)
+
+
+@dataclass
+class Candidate:
+    """One layout with its predictions."""
+
+    expert_parallel_size: int
+    micro_batch: int
+    recompute: str
+    offload: str
+    apply_groups: int
+    a2a_dtype: Optional[str]
+    memory: MemoryReport
+    time: StepTime
+    tokens_per_s: float
+    mfu: Optional[float]
+    budget_gb: Optional[float] = None
+    shortfall: float = 0.0  # largest of device peak / device memory and a node's host peak / host memory
+
+    def overrides(self) -> list[str]:
+        """The train.py ``key=value`` overrides that run this layout."""
+        out = [f"parallel.expert_parallel_size={self.expert_parallel_size}",
+               f"train.micro_batch_size={self.micro_batch}",
+               f"memory.activation_checkpointing={self.recompute}",
+               f"memory.offload={self.offload}", f"optim.apply_groups={self.apply_groups}",
+               f"model.moe.a2a_dtype={self.a2a_dtype or 'null'}"]
+        if self.budget_gb is not None:
+            out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
+        return out
+
+
+def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, groups: int,
+                 a2a: Optional[str], budget_gb: Optional[float], precision: str) -> Config:
+    """``cfg`` with one candidate's settings (the config sections it touches replaced)."""
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
+        memory=dataclasses.replace(cfg.memory, activation_checkpointing=recompute, offload=offload,
+                                   activation_budget_gb=budget_gb if recompute == "auto" else None,
+                                   activation_budget_fraction=None),
+        optim=dataclasses.replace(cfg.optim, apply_groups=groups),
+        model=dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, a2a_dtype=a2a)))
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchResult:
+    feasible: list[Candidate]
+    smallest: Optional[Candidate]  # the least device memory of all (what an infeasible request is told)
+    considered: int
+
+
+def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host: HostProfile,
+           host_memory_gib: float, cores: int = 0, eps: Optional[list[int]] = None,
+           recompute: tuple[str, ...] = RECOMPUTE, offload: tuple[str, ...] = OFFLOAD,
+           apply_groups: tuple[int, ...] = APPLY_GROUPS, a2a: tuple[Optional[str], ...] = (None, "bf16"),
+           micro_batches: Optional[list[int]] = None) -> SearchResult:
+    """Every combination; the ones whose device peak fits hw.memory_gib and host peak (all ranks
+    of a node) fits ``host_memory_gib``, fastest first."""
+    E = cfg.model.moe.num_experts
+    per_rank = cfg.train.global_batch_size // world_size
+    eps = eps or [d for d in divisors(world_size) if E % d == 0]
+    micro_batches = micro_batches or divisors(per_rank)
+    limit = hw.memory_gib * 2**30
+    ranks_per_node = min(world_size, gpus_per_node)
+    tokens = cfg.train.global_batch_size * (num_patches(cfg.model) + cfg.data.seq_len)
+    feasible, smallest, considered = [], None, 0
+    for ep in eps:
+        rm = RankMemory(cfg, world_size, ep, "cpu" if hw.peak_tflops is None else "cuda")
+        for mb, rc, off, groups, wire in itertools.product(micro_batches, recompute, offload, apply_groups, a2a):
+            if wire is not None and ep == 1:
+                continue  # no all-to-all to compress
+            budget = None
+            trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision)
+            if rc == "auto":
+                # The budget: what the device has left after the step's other memory (half the
+                # no-recompute activations when that is less: auto between none and full).
+                none = rm.report(apply_choice(cfg, mb, "none", off, groups, wire, None, hw.precision))
+                spare = limit - (none.peak_device - none.device["activations (per micro-batch)"])
+                budget = max(min(0.95 * spare, none.device["activations (per micro-batch)"]), 2**20) / 2**30
+                trial = apply_choice(cfg, mb, rc, off, groups, wire, budget, hw.precision)
+            considered += 1
+            mem = rm.report(trial)
+            cand = Candidate(ep, mb, rc, off, groups, wire, mem, None, 0.0, None, budget)  # type: ignore[arg-type]
+            cand.shortfall = max(mem.peak_device / limit, mem.peak_host * ranks_per_node / (host_memory_gib * 2**30))
+            if smallest is None or cand.shortfall < smallest.shortfall:
+                smallest = cand
+            if mem.peak_device > limit or mem.peak_host * ranks_per_node > host_memory_gib * 2**30:
+                continue
+            cand.time = step_time(trial, world_size, ep, gpus_per_node, hw, host, cores, rm.model)
+            cand.tokens_per_s = tokens / cand.time.total
+            if hw.peak_tflops:
+                cand.mfu = cand.time.model_flops / (cand.time.total * world_size * hw.peak_tflops * 1e12)
+            feasible.append(cand)
+    feasible.sort(key=lambda c: -c.tokens_per_s)
+    return SearchResult(feasible, smallest, considered)

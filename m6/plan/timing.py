@@ -1,0 +1,212 @@
+"""Step time of a candidate layout: compute + all-to-all + gradient sync + offload traffic + update.
+
+compute   GPUs (not runnable here): model FLOPs of the densest micro-batch (m6.model.flops rates,
+          recomputed forwards added) / (datasheet peak x an ASSUMED efficiency).
+          cpu: MEASURED on this host by running the rank's real modules at the planned shapes
+          (one forward+backward of the densest micro-batch, recompute applied), with the
+          threads each rank gets; ranks beyond the cores share them (time x ranks / cores).
+all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and combine, forward
+          and backward) + 1 counts exchange, each latency + bytes sent to other ranks / bandwidth
+          (inter-node bandwidth once the expert-parallel group spans nodes).
+grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group, not overlapped with backward.
+offload   host<->device bytes (gradients out, weights back, streamed blocks twice per micro-batch)
+          / the PCIe figure; the host update's time is MEASURED on this host (AdamW, foreach).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from m6.batch_format import IGNORE_INDEX, SEG_SOURCE, SEG_TARGET
+from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
+from m6.memory.estimate import activation_report, recomputed_parts
+from m6.memory.recompute import RecomputeParts
+from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
+from m6.plan.memory import rank_model
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator kind; figures marked in ``assumed`` are not measured here."""
+
+    name: str
+    peak_tflops: Optional[float]  # datasheet, at the compute dtype; None: compute is measured (cpu)
+    compute_efficiency: float  # fraction of peak a step's matmuls reach (ASSUMED)
+    memory_gib: float
+    intra_node_GBps: float  # per-GPU all-to-all / all-reduce bandwidth inside a node
+    inter_node_GBps: float  # per-GPU bandwidth between nodes
+    pcie_GBps: float  # host <-> device copies
+    latency_s: float  # per collective
+    memory_GBps: float  # device memory bandwidth (the on-device update streams 28 B per param)
+    precision: str  # the train.precision m6 runs on it
+    assumed: tuple[str, ...] = field(default_factory=tuple)
+
+
+# Datasheet peaks (dense): H100 SXM bf16 989.4 TFLOP/s, 3.35 TB/s HBM3, NVLink 900 GB/s (450 per
+# direction); V100 SXM2 fp32 15.7 TFLOP/s (no bf16 unit, and m6 has no fp16 path), 900 GB/s HBM2,
+# NVLink 300 GB/s (150 per direction). Efficiencies and network figures are assumptions.
+GPUS = {
+    "h100": Hardware("H100 SXM 80GB", 989.4, 0.40, 80.0, 300.0, 50.0, 50.0, 20e-6, 3350.0, "bf16",
+                     ("compute efficiency 0.40 of 989.4 TFLOP/s", "NVLink 300 GB/s effective per GPU",
+                      "inter-node 50 GB/s per GPU (400 Gb/s IB)", "PCIe5 50 GB/s", "collective latency 20 us")),
+    "v100": Hardware("V100 SXM2 32GB", 15.7, 0.60, 32.0, 100.0, 12.5, 12.0, 30e-6, 900.0, "fp32",
+                     ("compute efficiency 0.60 of 15.7 TFLOP/s fp32 (m6 has no fp16 path; V100 has no bf16)",
+                      "NVLink 100 GB/s effective per GPU", "inter-node 12.5 GB/s per GPU (100 Gb/s RDMA)",
+                      "PCIe3 12 GB/s", "collective latency 30 us")),
+}
+
+
+def cpu_hardware(memory_gib: float, intra_GBps: float, latency_s: float) -> Hardware:
+    """This host as the device: compute and the update are measured; network figures given."""
+    return Hardware("cpu (this host)", None, 1.0, memory_gib, intra_GBps, intra_GBps, 0.0, latency_s, 0.0, "fp32")
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step, by component."""
+
+    compute: float
+    all_to_all: float
+    grad_sync: float
+    offload: float
+    update: float
+    model_flops: float  # of the whole job's step (active parameters: MFU's numerator)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.all_to_all + self.grad_sync + self.offload + self.update
+
+
+def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:
+    """What the densest micro-batch asks of the model (the memory model's batch)."""
+    P, L = num_patches(cfg.model), cfg.data.seq_len
+    S = P + L
+    return TokenCounts(positions=micro_batch * S, image_patches=micro_batch * P, targets=micro_batch * (L - 1),
+                       attention_pairs=micro_batch * S * S)
+
+
+class HostProfile:
+    """Timings measured on this host: the rank's forward+backward at a shape, and AdamW's update."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self._cache: dict[tuple, float] = {}
+        self._adam_s_per_param: Optional[float] = None
+
+    def forward_backward_s(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
+                           recompute: frozenset) -> float:
+        """Median of 3 timed runs (after one warm-up) of the rank's real modules on a densest batch."""
+        key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype)
+        if key in self._cache:
+            return self._cache[key]
+        previous = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            model = rank_model(cfg, world_size, ep)
+            model.materialize(torch.device("cpu"), cfg.run.seed)
+            if recompute:
+                RecomputeParts(model).apply(sorted(recompute))
+            m, L = cfg.model, cfg.data.seq_len
+            images = torch.randn(micro_batch, m.image_channels, m.image_size, m.image_size)
+            ids = torch.randint(0, min(m.vocab_size, 256), (micro_batch, L))
+            seg = torch.full((micro_batch, L), SEG_TARGET)
+            seg[:, 0] = SEG_SOURCE
+            labels = torch.full((micro_batch, L), IGNORE_INDEX)
+            labels[:, :-1] = ids[:, 1:]
+            has = torch.ones(micro_batch, dtype=torch.bool)
+            times = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                hidden, aux = model(images, has, ids, seg)
+                (model.target_loss_sum(hidden, labels) + aux).backward()
+                times.append(time.perf_counter() - t0)
+                model.zero_grad(set_to_none=True)
+            self._cache[key] = statistics.median(times[1:])
+        finally:
+            torch.set_num_threads(previous)
+        return self._cache[key]
+
+    def adam_s_per_param(self) -> float:
+        """Seconds per parameter of a foreach AdamW step (4M params in 8 tensors)."""
+        if self._adam_s_per_param is None:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                params = [torch.zeros(2**19, requires_grad=True) for _ in range(8)]
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+                times = []
+                for _ in range(4):
+                    t0 = time.perf_counter()
+                    opt.step()
+                    times.append(time.perf_counter() - t0)
+                self._adam_s_per_param = statistics.median(times[1:]) / (8 * 2**19)
+            finally:
+                torch.set_num_threads(previous)
+        return self._adam_s_per_param
+
+
+def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> float:
+    """One collective moving ``nbytes`` per rank over a group of ``group`` ranks."""
+    bw = hw.intra_node_GBps if group <= gpus_per_node else hw.inter_node_GBps
+    return hw.latency_s + nbytes / (bw * 1e9)
+
+
+def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Hardware,
+              host: HostProfile, cores: int = 0, model=None) -> StepTime:
+    """Predicted time of one step of ``cfg`` at this layout on ``hw`` (see the module docstring);
+    ``model``: the rank's meta model when the caller has it (m6.plan.memory.rank_model)."""
+    mb, accum = micro_batch_size(cfg.train, world_size), accumulation_steps(cfg.train, world_size)
+    model = model if model is not None else rank_model(cfg, world_size, ep)
+    rates = forward_flop_rates(model)
+    moe_layers = len(model.moe_layers())
+    K = cfg.model.moe.top_k * cfg.model.moe.num_prototypes
+    counts = densest_counts(cfg, mb)
+    kept = counts.positions * K * moe_layers
+    flops_mb = step_flops(rates, counts, kept)
+    acts = activation_report(cfg, world_size, ep, "cpu" if hw.peak_tflops is None else "cuda")
+    recompute = frozenset(recomputed_parts(cfg, acts))
+    c = 2 if hw.precision == "bf16" else 4
+    if hw.peak_tflops is None:
+        ranks_here = min(world_size, gpus_per_node)
+        share = max(1.0, ranks_here / max(cores, 1))
+        compute = accum * share * host.forward_backward_s(cfg, world_size, ep, mb, recompute)
+    else:
+        extra = (len(recompute) / max(len(acts.parts), 1)) * flops_mb / 3 * 0.9  # the blocks' forward again
+        compute = accum * (flops_mb + extra) / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
+    wire = 2 if cfg.model.moe.a2a_dtype == "bf16" else c
+    a2a = 0.0
+    if ep > 1:
+        sent = counts.positions * K * cfg.model.d_model * wire * (ep - 1) / ep
+        a2a = accum * moe_layers * (4 * _exchange_s(sent, hw, ep, gpus_per_node) + hw.latency_s)
+    numel_rep = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
+    numel_exp = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    sync = 0.0
+    bucket = cfg.parallel.bucket_size_mb * 2**20
+    for numel, n in ((numel_rep, world_size), (numel_exp, world_size // ep)):
+        if n > 1 and numel:
+            nbytes = 4.0 * numel
+            sync += 2 * (n - 1) / n * (_exchange_s(nbytes, hw, n, gpus_per_node) - hw.latency_s) \
+                + hw.latency_s * max(1, round(nbytes / bucket))
+    numel = numel_rep + numel_exp
+    offload = 0.0
+    if cfg.memory.offload != "none":
+        copy_GBps = hw.pcie_GBps if hw.pcie_GBps else 10.0
+        moved = 8.0 * numel  # gradients out, weights back
+        if cfg.memory.offload == "optimizer+params":
+            streamed = sum(p.numel() for b in model.blocks for p in b.parameters())
+            moved += 2 * 4.0 * streamed * accum
+        offload = moved / (copy_GBps * 1e9)
+    if cfg.memory.offload != "none" or hw.peak_tflops is None:
+        update = numel * host.adam_s_per_param()
+        if hw.peak_tflops is None:
+            update *= max(1.0, min(world_size, gpus_per_node) / max(cores, 1))
+    else:
+        update = 28.0 * numel / (hw.memory_GBps * 1e9 * 0.7)
+    return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size)

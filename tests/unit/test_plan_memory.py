@@ -1,0 +1,80 @@
+"""The memory model (m6.model.activation_bytes, m6.memory.estimate) against what a real forward
+keeps (SavedActivationMeter) and against m6.inspect's per-rank report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from m6 import config as m6config
+from m6 import inspect as m6inspect
+from m6.batch_format import IGNORE_INDEX, SEG_SOURCE, SEG_TARGET
+from m6.memory.activation_meter import SavedActivationMeter
+from m6.memory.recompute import RecomputeParts
+from m6.model import M6Model
+from m6.model.activation_bytes import ActivationShape, activation_bytes
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# Dropless, so every assignment is kept (the formula's assumption), small enough to run in a second.
+SMALL = ["data.kind=synthetic", "data.sources=[]", "model.moe.capacity_factor=null", "data.seq_len=40",
+         "model.max_text_len=40", "model.image_size=16"]
+
+
+def densest_inputs(cfg: m6config.Config, batch: int):
+    """An image in every row, no padding, a label at every text position but the last."""
+    m, L = cfg.model, cfg.data.seq_len
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(batch, 3, m.image_size, m.image_size, generator=g)
+    ids = torch.randint(0, 256, (batch, L), generator=g)
+    seg = torch.full((batch, L), SEG_TARGET)
+    seg[:, 0] = SEG_SOURCE
+    labels = torch.full((batch, L), IGNORE_INDEX)
+    labels[:, :-1] = ids[:, 1:]
+    return images, torch.ones(batch, dtype=torch.bool), ids, seg, labels
+
+
+def measured_saved_bytes(cfg: m6config.Config, batch: int, recompute: list[str] | None = None) -> int:
+    torch.manual_seed(0)
+    model = M6Model(cfg.model)
+    if recompute is not None:
+        RecomputeParts(model).apply(recompute or [p.name for p in model.recomputable_parts()])
+    images, has, ids, seg, labels = densest_inputs(cfg, batch)
+    with SavedActivationMeter(model.parameters()) as meter:
+        hidden, aux = model(images, has, ids, seg)
+        loss = model.target_loss_sum(hidden, labels) + aux
+        held = meter.held_bytes()
+    del loss
+    return held
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe.activation=swiglu", "model.moe.top_k=1"],
+                                   ["model.moe.every=1", "model.moe.num_prototypes=2", "model.moe.top_k=1"]])
+def test_formula_equals_the_meter_on_a_real_forward(extra):
+    cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL + extra)
+    predicted = activation_bytes(cfg.model, ActivationShape(3, cfg.data.seq_len))
+    measured = measured_saved_bytes(cfg, 3)
+    assert abs(predicted.kept() - measured) <= 0.02 * measured, (predicted.kept(), measured)
+
+
+def test_full_recompute_formula_equals_the_meter():
+    cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL)
+    predicted = activation_bytes(cfg.model, ActivationShape(3, cfg.data.seq_len)).kept_full()
+    measured = measured_saved_bytes(cfg, 3, recompute=[])
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+    assert predicted < 0.6 * activation_bytes(cfg.model, ActivationShape(3, cfg.data.seq_len)).kept()
+
+
+def test_inspect_sizes_one_rank_of_the_layout(capsys):
+    one = m6inspect.report(m6config.load(CONFIGS / "m6-1t.yaml", ["train.micro_batch_size=2"]), 1)
+    many = m6inspect.report(m6config.load(CONFIGS / "m6-1t.yaml", ["train.micro_batch_size=2",
+                                                                   "parallel.expert_parallel_size=512"]), 512)
+    f1, f512 = one["memory_with_features"], many["memory_with_features"]
+    experts = one["expert_params"]
+    # 511/512 of the experts leave the rank; everything else stays.
+    assert f1.device["params"] - f512.device["params"] == 4 * experts * 511 // 512
+    assert m6inspect.main([str(CONFIGS / "m6-1t.yaml"), "--world-size", "512", "train.micro_batch_size=2"]) == 0
+    assert "expert-parallel size 512" in capsys.readouterr().out
+    assert m6inspect.main([str(CONFIGS / "m6-1t.yaml"), "--world-size", "480"]) == 2
+    assert "train.global_batch_size (1024) must be divisible" in capsys.readouterr().err
