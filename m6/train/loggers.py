@@ -3,6 +3,8 @@
 Only the main process writes anything; other ranks get a logger whose methods return at once.
 The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s``,
 ``grad_norm``; every key, recognised or not, goes to the jsonl file and to W&B unchanged.
+The per-expert token counts of a training step ride on its jsonl row as
+``"expert_tokens": {"block1": [int, ...], ...}`` (the row's last key) and go to W&B as histograms.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ ETA_WINDOW = 20  # logged intervals averaged for s/step and ETA: recent enough t
 WANDB_INIT_TIMEOUT_S = 60.0
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+EXPERT_TOKENS_KEY = "expert_tokens"  # on a training row: {moe layer name: [tokens routed to expert e, ...]}
 
 
 @dataclass
@@ -184,16 +187,26 @@ class MetricsLogger:
             print(f"W&B {self.wandb_mode}: {where}{extra}", flush=True)
         return run
 
-    def log(self, step: int, metrics: dict[str, float | int]) -> None:
-        """Record one training step's scalar metrics everywhere and print the console line."""
+    def log(self, step: int, metrics: dict[str, float | int],
+            expert_tokens: dict[str, list[int]] | None = None) -> None:
+        """Record one training step's scalar metrics and (optionally) its per-MoE-layer token counts
+        per expert everywhere, and print the console line."""
         if not self.active:
             return
         self._step_times.append((step, time.perf_counter()))
-        self._write_jsonl(step, metrics)
+        row: dict[str, Any] = dict(metrics)
+        if expert_tokens:
+            # Plain ints: the counts are exact, and "12" is a third of "12.0" on a line that holds
+            # num_layers x num_experts of them.
+            row[EXPERT_TOKENS_KEY] = {layer: [int(c) for c in counts] for layer, counts in expert_tokens.items()}
+        self._write_jsonl(step, row)
         if self.console:
             print(self._train_line(step, metrics), flush=True)
         if self._run is not None:
-            self._run.log(dict(metrics), step=step)
+            payload: dict[str, Any] = dict(metrics)
+            if expert_tokens:
+                payload.update(self._wandb_expert_load(row[EXPERT_TOKENS_KEY]))
+            self._run.log(payload, step=step)
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Record evaluation metrics under the ``eval/`` prefix and print an eval console line."""
@@ -208,17 +221,15 @@ class MetricsLogger:
         if self._run is not None:
             self._run.log(prefixed, step=step)
 
-    def log_expert_load(self, step: int, tokens_per_expert: dict[str, list[int]]) -> None:
-        """Send per-MoE-layer token counts per expert to W&B as one table and a histogram per layer."""
-        if not self.active or self._run is None:
-            return
+    @staticmethod
+    def _wandb_expert_load(tokens_per_expert: dict[str, list[int]]) -> dict[str, Any]:
+        """Per-MoE-layer token counts per expert as W&B objects: one table and a histogram per layer."""
         import numpy as np
         import wandb
 
         rows = []
         payload: dict[str, Any] = {}
         for layer, counts in tokens_per_expert.items():
-            counts = [int(c) for c in counts]
             rows += [[layer, expert, tokens] for expert, tokens in enumerate(counts)]
             # Bins are expert ids weighted by tokens, so a bar's height is that expert's load;
             # above W&B's 512-bin limit neighbouring experts share a bar.
@@ -227,7 +238,7 @@ class MetricsLogger:
                 hist = np.histogram(np.arange(len(counts)), bins=num_bins, range=(0, len(counts)), weights=counts)
                 payload[f"expert_load/{layer}"] = wandb.Histogram(np_histogram=hist)
         payload["expert_load/table"] = wandb.Table(columns=["layer", "expert", "tokens"], data=rows)
-        self._run.log(payload, step=step)
+        return payload
 
     def summary(self, values: dict) -> None:
         """Record end-of-run values in the W&B run summary and in run_dir/summary.json."""
@@ -262,7 +273,8 @@ class MetricsLogger:
     def _write_jsonl(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one JSON line and flush it, so a crash loses at most the line being written."""
         assert self._jsonl is not None and not self._jsonl.closed, "MetricsLogger used after close()"
-        self._jsonl.write(json.dumps({"step": step, **metrics}, default=_json_value) + "\n")
+        # No spaces after separators: an expert_tokens row of 24 layers x 512 experts stays ~5 bytes a count.
+        self._jsonl.write(json.dumps({"step": step, **metrics}, default=_json_value, separators=(",", ":")) + "\n")
         self._jsonl.flush()
 
     def _step_str(self, step: int) -> str:

@@ -339,8 +339,7 @@ class Trainer:
                 last = self.step == cfg.train.max_steps
                 if self.step % cfg.logging.every == 0 or last:
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
-                    self.logger.log(self.step, {**metrics, **load_scalars})
-                    self.logger.log_expert_load(self.step, load_counts)
+                    self.logger.log(self.step, {**metrics, **load_scalars}, expert_tokens=load_counts)
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
