@@ -1,4 +1,5 @@
-"""Where training metrics go: a console line, run_dir/metrics.jsonl and (optionally) Weights & Biases.
+"""Where training metrics go: a console line, run_dir/metrics.jsonl and (optionally) Weights & Biases
+and TensorBoard (m6.train.tensorboard_writer).
 
 Only the main process writes anything; other ranks get a logger whose methods return at once.
 The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s``,
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from m6.config import ConfigError
+from m6.config import ConfigError, TensorBoardConfig
+from m6.train.tensorboard_writer import TensorBoardWriter, require_tensorboard, tensorboard_dir
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 WANDB_SAAS_HOST = "api.wandb.ai"
@@ -129,13 +131,17 @@ class MetricsLogger:
         total_steps: int,
         console: bool = True,
         is_main_process: bool = True,
+        tensorboard: TensorBoardConfig | None = None,
+        resumed_step: int = 0,
     ) -> None:
+        """``resumed_step``: the step a resumed run continues from (0 = a fresh start)."""
         self.run_dir = Path(run_dir).resolve()
         self.total_steps = int(total_steps)
         self.console = console
         self.active = is_main_process
         self.wandb_mode: str | None = None  # the resolved mode, or None when W&B is off
         self._run: Any = None
+        self._tb: TensorBoardWriter | None = None
         self._jsonl = None
         self._closed = False
         self._summary: dict[str, Any] = {}
@@ -146,9 +152,14 @@ class MetricsLogger:
         if wandb.enabled:
             mode = resolve_wandb_mode(wandb.mode)
             self.wandb_mode = None if mode == "disabled" else mode
+        tb_enabled = tensorboard is not None and tensorboard.enabled
+        if tb_enabled:
+            require_tensorboard()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.wandb_mode is not None:
             self._run = self._init_wandb(wandb, config_dict)
+        if tb_enabled:
+            self._tb = TensorBoardWriter(tensorboard_dir(tensorboard, self.run_dir), resumed_step)
         # Append so a resumed run continues the same file.
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
         atexit.register(self._close_at_exit)
@@ -207,6 +218,11 @@ class MetricsLogger:
             if expert_tokens:
                 payload.update(self._wandb_expert_load(row[EXPERT_TOKENS_KEY]))
             self._run.log(payload, step=step)
+        if self._tb is not None:
+            self._tb.scalars(step, metrics)
+            if expert_tokens:
+                self._tb.expert_load(step, row[EXPERT_TOKENS_KEY])
+            self._tb.flush()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Record evaluation metrics under the ``eval/`` prefix and print an eval console line."""
@@ -220,6 +236,9 @@ class MetricsLogger:
             print(" | ".join(parts), flush=True)
         if self._run is not None:
             self._run.log(prefixed, step=step)
+        if self._tb is not None:
+            self._tb.scalars(step, prefixed)
+            self._tb.flush()
 
     @staticmethod
     def _wandb_expert_load(tokens_per_expert: dict[str, list[int]]) -> dict[str, Any]:
@@ -253,7 +272,7 @@ class MetricsLogger:
             self._run.summary.update(dict(values))
 
     def close(self, exit_code: int | None = None) -> None:
-        """Flush and close the jsonl file and finish the W&B run; safe to call more than once."""
+        """Flush and close the jsonl file and TensorBoard's, and finish the W&B run; safe to call more than once."""
         if self._closed or not self.active:
             self._closed = True
             return
@@ -261,6 +280,9 @@ class MetricsLogger:
         atexit.unregister(self._close_at_exit)
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._run is not None:
             self._run.finish(exit_code=exit_code)
             self._run = None
