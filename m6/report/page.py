@@ -77,7 +77,8 @@ def summary_rows(run: RunRecord) -> list[tuple[str, str]]:
         _, values = run.series(key)
         if len(values):
             value = float(np.median(values))
-            rows.append((label, f"{100 * value:.2f}%" if key == "mfu" else f"{value:,.4g}"))
+            shown = f"{100 * value:.2f}%" if key == "mfu" else f"{value:,.0f}" if value >= 1000 else f"{value:.4g}"
+            rows.append((label, shown))
     for key in ("skipped_steps", "skipped_records"):
         value = summary.get(key, last.get(key))
         if isinstance(value, int):

@@ -5,7 +5,8 @@ Only the main process writes anything; other ranks get a logger whose methods re
 The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s``,
 ``grad_norm``; every key, recognised or not, goes to the jsonl file and to W&B unchanged.
 The per-expert token counts of a training step ride on its jsonl row as
-``"expert_tokens": {"block1": [int, ...], ...}`` (the row's last key) and go to W&B as histograms.
+``"expert_tokens": {"block1": [int, ...], ...}`` (the row's last key) and go to W&B (a table and
+histograms) and TensorBoard (histograms).
 """
 
 from __future__ import annotations
@@ -207,7 +208,7 @@ class MetricsLogger:
         self._step_times.append((step, time.perf_counter()))
         row: dict[str, Any] = dict(metrics)
         if expert_tokens:
-            # Plain ints: the counts are exact, and "12" is a third of "12.0" on a line that holds
+            # Plain ints: the counts are exact, and "12" is half of "12.0" on a line that holds
             # num_layers x num_experts of them.
             row[EXPERT_TOKENS_KEY] = {layer: [int(c) for c in counts] for layer, counts in expert_tokens.items()}
         self._write_jsonl(step, row)

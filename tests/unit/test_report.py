@@ -159,6 +159,21 @@ def test_unfinished_run_with_a_torn_last_line(moe_run: Path, tmp_path: Path) -> 
     assert f"{last['loss']:.4f} (last logged step 6)" in page
 
 
+def test_expert_tokens_that_do_not_fit_are_left_out_with_a_note(tmp_path: Path) -> None:
+    rows = [{"step": 1, "loss": 1.0, "expert_tokens": {"block1": [1, 2, 3], "block3": [1.5, 2, 3]}},
+            {"step": 2, "loss": 0.9, "expert_tokens": {"block1": [1, 2], "block3": ["a"]}},
+            {"step": 3, "loss": 0.8, "expert_tokens": {"block1": [4, 5, 6], "block3": [1, 1, 1]}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = read_run(tmp_path)
+    assert run.expert_load["block1"].steps.tolist() == [1, 3]
+    assert run.expert_load["block1"].tokens.tolist() == [[1, 2, 3], [4, 5, 6]]
+    assert run.expert_load["block3"].steps.tolist() == [3]
+    assert "block1: 1 logged step(s) with another number of experts than the last (3) left out" in " ".join(run.notes)
+    assert "block3: 2 logged step(s) whose expert_tokens are not a list of integers" in " ".join(run.notes)
+    assert main([str(tmp_path)]) == 0
+    check_outputs(tmp_path, run)
+
+
 def test_resumed_run_shows_the_last_row_of_each_step(tmp_path: Path) -> None:
     """A real resume from step 2 after a first attempt logged steps 1-4: steps 3 and 4 appear twice."""
     run_dir = train(tmp_path / "r", "train.max_steps=4", "checkpoint.every=2", "train.eval_every=0")
