@@ -67,7 +67,7 @@ def _loss_panel(ax: Axes, run: RunRecord) -> None:
     if not drawn:
         _no_data(ax, "no loss in metrics.jsonl")
         return
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="best")
     _log_if_wide(ax, np.concatenate([line.get_ydata() for line in ax.get_lines()]))
 
 
@@ -122,7 +122,7 @@ def _dropped_panel(ax: Axes, run: RunRecord, layers: list[str]) -> None:
         color = f"C{i}" if len(drawn) <= MAX_LEGEND_LAYERS else cmap(i / max(1, len(drawn) - 1))
         _plot(ax, steps, values * 100.0, color=color, label=name)
     if len(drawn) <= MAX_LEGEND_LAYERS:
-        ax.legend(fontsize=8, loc="upper right", ncols=2 if len(drawn) > 4 else 1)
+        ax.legend(fontsize=8, loc="best", ncols=2 if len(drawn) > 4 else 1)
     else:
         ax.set_title(f"assignments dropped (%), {len(drawn)} layers: dark {drawn[0][0]} .. light {drawn[-1][0]}")
 
