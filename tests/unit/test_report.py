@@ -225,3 +225,12 @@ def test_no_metrics_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert main([str(tmp_path)]) == 2
     assert main([str(tmp_path / "missing")]) == 2
     assert not (tmp_path / "report.png").exists()
+
+
+def test_an_output_folder_that_cannot_be_written_is_exit_2(moe_run: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "a_file").write_text("in the way")
+    assert main([str(moe_run), "--out", str(tmp_path / "a_file" / "report")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: cannot write the report into {tmp_path / 'a_file' / 'report'}: ")
+    assert len(err.splitlines()) == 1
