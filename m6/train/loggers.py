@@ -141,6 +141,7 @@ class MetricsLogger:
         self.console = console
         self.active = is_main_process
         self.wandb_mode: str | None = None  # the resolved mode, or None when W&B is off
+        self.tensorboard_dir: Path | None = None  # where TensorBoard's event files go, or None when off
         self._run: Any = None
         self._tb: TensorBoardWriter | None = None
         self._jsonl = None
@@ -160,7 +161,8 @@ class MetricsLogger:
         if self.wandb_mode is not None:
             self._run = self._init_wandb(wandb, config_dict)
         if tb_enabled:
-            self._tb = TensorBoardWriter(tensorboard_dir(tensorboard, self.run_dir), resumed_step)
+            self.tensorboard_dir = tensorboard_dir(tensorboard, self.run_dir).resolve()
+            self._tb = TensorBoardWriter(self.tensorboard_dir, resumed_step)
         # Append so a resumed run continues the same file.
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
         atexit.register(self._close_at_exit)

@@ -162,7 +162,7 @@ class Trainer:
             size=self.size, source_records=self.data.source_records,
             tokenizer=f"{self.cfg.data.tokenizer or 'byte'} (vocab {self.data.tokenizer.vocab_size:,})",
             run_dir=self.run_dir.resolve(), start=self.start, wandb=self.logger.wandb_mode,
-            user_dataset=self.dataset_name)
+            user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir)
 
     @property
     def step(self) -> int:

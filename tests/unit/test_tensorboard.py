@@ -36,12 +36,13 @@ def events(log_dir: Path) -> EventAccumulator:
     return acc
 
 
-def test_event_files_hold_the_jsonl_values_across_a_resume(tmp_path: Path) -> None:
+def test_event_files_hold_the_jsonl_values_across_a_resume(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Steps 1-4 logged, step 4's checkpoint lost, resumed from 2 to 5: TensorBoard, like the jsonl's last
     rows, holds the second attempt's steps 3 and 4 (purge_step), and every scalar equals the jsonl's."""
     common = [*SMALL, f"run.dir={tmp_path}", "logging.every=1", "checkpoint.every=2", "train.eval_every=2",
               "logging.tensorboard.enabled=true"]
     Trainer(load(TINY, [*common, "train.max_steps=4"])).fit()
+    assert f"metrics.jsonl, TensorBoard {(tmp_path / 'tb').resolve()} | checkpoint every" in capsys.readouterr().out
     shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")
     Trainer(load(TINY, [*common, "train.max_steps=5"])).fit()
 
