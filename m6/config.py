@@ -304,14 +304,23 @@ class WandbConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    enabled: bool = False  # needs the tensorboard package: pip install tensorboard
+    dir: Optional[str] = None  # event files' folder; null = <run.dir>/tb
+
+
+@dataclass
 class LoggingConfig:
     every: int = 10
     console: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
 
     def validate(self) -> None:
         """Check the logging keys (logging.wandb has no rules beyond its types)."""
         _check_positive({"logging.every": self.every})
+        if self.tensorboard.dir is not None and not self.tensorboard.dir.strip():
+            raise ConfigError("logging.tensorboard.dir must be a folder path or null (= <run.dir>/tb), got ''")
 
 
 @dataclass
@@ -442,5 +451,5 @@ def load(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
 
 
 __all__ = ["Config", "ConfigError", "DataConfig", "LoggingConfig", "ModelConfig", "MoEConfig", "OptimConfig",
-           "TrainConfig", "WandbConfig", "MemoryConfig", "DataSourceConfig", "SpecialTokensConfig", "CheckpointConfig", "RunConfig", "ParallelConfig", "load", "dump_yaml", "to_dict",
+           "TrainConfig", "WandbConfig", "TensorBoardConfig", "MemoryConfig", "DataSourceConfig", "SpecialTokensConfig", "CheckpointConfig", "RunConfig", "ParallelConfig", "load", "dump_yaml", "to_dict",
            "expert_ffn_dim", "num_patches", "micro_batch_size", "accumulation_steps", "per_rank_batch_size", "run_dir"]

@@ -37,6 +37,7 @@ class RunFacts:
     start: str  # "fresh" or "resumed from PATH at step N (...)"
     wandb: str | None  # resolved W&B mode, None = off
     user_dataset: str | None = None  # type name of the dataset passed to Trainer (Python API)
+    tensorboard: Path | None = None  # the event files' folder, None = off
 
 
 def human_count(n: float) -> str:
@@ -106,7 +107,8 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
         f"memory   offload {mem.offload}, recompute {mem.activation_checkpointing}",
         *_data_lines(cfg, facts),
         f"run      {facts.run_dir} | {facts.start} | {t.max_steps} steps | metrics.jsonl"
-        f"{', W&B ' + facts.wandb if facts.wandb else ''} | checkpoint every "
+        f"{', W&B ' + facts.wandb if facts.wandb else ''}"
+        f"{f', TensorBoard {facts.tensorboard}' if facts.tensorboard else ''} | checkpoint every "
         f"{cfg.checkpoint.every or 'end only'}{', async' if cfg.checkpoint.async_save else ''}",
     ]
     return "\n".join(lines)

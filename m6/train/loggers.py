@@ -1,8 +1,12 @@
-"""Where training metrics go: a console line, run_dir/metrics.jsonl and (optionally) Weights & Biases.
+"""Where training metrics go: a console line, run_dir/metrics.jsonl and (optionally) Weights & Biases
+and TensorBoard (m6.train.tensorboard_writer).
 
 Only the main process writes anything; other ranks get a logger whose methods return at once.
 The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s``,
 ``grad_norm``; every key, recognised or not, goes to the jsonl file and to W&B unchanged.
+The per-expert token counts of a training step ride on its jsonl row as
+``"expert_tokens": {"block1": [int, ...], ...}`` (the row's last key) and go to W&B (a table and
+histograms) and TensorBoard (histograms).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from m6.config import ConfigError
+from m6.config import ConfigError, TensorBoardConfig
+from m6.train.tensorboard_writer import TensorBoardWriter, require_tensorboard, tensorboard_dir
 
 WANDB_MODES = ("auto", "online", "offline", "disabled")
 WANDB_SAAS_HOST = "api.wandb.ai"
@@ -29,6 +34,7 @@ ETA_WINDOW = 20  # logged intervals averaged for s/step and ETA: recent enough t
 WANDB_INIT_TIMEOUT_S = 60.0
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+EXPERT_TOKENS_KEY = "expert_tokens"  # on a training row: {moe layer name: [tokens routed to expert e, ...]}
 
 
 @dataclass
@@ -126,13 +132,18 @@ class MetricsLogger:
         total_steps: int,
         console: bool = True,
         is_main_process: bool = True,
+        tensorboard: TensorBoardConfig | None = None,
+        resumed_step: int = 0,
     ) -> None:
+        """``resumed_step``: the step a resumed run continues from (0 = a fresh start)."""
         self.run_dir = Path(run_dir).resolve()
         self.total_steps = int(total_steps)
         self.console = console
         self.active = is_main_process
         self.wandb_mode: str | None = None  # the resolved mode, or None when W&B is off
+        self.tensorboard_dir: Path | None = None  # where TensorBoard's event files go, or None when off
         self._run: Any = None
+        self._tb: TensorBoardWriter | None = None
         self._jsonl = None
         self._closed = False
         self._summary: dict[str, Any] = {}
@@ -143,9 +154,15 @@ class MetricsLogger:
         if wandb.enabled:
             mode = resolve_wandb_mode(wandb.mode)
             self.wandb_mode = None if mode == "disabled" else mode
+        tb_enabled = tensorboard is not None and tensorboard.enabled
+        if tb_enabled:
+            require_tensorboard()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.wandb_mode is not None:
             self._run = self._init_wandb(wandb, config_dict)
+        if tb_enabled:
+            self.tensorboard_dir = tensorboard_dir(tensorboard, self.run_dir).resolve()
+            self._tb = TensorBoardWriter(self.tensorboard_dir, resumed_step)
         # Append so a resumed run continues the same file.
         self._jsonl = open(self.run_dir / METRICS_FILE, "a", encoding="utf-8")
         atexit.register(self._close_at_exit)
@@ -184,16 +201,31 @@ class MetricsLogger:
             print(f"W&B {self.wandb_mode}: {where}{extra}", flush=True)
         return run
 
-    def log(self, step: int, metrics: dict[str, float | int]) -> None:
-        """Record one training step's scalar metrics everywhere and print the console line."""
+    def log(self, step: int, metrics: dict[str, float | int],
+            expert_tokens: dict[str, list[int]] | None = None) -> None:
+        """Record one training step's scalar metrics and (optionally) its per-MoE-layer token counts
+        per expert everywhere, and print the console line."""
         if not self.active:
             return
         self._step_times.append((step, time.perf_counter()))
-        self._write_jsonl(step, metrics)
+        row: dict[str, Any] = dict(metrics)
+        if expert_tokens:
+            # Plain ints: the counts are exact, and "12" is half of "12.0" on a line that holds
+            # num_layers x num_experts of them.
+            row[EXPERT_TOKENS_KEY] = {layer: [int(c) for c in counts] for layer, counts in expert_tokens.items()}
+        self._write_jsonl(step, row)
         if self.console:
             print(self._train_line(step, metrics), flush=True)
         if self._run is not None:
-            self._run.log(dict(metrics), step=step)
+            payload: dict[str, Any] = dict(metrics)
+            if expert_tokens:
+                payload.update(self._wandb_expert_load(row[EXPERT_TOKENS_KEY]))
+            self._run.log(payload, step=step)
+        if self._tb is not None:
+            self._tb.scalars(step, metrics)
+            if expert_tokens:
+                self._tb.expert_load(step, row[EXPERT_TOKENS_KEY])
+            self._tb.flush()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
         """Record evaluation metrics under the ``eval/`` prefix and print an eval console line."""
@@ -207,18 +239,19 @@ class MetricsLogger:
             print(" | ".join(parts), flush=True)
         if self._run is not None:
             self._run.log(prefixed, step=step)
+        if self._tb is not None:
+            self._tb.scalars(step, prefixed)
+            self._tb.flush()
 
-    def log_expert_load(self, step: int, tokens_per_expert: dict[str, list[int]]) -> None:
-        """Send per-MoE-layer token counts per expert to W&B as one table and a histogram per layer."""
-        if not self.active or self._run is None:
-            return
+    @staticmethod
+    def _wandb_expert_load(tokens_per_expert: dict[str, list[int]]) -> dict[str, Any]:
+        """Per-MoE-layer token counts per expert as W&B objects: one table and a histogram per layer."""
         import numpy as np
         import wandb
 
         rows = []
         payload: dict[str, Any] = {}
         for layer, counts in tokens_per_expert.items():
-            counts = [int(c) for c in counts]
             rows += [[layer, expert, tokens] for expert, tokens in enumerate(counts)]
             # Bins are expert ids weighted by tokens, so a bar's height is that expert's load;
             # above W&B's 512-bin limit neighbouring experts share a bar.
@@ -227,7 +260,7 @@ class MetricsLogger:
                 hist = np.histogram(np.arange(len(counts)), bins=num_bins, range=(0, len(counts)), weights=counts)
                 payload[f"expert_load/{layer}"] = wandb.Histogram(np_histogram=hist)
         payload["expert_load/table"] = wandb.Table(columns=["layer", "expert", "tokens"], data=rows)
-        self._run.log(payload, step=step)
+        return payload
 
     def summary(self, values: dict) -> None:
         """Record end-of-run values in the W&B run summary and in run_dir/summary.json."""
@@ -242,7 +275,7 @@ class MetricsLogger:
             self._run.summary.update(dict(values))
 
     def close(self, exit_code: int | None = None) -> None:
-        """Flush and close the jsonl file and finish the W&B run; safe to call more than once."""
+        """Flush and close the jsonl file and TensorBoard's, and finish the W&B run; safe to call more than once."""
         if self._closed or not self.active:
             self._closed = True
             return
@@ -250,6 +283,9 @@ class MetricsLogger:
         atexit.unregister(self._close_at_exit)
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._run is not None:
             self._run.finish(exit_code=exit_code)
             self._run = None
@@ -262,7 +298,8 @@ class MetricsLogger:
     def _write_jsonl(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one JSON line and flush it, so a crash loses at most the line being written."""
         assert self._jsonl is not None and not self._jsonl.closed, "MetricsLogger used after close()"
-        self._jsonl.write(json.dumps({"step": step, **metrics}, default=_json_value) + "\n")
+        # No spaces after separators: an expert_tokens row of 24 layers x 512 experts stays ~5 bytes a count.
+        self._jsonl.write(json.dumps({"step": step, **metrics}, default=_json_value, separators=(",", ":")) + "\n")
         self._jsonl.flush()
 
     def _step_str(self, step: int) -> str:

@@ -36,6 +36,7 @@ from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
 from m6.train.preemption import StopOnSignal
 from m6.train.run_directory import prepare_run_dir
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
+from m6.train.tensorboard_writer import require_tensorboard
 from m6.train.update import ParameterUpdate
 
 
@@ -81,6 +82,8 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         if cfg.logging.wandb.enabled and self.is_main:
             resolve_wandb_mode(cfg.logging.wandb.mode)  # pre-flight: no credentials fails now, not after setup
+        if cfg.logging.tensorboard.enabled:
+            require_tensorboard()  # pre-flight on every rank: a missing package fails now, on all of them
         if self.device.type == "cuda" and self.world_size > 1:
             self.device = torch.device("cuda", self.env.local_rank)
         self.autocast_dtype = resolve_precision(cfg.train.precision, self.device)
@@ -144,7 +147,8 @@ class Trainer:
         elif cfg.checkpoint.init_from is not None:
             init_from_checkpoint(cfg.checkpoint.init_from, self.state.model, self.checkpoints.group, self._print_main)
         self.logger = MetricsLogger(self.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.train.max_steps,
-                                    console=cfg.logging.console, is_main_process=self.is_main)
+                                    console=cfg.logging.console, is_main_process=self.is_main,
+                                    tensorboard=cfg.logging.tensorboard, resumed_step=self.step)
         self.history: list[dict] = []
         self.last_saved_step: int | None = None
         self._print_main(startup_banner(cfg, self._facts()))
@@ -158,7 +162,7 @@ class Trainer:
             size=self.size, source_records=self.data.source_records,
             tokenizer=f"{self.cfg.data.tokenizer or 'byte'} (vocab {self.data.tokenizer.vocab_size:,})",
             run_dir=self.run_dir.resolve(), start=self.start, wandb=self.logger.wandb_mode,
-            user_dataset=self.dataset_name)
+            user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir)
 
     @property
     def step(self) -> int:
@@ -339,8 +343,7 @@ class Trainer:
                 last = self.step == cfg.train.max_steps
                 if self.step % cfg.logging.every == 0 or last:
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
-                    self.logger.log(self.step, {**metrics, **load_scalars})
-                    self.logger.log_expert_load(self.step, load_counts)
+                    self.logger.log(self.step, {**metrics, **load_scalars}, expert_tokens=load_counts)
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:

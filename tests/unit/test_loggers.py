@@ -51,7 +51,6 @@ def test_jsonl_lines_parse_in_order(tmp_path: Path) -> None:
     # The jsonl must be complete before close: a crash after log() may not lose the line.
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl")[-1] == {"step": 2, "loss": 4.25, "lr": 2e-4, "moe/dropped": 3}
     logger.log_eval(2, {"loss": 4.0, "ppl": 54.6})
-    logger.log_expert_load(2, {"layer0": [1, 2, 3]})  # W&B only: nothing extra in the jsonl
     logger.close()
     logger.close()  # idempotent
     assert read_jsonl(tmp_path / "run" / "metrics.jsonl") == [
@@ -59,6 +58,36 @@ def test_jsonl_lines_parse_in_order(tmp_path: Path) -> None:
         {"step": 2, "loss": 4.25, "lr": 2e-4, "moe/dropped": 3},
         {"step": 2, "eval/loss": 4.0, "eval/ppl": 54.6},
     ]
+
+
+def test_expert_tokens_ride_on_the_training_row_as_ints(tmp_path: Path) -> None:
+    import numpy as np
+    import torch
+
+    logger = MetricsLogger(tmp_path, CONFIG, WandbSettings(), total_steps=10, console=False)
+    # As m6.train.metrics.expert_load gives them (int64 tensor .tolist()); a numpy int must work too.
+    counts = {"block1": torch.tensor([0, 7, 123456, 3]).tolist(), "block3": [np.int64(2), 5, 1, 0]}
+    logger.log(5, {"loss": 1.5}, expert_tokens=counts)
+    logger.log(6, {"loss": 1.25}, expert_tokens={})  # a dense model: no key at all
+    logger.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [
+        {"step": 5, "loss": 1.5, "expert_tokens": {"block1": [0, 7, 123456, 3], "block3": [2, 5, 1, 0]}},
+        {"step": 6, "loss": 1.25},
+    ]
+    # Compact: ints as written by hand, no spaces, the counts after the scalars.
+    assert lines[0] == '{"step":5,"loss":1.5,"expert_tokens":{"block1":[0,7,123456,3],"block3":[2,5,1,0]}}'
+
+
+def test_expert_tokens_line_length_at_scale(tmp_path: Path) -> None:
+    """24 MoE layers x 512 experts of 4-digit counts: one line of ~5 bytes a count (~60 KB)."""
+    logger = MetricsLogger(tmp_path, CONFIG, WandbSettings(), total_steps=10, console=False)
+    counts = {f"block{i}": [1000 + (e * 37 + i) % 9000 for e in range(512)] for i in range(24)}
+    logger.log(1, {"loss": 1.0}, expert_tokens=counts)
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line)["expert_tokens"] == counts
+    assert len(line) <= 24 * 512 * 5 + 24 * 12 + 100, len(line)
 
 
 def test_jsonl_appends_on_resume_and_converts_scalars(tmp_path: Path) -> None:
@@ -176,9 +205,8 @@ def test_non_main_process_writes_nothing(tmp_path: Path, capsys: pytest.CaptureF
     run_dir = tmp_path / "run"
     settings = WandbSettings(enabled=True, mode="offline")
     logger = MetricsLogger(run_dir, CONFIG, settings, total_steps=10, is_main_process=False)
-    logger.log(1, {"loss": 1.0})
+    logger.log(1, {"loss": 1.0}, expert_tokens={"layer0": [1, 2]})
     logger.log_eval(1, {"loss": 1.0})
-    logger.log_expert_load(1, {"layer0": [1, 2]})
     logger.summary({"loss": 1.0})
     logger.close()
     assert not run_dir.exists()
@@ -189,8 +217,7 @@ def test_non_main_process_writes_nothing(tmp_path: Path, capsys: pytest.CaptureF
 def test_wandb_off_writes_no_wandb_dir(tmp_path: Path, settings: WandbSettings) -> None:
     run_dir = tmp_path / "run"
     logger = MetricsLogger(run_dir, CONFIG, settings, total_steps=10, console=False)
-    logger.log(1, {"loss": 1.0})
-    logger.log_expert_load(1, {"layer0": [1, 2]})
+    logger.log(1, {"loss": 1.0}, expert_tokens={"layer0": [1, 2]})
     logger.summary({"loss": 1.0})
     logger.close()
     assert logger.wandb_mode is None
@@ -225,10 +252,9 @@ def test_offline_wandb_round_trip(tmp_path: Path, isolated_wandb_env: Path) -> N
     logger = MetricsLogger(run_dir, CONFIG, settings, total_steps=30, console=False)
     assert logger.wandb_mode == "offline"
     losses = {10: 3.5, 20: 3.25, 30: 3.125}
-    for step, loss in losses.items():
-        logger.log(step, {"loss": loss, "lr": 1e-3})
     loads = {"layer0": [5, 0, 7, 4], "layer2": [1, 1, 1, 13]}
-    logger.log_expert_load(30, loads)
+    for step, loss in losses.items():
+        logger.log(step, {"loss": loss, "lr": 1e-3}, expert_tokens=loads if step == 30 else None)
     logger.log_eval(30, {"loss": 3.0})
     logger.summary({"final_loss": 3.125, "tokens_seen": 12345})
     logger.close()
@@ -257,4 +283,5 @@ def test_offline_wandb_round_trip(tmp_path: Path, isolated_wandb_env: Path) -> N
     assert last["expert_load/layer0.values"] == [5, 0, 7, 4]
     assert last["expert_load/layer0.bins"] == [0, 1, 2, 3, 4]
     assert json.loads((run_dir / "summary.json").read_text()) == {"final_loss": 3.125, "tokens_seen": 12345}
-    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 4
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 4 and rows[2]["expert_tokens"] == loads  # the jsonl keeps the same counts
