@@ -7,6 +7,8 @@ to the host). Works on a model built on ``meta``, so any config is reported with
 Bytes per parameter: 4 weight, 4 gradient, 8 Adam moments (+ a 4 B step count per tensor).
 The update's temporary is foreach AdamW's sqrt(exp_avg_sq): 4 B per element of one foreach
 call, and torch calls it per (param group x apply group), so the largest such call counts.
+DeepSpeed's CPU Adam (memory.host_optimizer=deepspeed) updates in place: no temporaries; auto
+counts torch's, as it falls back to torch where DeepSpeed's op does not build.
 """
 
 from __future__ import annotations
@@ -87,5 +89,6 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     return MemoryReport(
         device={"params": device_params, "grads": device_grads, "activations (per micro-batch)": activations},
         host={"params": states["params"], "grads": states["grads"], "optimizer state": states["optimizer state"],
-              "optimizer step temporaries": states["optimizer step temporaries"]},
+              "optimizer step temporaries": 0.0 if cfg.memory.host_optimizer == "deepspeed"
+              else states["optimizer step temporaries"]},
     )

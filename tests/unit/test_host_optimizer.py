@@ -259,6 +259,25 @@ def test_switching_host_optimizer_across_a_resume(ds_reference, torch_reference,
     _assert_weights_close(weights, reference[1], torch_reference[2])
 
 
+def test_deepspeed_update_allocates_no_temporaries_as_the_memory_report_says(cpu_adam, tmp_path):
+    from m6.memory.estimate import estimate_memory
+    from m6.memory.live_bytes import LiveBytes
+    from m6.train.optim import no_decay_ids
+
+    tr = trainer(tmp_path, "memory.offload=optimizer", "memory.host_optimizer=deepspeed")
+    tr.train_step()  # the moments exist from here on
+    off, params = tr.update.offload, list(tr.model.parameters())
+    for p in params:
+        off.master(p).grad = torch.randn_like(off.master(p))
+    with LiveBytes() as counter:
+        tr.update.apply.step()
+    est = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model))
+    assert counter.peak == est.host["optimizer step temporaries"] == 0
+    auto = estimate_memory(load(None, [*SMALL, "memory.offload=optimizer", "memory.host_optimizer=auto"]),
+                           tr.model, no_decay_ids(tr.model))
+    assert auto.host["optimizer step temporaries"] > 0  # auto may fall back to torch: its temporaries count
+
+
 BUILD_LOG_ERROR = RuntimeError("Error building extension 'cpu_adam': [1/3] c++ -MMD -c cpu_adam.cpp -o cpu_adam.o\n"
                                "FAILED: [code=127] cpu_adam.o\n/bin/sh: 1: c++: not found\n"
                                "ninja: build stopped: subcommand failed.")
