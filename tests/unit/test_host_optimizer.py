@@ -235,17 +235,21 @@ def test_resume_with_deepspeed_is_bitwise(ds_reference, tmp_path):
         assert torch.equal(v, ds_reference[1][k]), k
 
 
-@pytest.mark.parametrize("saver, resumer", [("deepspeed", "torch"), ("torch", "deepspeed")])
+OPTIMIZER_OF = {"deepspeed": ["memory.offload=optimizer", "memory.host_optimizer=deepspeed"],
+                "torch": ["memory.offload=optimizer", "memory.host_optimizer=torch"],
+                "no offload": ["memory.offload=none"]}
+
+
+@pytest.mark.parametrize("saver, resumer", [("deepspeed", "torch"), ("torch", "deepspeed"), ("no offload", "deepspeed")])
 def test_switching_host_optimizer_across_a_resume(ds_reference, torch_reference, tmp_path, capsys, saver, resumer):
     """Supported: the state carries over exactly, the resumed run says it is another optimizer's
     and trains on within tolerance of an uninterrupted run with the resuming optimizer."""
-    first = trainer(tmp_path, "memory.offload=optimizer", f"memory.host_optimizer={saver}", f"train.max_steps={STEPS}")
+    first = trainer(tmp_path, *OPTIMIZER_OF[saver], f"train.max_steps={STEPS}")
     losses = [first.train_step()["loss"] for _ in range(RESUME_AT)]
     saved = {n: {k: v.clone() for k, v in s.items()} for n, s in first.state.optimizer.tensors().items()}
     first.save_checkpoint(wait=True)
     capsys.readouterr()
-    resumed = trainer(tmp_path, "memory.offload=optimizer", f"memory.host_optimizer={resumer}",
-                      f"train.max_steps={STEPS}", "checkpoint.resume=auto")
+    resumed = trainer(tmp_path, *OPTIMIZER_OF[resumer], f"train.max_steps={STEPS}", "checkpoint.resume=auto")
     assert resumed.update.host_optimizer == resumer
     lines = [line for line in capsys.readouterr().out.splitlines() if "the checkpoint was saved by" in line]
     assert len(lines) == 1 and "not bitwise" in lines[0]
