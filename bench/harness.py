@@ -54,12 +54,13 @@ def time_round_robin(
     min_rounds: int = 7,
     max_rounds: int = 30,
     warmup: int = 2,
-    min_cpu_util: float | None = None,
+    min_cpu_util: float | dict[str, float] | None = None,
 ) -> Timings:
     """Run every step once per round, in rotating order, until ``min_rounds`` clean rounds.
 
     A CPU round is clean when every step's process CPU time / wall time is at least
-    ``min_cpu_util`` (default: 75% of the intra-op thread count); on CUDA every round counts.
+    ``min_cpu_util`` (default: 75% of the intra-op thread count; a dict gives each step its own,
+    for steps that use fewer threads on purpose); on CUDA every round counts.
     """
     names = list(steps)
     for _ in range(warmup):
@@ -68,6 +69,7 @@ def time_round_robin(
     _sync(device)
     if min_cpu_util is None:
         min_cpu_util = 0.75 * torch.get_num_threads()
+    floor = min_cpu_util if isinstance(min_cpu_util, dict) else {n: min_cpu_util for n in names}
     seconds = {n: [] for n in names}
     utils = {n: [] for n in names}
     kept = dropped = 0
@@ -85,10 +87,10 @@ def time_round_robin(
             wall = time.perf_counter() - t0
             round_s[name] = wall
             round_u[name] = (time.process_time() - c0) / wall
-        worst = min(round_u.values())
-        if device.type == "cpu" and worst < min_cpu_util:
+        short = [n for n in names if round_u[n] < floor[n]]
+        if device.type == "cpu" and short:
             dropped += 1
-            dropped_util.append(round(worst, 2))
+            dropped_util.append(round(min(round_u[n] for n in short), 2))
             continue
         kept += 1
         for name in names:

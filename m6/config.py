@@ -243,6 +243,9 @@ class MemoryConfig:
     """Memory features (Whale's tricks); each keeps the math unchanged."""
 
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    # The optimizer of the offloaded (host) update: DeepSpeed's CPU Adam, torch's AdamW, or auto
+    # (DeepSpeed when its C++ op builds or loads, else torch with one console line saying why).
+    host_optimizer: Literal["auto", "deepspeed", "torch"] = "auto"
     activation_checkpointing: Literal["none", "full", "auto"] = "none"
     # auto: recompute the cheapest parts until saved activations fit this budget. Give GiB, or a
     # fraction of the no-checkpointing activation bytes of the densest micro-batch (no padding,
@@ -265,6 +268,9 @@ class MemoryConfig:
                               f"memory.activation_checkpointing=auto (it is {self.activation_checkpointing!r})")
         if self.check_checkpointing and self.activation_checkpointing == "none":
             raise ConfigError("memory.check_checkpointing needs memory.activation_checkpointing full or auto")
+        if self.host_optimizer == "deepspeed" and self.offload == "none":
+            raise ConfigError("memory.host_optimizer=deepspeed only applies with memory.offload optimizer or "
+                              "optimizer+params (without offload the update runs on the device with torch's AdamW)")
 
 
 @dataclass

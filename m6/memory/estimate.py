@@ -16,6 +16,8 @@ and optimizer state when it stays on the device):
              the all-to-all payload) + the gradient-sync buckets in flight;
   end of backward   every gradient + the buckets;
   update     every gradient + the step's temporaries (on the host when offloaded).
+DeepSpeed's CPU Adam (memory.host_optimizer=deepspeed) updates in place: no temporaries; auto
+counts torch's, as it falls back to torch where DeepSpeed's op does not build.
 """
 
 from __future__ import annotations
@@ -163,9 +165,10 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
             device_params = 4.0 * numel
         device = {"params": device_params, "grads": device_grads, **transients}
         host = {"params": states["params"], "grads": states["grads"], "optimizer state": states["optimizer state"],
-                "optimizer step temporaries": states["optimizer step temporaries"]}
+                "optimizer step temporaries": 0.0 if cfg.memory.host_optimizer == "deepspeed"
+                else states["optimizer step temporaries"]}
         grads_before = device_grads if accum > 1 else 0.0
-        resident, update_device, update_host = device_params, 0.0, states["optimizer step temporaries"]
+        resident, update_device, update_host = device_params, 0.0, host["optimizer step temporaries"]
         grads_end = device_grads
     backward = grads_before + kept + max(acts.a2a_buffers, acts.backward_transient, redo) + buckets
     phases_device = max(backward, grads_end + buckets, update_device)

@@ -40,6 +40,9 @@ from m6.train.tensorboard_writer import require_tensorboard
 from m6.train.update import ParameterUpdate
 
 
+_OPTIMIZER_NAMES = {"torch": "torch's AdamW", "deepspeed": "DeepSpeed's CPU Adam"}
+
+
 class TrainingDiverged(RuntimeError):
     """Too many consecutive non-finite steps; the last good checkpoint is left untouched."""
 
@@ -114,7 +117,7 @@ class Trainer:
         set_cast_on_use(self.model, self.cast_on_use)
         self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
                                             log=self._print_main)
-        self.update = ParameterUpdate(self.sharded, cfg, self.device)
+        self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         self.flop_rates = forward_flop_rates(self.model)
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
@@ -127,7 +130,8 @@ class Trainer:
             {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips},
             rank=self.rank,
             metadata={"config": to_dict(cfg), "world_size": self.world_size,
-                      "expert_parallel_size": layout.expert_parallel_size})
+                      "expert_parallel_size": layout.expert_parallel_size,
+                      "host_optimizer": self.update.host_optimizer})
         self.checkpoints = CheckpointManager(self.run_dir, cfg.checkpoint.keep, self.rank,
                                              self.sharded.groups.checkpoint)
         self.checkpoints.on_saved = self._say_saved
@@ -326,6 +330,14 @@ class Trainer:
         self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
                       f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
+
+        # torch's AdamW on the device (no offload) and on the host are the same kernels; DeepSpeed's
+        # CPU Adam keeps the same state layout but rounds differently.
+        saved_host, host = meta.get("host_optimizer") or "torch", self.update.host_optimizer or "torch"
+        if saved_host != host:
+            self._print_main(f"the checkpoint was saved by {_OPTIMIZER_NAMES[saved_host]}, this run updates with "
+                             f"{_OPTIMIZER_NAMES[host]}: the optimizer state carries over, the updates round "
+                             "differently (not bitwise the run the saving optimizer would have made)")
 
     def _say_saved(self, saved: SavedCheckpoint) -> None:
         self._print_main(checkpoint_line(saved.step, saved.path.resolve(), saved.nbytes, saved.seconds, saved.asynchronous))

@@ -1,4 +1,5 @@
-"""AdamW with decay only on matrices, and the warmup + cosine learning-rate schedule."""
+"""AdamW with decay only on matrices (torch's, or DeepSpeed's CPU Adam for the offloaded host update), and
+the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -13,13 +14,16 @@ from m6.model.param_groups import no_decay_ids  # noqa: F401  (re-exported: the 
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig,
-                    master: Callable[[nn.Parameter], torch.Tensor] | None = None) -> torch.optim.AdamW:
-    """Two parameter groups: weight-decayed matrices and everything else.
+                    master: Callable[[nn.Parameter], torch.Tensor] | None = None,
+                    host_optimizer: str = "torch") -> torch.optim.Optimizer:
+    """AdamW over two parameter groups: weight-decayed matrices and everything else.
 
     ``master`` maps a model parameter to the tensor the optimizer updates instead (CPU offload's
     host copy); the groups and their order stay those of the model, so checkpoints keep one layout.
-    The multi-tensor (foreach) implementation on every device: the same kernels on CPU and GPU,
-    offloaded or not, and its temporaries are what ``optim.apply_groups`` bounds.
+    torch's multi-tensor (foreach) implementation on every device: the same kernels on CPU and
+    GPU, offloaded or not, and its temporaries are what ``optim.apply_groups`` bounds; or, for
+    host masters with ``host_optimizer="deepspeed"``, DeepSpeed's CPU Adam (same hyper-parameters
+    and state layout, m6.memory.deepspeed_adam).
     """
     skip = no_decay_ids(model)
     target = master if master is not None else (lambda p: p)
@@ -27,7 +31,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
     no_decay = [target(p) for p in model.parameters() if p.requires_grad and id(p) in skip]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+    betas = (cfg.beta1, cfg.beta2)
+    if host_optimizer == "deepspeed":
+        assert master is not None, "DeepSpeed's CPU Adam updates host masters only"
+        # Imported here: it imports deepspeed (~2 s), which runs without it do not pay.
+        from m6.memory.deepspeed_adam import DeepSpeedHostAdamW
+        return DeepSpeedHostAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    assert host_optimizer == "torch", host_optimizer
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=True)
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

@@ -15,11 +15,15 @@ their host masters when offloaded).
 from __future__ import annotations
 
 import math
+import socket
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from m6.config import Config
 from m6.memory import GroupedApply, build_offload
+from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
 from m6.train.optim import build_optimizer, build_scheduler
 
@@ -27,7 +31,9 @@ from m6.train.optim import build_optimizer, build_scheduler
 class ParameterUpdate:
     """Gradient sync + offload + grouped apply + schedule for this process's share of the model."""
 
-    def __init__(self, sharded: ShardedModel, cfg: Config, device: torch.device) -> None:
+    def __init__(self, sharded: ShardedModel, cfg: Config, device: torch.device,
+                 log: Callable[[str], None] = lambda line: None) -> None:
+        """``log``: where the host optimizer's lines go (its build, a fallback; rank 0 prints them)."""
         model = sharded.model
         self.device = device
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -40,7 +46,10 @@ class ParameterUpdate:
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
         self.replicated, self.experts = replicated, experts
         self.expert_group = sharded.groups.expert
-        self.optimizer = build_optimizer(model, cfg.optim, self.offload.master if self.offload else None)
+        # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
+        self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, sharded, log) if self.offload else None
+        self.optimizer = build_optimizer(model, cfg.optim, self.offload.master if self.offload else None,
+                                         self.host_optimizer or "torch")
         self.apply = GroupedApply(self.optimizer, replicated, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
@@ -94,3 +103,27 @@ class ParameterUpdate:
         """Offload: the optimizer updates host masters, named after their model parameters (so
         checkpoints index optimizer state by parameter name); None: the model's own params."""
         return self.offload.master_names(model) if self.offload else None
+
+
+def agree_on_host_optimizer(choice: str, sharded: ShardedModel, log: Callable[[str], None]) -> str:
+    """``memory.host_optimizer`` resolved the same on every rank: replicated weights stay identical
+    only if every rank updates them with the same optimizer, so one rank whose DeepSpeed op fails
+    sends all of them to torch (auto) or to the config error (deepspeed). One collective."""
+    if choice == "torch":
+        return "torch"
+    failure = probe_cpu_adam(log)
+    groups = sharded.groups
+    world = groups.layout.world_size
+    if world == 1:
+        failures = {} if failure is None else {0: failure}
+    else:
+        everyone: list = [None] * world
+        mine = None if failure is None else f"host {socket.gethostname()}: {failure}"
+        dist.all_gather_object(everyone, mine, group=groups.checkpoint)
+        failures = {r: f for r, f in enumerate(everyone) if f is not None}
+    chosen = choose_host_optimizer(choice, failures, log)
+    if chosen == "deepspeed":
+        note = thread_note(groups.layout.local_world_size)
+        if note:
+            log(note)
+    return chosen

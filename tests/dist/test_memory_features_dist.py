@@ -20,6 +20,7 @@ SMALL = [
     "data.kind=synthetic", "data.num_workers=0", "data.num_samples=256", "data.eval_samples=8",
     "data.seq_len=48", "train.global_batch_size=8", "train.micro_batch_size=2", "train.eval_every=0",
     "train.precision=fp32", "train.device=cpu", "logging.console=false", "checkpoint.every=0",
+    "memory.host_optimizer=torch",  # bitwise against the plain run: the same torch AdamW on the host
 ]
 VARIANTS = [
     ["optim.apply_groups=4"],

@@ -22,7 +22,7 @@ OFFLOAD_RUN = [
     "data.kind=synthetic", "data.num_workers=0", "data.num_samples=64", "data.eval_samples=8", "data.seq_len=48",
     "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32",
     "train.device=cpu", "logging.console=false", "checkpoint.every=0", "parallel.expert_parallel_size=1",
-    "parallel.bucket_size_mb=0.002",
+    "parallel.bucket_size_mb=0.002", "memory.host_optimizer=torch",  # gradients only: no op build needed
 ]
 
 

@@ -22,6 +22,9 @@ SMALL = [
     "data.num_workers=0", "data.num_samples=256", "data.eval_samples=8", "data.seq_len=48",
     "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32",
     "train.device=cpu", "logging.console=false", "checkpoint.every=0",
+    # Offload is compared with the plain run bitwise: the same torch AdamW on the host. DeepSpeed's
+    # CPU Adam (the default when it builds) is tested in test_host_optimizer.py.
+    "memory.host_optimizer=torch",
 ]
 VARIANTS = {
     "apply_groups": ["optim.apply_groups=4"],
