@@ -58,6 +58,9 @@ class MoEConfig:
     # before the loss is formed, so the loss does not depend on how the batch is split.
     aux_loss_scope: Literal["global", "local"] = "global"
     a2a_dtype: Optional[Literal["bf16"]] = None  # expert-parallel all-to-all payload precision
+    # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product;
+    # auto = grouped_mm on CUDA bf16 (compute capability >= 9.0, d_model/ffn_dim multiples of 8), else loop.
+    expert_kernel: Literal["auto", "loop", "grouped_mm"] = "auto"
 
     def validate(self) -> None:
         """Check the model.moe keys on their own."""
@@ -79,6 +82,8 @@ class MoEConfig:
                               f"(no capacity limit), got {self.capacity_factor}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {self.ffn_dim}")
+        if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
+            raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
 
 
 @dataclass
