@@ -205,7 +205,7 @@ def run_timing(args, device, autocast_dtype) -> dict:
             row["impls"]["deepspeed"]["efficiency_vs_dense"] = _inverse(t.paired_ratio("deepspeed", "dense"))
         rows.append(row)
         print(json.dumps(_brief(row)), file=sys.stderr, flush=True)
-        del steps, modules
+        del steps, modules, drops  # the drop getters hold their modules too
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"rows": rows}
