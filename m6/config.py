@@ -125,6 +125,12 @@ class ModelConfig:
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
         self.moe.validate()
+        expert_ffn = self.moe.ffn_dim if self.moe.ffn_dim is not None else self.ffn_dim
+        if self.moe.expert_kernel == "grouped_mm" and (self.d_model % 8 or expert_ffn % 8):
+            # The grouped GEMM needs 16-byte strides (8 bf16 elements); auto falls back to the loop instead.
+            raise ConfigError(f"model.moe.expert_kernel=grouped_mm needs model.d_model ({self.d_model}) and the expert "
+                              f"ffn_dim ({expert_ffn}, model.moe.ffn_dim or model.ffn_dim) to be multiples of 8; "
+                              f"use model.moe.expert_kernel=auto or loop")
 
 
 @dataclass

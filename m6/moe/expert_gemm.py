@@ -57,6 +57,11 @@ def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Op
     if kernel == "grouped_mm":
         if grouped_mm_op() is None:
             raise ValueError(f"model.moe.expert_kernel=grouped_mm but torch {torch.__version__} has no grouped_mm")
+        if not grouped_mm_fits(x_NK, weights, x_NK.dtype):
+            dims = [x_NK.shape[1]] + [d for w in weights if w is not None for d in w.shape[1:]]
+            raise ValueError(f"model.moe.expert_kernel=grouped_mm: torch's grouped GEMM needs 16-byte strides, but "
+                             f"d_model/ffn_dim {sorted(set(dims))} in {x_NK.dtype} are not all multiples of "
+                             f"{16 // x_NK.element_size()} (or the tokens are not 16-byte aligned); use 'auto' or 'loop'")
         return "grouped_mm"
     if kernel != "auto":
         raise ValueError(f"model.moe.expert_kernel must be one of {EXPERT_KERNELS}, got {kernel!r}")

@@ -193,6 +193,11 @@ def test_auto_keeps_the_loop_on_cpu_and_config_key_reaches_the_layer():
     cfg.moe.expert_kernel = "cublas"
     with pytest.raises(ConfigError, match="model.moe.expert_kernel"):
         cfg.moe.validate()
+    cfg.moe.expert_kernel, cfg.moe.ffn_dim = "grouped_mm", 20
+    with pytest.raises(ConfigError, match="multiples of 8"):
+        cfg.validate()
+    with pytest.raises(ValueError, match="16-byte strides"):
+        choose_kernel("grouped_mm", torch.randn(10, 6), [torch.randn(4, 6, F)])
     with pytest.raises(ValueError, match="expert_kernel"):
         GroupedExperts(2, D, F, expert_kernel="cublas")
 
