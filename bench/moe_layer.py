@@ -2,6 +2,7 @@
 
     python -m bench.moe_layer                  # full table on this machine (CPU fp32 / CUDA bf16)
     python -m bench.moe_layer --quick          # tiny shapes, seconds; checks the harness end to end
+    python -m bench.moe_layer --device cuda --shapes gpu --stages timing   # GPU shapes, bf16 autocast
 
 The parent process re-launches itself with pinned threads (OMP_PROC_BIND=close, OMP_PLACES=cores)
 for the timing table, once with MALLOC_MMAP_MAX_=0 (the numbers reported) and once with default
@@ -136,7 +137,21 @@ def measure_memory(impl: str, shape: dict, device: torch.device, autocast_dtype)
     return {"peak_step_bytes": peak, "saved_activation_bytes": sum(saved.values())}
 
 
+# GPU shapes (bench/gpu_suite): 16k-64k tokens, d_model 2048-4096 with ffn 4x, and fine-grained
+# experts (d 2048, ffn 1024, top-8 of 64-128). DeepSpeed's capacity tensors are [tokens, E, capacity]
+# fp32, so its rows are the ones that may run out of memory at 64k tokens (recorded, not fatal).
+GPU_SHAPES = [
+    dict(d_model=2048, ffn_dim=8192, tokens=16384, num_experts=8, top_k=2),
+    dict(d_model=4096, ffn_dim=16384, tokens=16384, num_experts=8, top_k=2),
+    dict(d_model=2048, ffn_dim=1024, tokens=16384, num_experts=64, top_k=8),
+    dict(d_model=2048, ffn_dim=1024, tokens=16384, num_experts=128, top_k=8),
+    dict(d_model=2048, ffn_dim=8192, tokens=65536, num_experts=8, top_k=2),
+]
+
+
 def shapes_for(args) -> list[dict]:
+    if getattr(args, "shapes", "default") == "gpu":
+        return [dict(s) for s in GPU_SHAPES]
     if args.quick:
         base = dict(d_model=64, ffn_dim=128, tokens=256)
         experts, top_ks = (4, 16), (1, 2)
@@ -154,13 +169,24 @@ def run_timing(args, device, autocast_dtype) -> dict:
     """Child: the round-robin timing table for every shape, in this one process."""
     rows = []
     for shape in shapes_for(args):
-        steps, drops = {}, {}
+        steps, drops, modules, errors = {}, {}, {}, {}
         for impl in IMPLS:
-            steps[impl], drops[impl], _ = build_step(impl, shape, device, autocast_dtype)
-        t = time_round_robin(steps, device, min_rounds=args.rounds, max_rounds=args.max_rounds)
+            try:
+                steps[impl], drops[impl], modules[impl] = build_step(impl, shape, device, autocast_dtype)
+                steps[impl]()  # fails here, not mid-table, if it cannot run (e.g. out of memory)
+            except Exception as e:  # recorded: the other implementations of this shape still run
+                if impl in ("dense", "m6_dropless"):
+                    raise
+                errors[impl] = f"{type(e).__name__}: {str(e)[:300]}"
+                steps.pop(impl, None)
+                modules.pop(impl, None)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        t = time_round_robin(steps, device, min_rounds=args.rounds, max_rounds=args.max_rounds,
+                             min_cpu_util=0.0 if args.no_drop else None)
         row = {"shape": shape, "rounds_kept": t.rounds_kept, "rounds_dropped": t.rounds_dropped,
-               "dropped_round_cpu_util": t.dropped_util, "impls": {}}
-        for impl in IMPLS:
+               "dropped_round_cpu_util": t.dropped_util, "impls": {}, "errors": errors}
+        for impl in steps:
             lo, hi = t.spread(impl)
             row["impls"][impl] = {
                 "median_s": t.median(impl), "min_s": lo, "max_s": hi,
@@ -168,13 +194,20 @@ def run_timing(args, device, autocast_dtype) -> dict:
                 "cpu_util_median": sorted(t.cpu_util[impl])[len(t.cpu_util[impl]) // 2],
                 "dropped_fraction": drops[impl](),
             }
+            if impl.startswith("m6"):
+                row["impls"][impl]["expert_kernel"] = modules[impl].experts.last_kernel
         for impl in ("m6_capacity", "m6_dropless"):
-            row["impls"][impl]["efficiency_vs_dense"] = _inverse(t.paired_ratio(impl, "dense"))
-            row["impls"][impl]["speedup_vs_deepspeed"] = _inverse(t.paired_ratio(impl, "deepspeed"))
-        row["impls"]["deepspeed"]["efficiency_vs_dense"] = _inverse(t.paired_ratio("deepspeed", "dense"))
+            if impl in steps:
+                row["impls"][impl]["efficiency_vs_dense"] = _inverse(t.paired_ratio(impl, "dense"))
+                if "deepspeed" in steps:
+                    row["impls"][impl]["speedup_vs_deepspeed"] = _inverse(t.paired_ratio(impl, "deepspeed"))
+        if "deepspeed" in steps:
+            row["impls"]["deepspeed"]["efficiency_vs_dense"] = _inverse(t.paired_ratio("deepspeed", "dense"))
         rows.append(row)
         print(json.dumps(_brief(row)), file=sys.stderr, flush=True)
-        del steps
+        del steps, modules, drops  # the drop getters hold their modules too
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return {"rows": rows}
 
 
@@ -195,9 +228,11 @@ def _child(args, mode: str, env_extra: dict, unset: tuple = (), extra_args: tupl
     for k in unset:
         env.pop(k, None)
     cmd = [sys.executable, "-m", "bench.moe_layer", "--child", mode, "--device", args.device,
-           "--rounds", str(args.rounds), "--max-rounds", str(args.max_rounds), *extra_args]
+           "--rounds", str(args.rounds), "--max-rounds", str(args.max_rounds), "--shapes", args.shapes, *extra_args]
     if args.quick:
         cmd.append("--quick")
+    if args.no_drop:
+        cmd.append("--no-drop")
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"benchmark child {' '.join(cmd)} failed with exit code {proc.returncode}")
@@ -214,6 +249,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top-k", type=int, nargs="*", help="override the top_k list")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--skip-glibc-compare", action="store_true")
+    p.add_argument("--shapes", choices=["default", "gpu"], default="default",
+                   help="gpu: GPU_SHAPES (16k-64k tokens, d 2048-4096, fine-grained E 64-128 top-8)")
+    p.add_argument("--no-drop", action="store_true",
+                   help="keep every round whatever the CPU utilisation (a harness check on a busy CPU)")
     p.add_argument("--stages", default="timing,memory",
                    help="'memory' alone re-measures memory into the existing results file")
     p.add_argument("--child", choices=["timing", "memory"], help=argparse.SUPPRESS)
@@ -233,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     stages = set(args.stages.split(","))
     out = Path(args.out)
-    stem = f"moe_layer-{machine_tag(device)}" + ("-quick" if args.quick else "")
+    stem = f"moe_layer-{machine_tag(device)}" + ("-quick" if args.quick else "") + ("-gpu-shapes" if args.shapes == "gpu" else "")
     sub = list(args.experts or []) and ["--experts", *map(str, args.experts)]
     sub += list(args.top_k or []) and ["--top-k", *map(str, args.top_k)]
     threads = {"OMP_NUM_THREADS": str(os.cpu_count())} if device.type == "cpu" else {}
@@ -262,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
                 row["impls"][impl].update(mem)
     result = {
         "benchmark": "moe_layer",
-        "command": "python -m bench.moe_layer" + (" --quick" if args.quick else ""),
+        "command": "python -m bench.moe_layer" + (" --quick" if args.quick else "")
+                   + (f" --device {args.device} --shapes gpu" if args.shapes == "gpu" else ""),
         "device": device.type,
         "precision": "bf16 autocast" if autocast_dtype else "fp32",
         "machine": machine_info(device),
@@ -276,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     from bench.moe_layer_report import render_markdown, summarize
 
-    result["summary"] = summarize(result)
+    # The targets were set for the CPU table's one shape; GPU shapes differ per row.
+    result["summary"] = summarize(result) if args.shapes == "default" else {"checks": []}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     (out / f"{stem}.md").write_text(render_markdown(result))

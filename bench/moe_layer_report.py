@@ -66,21 +66,28 @@ def _mib(v) -> str:
 
 def _table(rows: list[dict]) -> list[str]:
     lines = [
-        "| E | top_k | impl | median s/step [min-max] | tokens/s | vs dense | m6 speedup vs DS | dropped | peak step MiB | saved act. MiB | rounds kept/dropped |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| d/ffn/tokens | E | top_k | impl | median s/step [min-max] | tokens/s | vs dense | m6 speedup vs DS | dropped | peak step MiB | saved act. MiB | rounds kept/dropped |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         s = row["shape"]
         for impl, v in row["impls"].items():
             drop = v.get("dropped_fraction")
             lines.append(
-                f"| {s['num_experts']} | {s['top_k']} | {impl} | {v['median_s']:.3f} [{v['min_s']:.3f}-{v['max_s']:.3f}] "
+                f"| {s['d_model']}/{s['ffn_dim']}/{s['tokens']} | {s['num_experts']} | {s['top_k']} | {impl}{_kernel(v)} | {v['median_s']:.3f} [{v['min_s']:.3f}-{v['max_s']:.3f}] "
                 f"| {v['tokens_per_s']:.0f} | {_fmt_ratio(v.get('efficiency_vs_dense'))} "
                 f"| {_fmt_ratio(v.get('speedup_vs_deepspeed'))} | {'-' if drop is None else f'{drop:.3f}'} "
                 f"| {_mib(v.get('peak_step_bytes'))} | {_mib(v.get('saved_activation_bytes'))} "
                 f"| {row['rounds_kept']}/{row['rounds_dropped']} |"
             )
+        for impl, err in row.get("errors", {}).items():
+            lines.append(f"| {s['d_model']}/{s['ffn_dim']}/{s['tokens']} | {s['num_experts']} | {s['top_k']} | {impl} "
+                         f"| failed: {err[:120]} | | | | | | | |")
     return lines
+
+
+def _kernel(v: dict) -> str:
+    return f" ({v['expert_kernel']})" if v.get("expert_kernel") else ""
 
 
 def render_markdown(result: dict) -> str:

@@ -58,6 +58,9 @@ class MoEConfig:
     # before the loss is formed, so the loss does not depend on how the batch is split.
     aux_loss_scope: Literal["global", "local"] = "global"
     a2a_dtype: Optional[Literal["bf16"]] = None  # expert-parallel all-to-all payload precision
+    # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product;
+    # auto = grouped_mm on CUDA bf16 (compute capability >= 9.0, d_model/ffn_dim multiples of 8), else loop.
+    expert_kernel: Literal["auto", "loop", "grouped_mm"] = "auto"
 
     def validate(self) -> None:
         """Check the model.moe keys on their own."""
@@ -79,6 +82,8 @@ class MoEConfig:
                               f"(no capacity limit), got {self.capacity_factor}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {self.ffn_dim}")
+        if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
+            raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
 
 
 @dataclass
@@ -120,6 +125,12 @@ class ModelConfig:
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
         self.moe.validate()
+        expert_ffn = self.moe.ffn_dim if self.moe.ffn_dim is not None else self.ffn_dim
+        if self.moe.expert_kernel == "grouped_mm" and (self.d_model % 8 or expert_ffn % 8):
+            # The grouped GEMM needs 16-byte strides (8 bf16 elements); auto falls back to the loop instead.
+            raise ConfigError(f"model.moe.expert_kernel=grouped_mm needs model.d_model ({self.d_model}) and the expert "
+                              f"ffn_dim ({expert_ffn}, model.moe.ffn_dim or model.ffn_dim) to be multiples of 8; "
+                              f"use model.moe.expert_kernel=auto or loop")
 
 
 @dataclass

@@ -1,15 +1,39 @@
-"""Session-wide test setup: one build cache for DeepSpeed's cpu_adam op (memory.host_optimizer).
+"""Session-wide test setup.
 
-The op compiles on first use (~1-2 min on 2 cores). Unless TORCH_EXTENSIONS_DIR is set already,
-every test, and every process a test starts (they inherit the environment), builds into and loads
-from the pytest cache: a fresh CI checkout pays the build once, later runs none.
+``pytest --device cuda``: the device-aware tests run their model and math on that device. CPU
+stays the default. The tests that honour the option take the ``device`` fixture: the MoE math
+against its float64 reference (tests/unit/test_moe_layer.py), the model's mask rules
+(test_model.py), cast-on-use (test_cast_on_use.py), offload (test_offload.py), the checkpoint
+round trip (test_checkpoint.py) and activation checkpointing (test_activation_checkpoint.py).
+bench/gpu_suite.py runs them this way on a GPU.
+
+One build cache for DeepSpeed's cpu_adam op (memory.host_optimizer): the op compiles on first use
+(~1-2 min on 2 cores). Unless TORCH_EXTENSIONS_DIR is set already, every test, and every process
+a test starts (they inherit the environment), builds into and loads from the pytest cache: a
+fresh CI checkout pays the build once, later runs none.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+import torch
 
-def pytest_configure(config) -> None:
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu", choices=["cpu", "cuda"],
+                     help="device for the device-aware tests (default cpu)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("--device cuda: this machine has no usable CUDA device")
     if not os.environ.get("TORCH_EXTENSIONS_DIR") and getattr(config, "cache", None) is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = str(config.cache.mkdir("torch_extensions"))
+
+
+@pytest.fixture(scope="session")
+def device(pytestconfig: pytest.Config) -> torch.device:
+    """The device chosen with --device."""
+    return torch.device(pytestconfig.getoption("--device"))

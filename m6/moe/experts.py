@@ -9,9 +9,13 @@ stacked parameter makes autograd build a full [E, D, F] zero gradient per expert
 once, straight into its slice of one stacked buffer, with the GEMMs writing into preallocated
 outputs; the elementwise activation runs once over all N rows.
 
-Weights may arrive in a wider dtype than the tokens (cast-on-use mixed precision): each expert's
-slice is then cast right where its GEMM runs, in forward and again in backward, so at most one
-expert's low-precision copy exists at a time and none is kept for backward.
+Weights may arrive in a wider dtype than the tokens (cast-on-use mixed precision): they are then
+cast right where a GEMM runs, in forward and again in backward, and no low-precision copy is kept
+for backward (the loop casts one expert's slice at a time, the grouped kernel the whole stack once
+per GEMM call; see m6.moe.expert_gemm).
+
+The GEMMs themselves run either as a Python loop of torch.mm per expert or as one torch grouped
+GEMM per product (``expert_kernel``; m6.moe.expert_gemm), chosen once per layer call.
 """
 
 from __future__ import annotations
@@ -22,47 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from m6.moe.expert_gemm import EXPERT_KERNELS, ExpertKernel, build_gemms, choose_kernel, grouped_mm_op
+
 Activation = Literal["gelu", "swiglu"]
-
-
-def _segments(splits: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(expert, start, end) for experts that received tokens."""
-    out, start = [], 0
-    for e, n in enumerate(splits):
-        if n:
-            out.append((e, start, start + n))
-        start += n
-    return out
-
-
-def _grouped_mm(a_NK: torch.Tensor, w_EKM: torch.Tensor, segs, transpose_w: bool = False,
-                out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-    """out[s:e] (+)= a[s:e] @ w[e] (or @ w[e].T) for each expert segment, in a's dtype."""
-    M = w_EKM.shape[1] if transpose_w else w_EKM.shape[2]
-    if out is None:
-        out = a_NK.new_empty(a_NK.shape[0], M)
-    for e, s, t in segs:
-        w = w_EKM[e].to(a_NK.dtype)  # cast on use (a no-op when the dtypes agree)
-        w = w.t() if transpose_w else w
-        if accumulate:
-            out[s:t].addmm_(a_NK[s:t], w)
-        else:
-            torch.mm(a_NK[s:t], w, out=out[s:t])
-    return out
-
-
-def _grouped_weight_grad(a_NK: torch.Tensor, g_NM: torch.Tensor, segs, num_experts: int) -> torch.Tensor:
-    """grad_w[e] = a[s:e].T @ g[s:e] in a's dtype; experts with no tokens get exact zeros (not a
-    missing grad)."""
-    grad = a_NK.new_empty(num_experts, a_NK.shape[1], g_NM.shape[1])
-    seen = set()
-    for e, s, t in segs:
-        torch.mm(a_NK[s:t].t(), g_NM[s:t], out=grad[e])
-        seen.add(e)
-    for e in range(num_experts):
-        if e not in seen:
-            grad[e].zero_()
-    return grad
 
 
 class _GroupedFFN(torch.autograd.Function):
@@ -72,46 +38,46 @@ class _GroupedFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x_ND, splits, activation, w_in_EDF, w_out_EFD, w_gate_EDF):
-        segs = _segments(splits)
-        h_NF = _grouped_mm(x_ND, w_in_EDF, segs)
+    def forward(ctx, x_ND, splits, activation, kernel, w_in_EDF, w_out_EFD, w_gate_EDF):
+        gemms = build_gemms(kernel, splits, x_ND.device)
+        h_NF = gemms.mm(x_ND, w_in_EDF)
         if activation == "swiglu":
-            g_NF = _grouped_mm(x_ND, w_gate_EDF, segs)
+            g_NF = gemms.mm(x_ND, w_gate_EDF)
             a_NF = F.silu(g_NF) * h_NF
         else:
             g_NF = None
             a_NF = F.gelu(h_NF)
-        y_ND = _grouped_mm(a_NF, w_out_EFD, segs)
-        ctx.segs, ctx.activation = segs, activation
+        y_ND = gemms.mm(a_NF, w_out_EFD)
+        ctx.gemms, ctx.activation = gemms, activation
         ctx.save_for_backward(x_ND, h_NF, g_NF, a_NF, w_in_EDF, w_out_EFD, w_gate_EDF)
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
         x_ND, h_NF, g_NF, a_NF, w_in, w_out, w_gate = ctx.saved_tensors
-        segs, E = ctx.segs, w_in.shape[0]
+        gemms = ctx.gemms
         need_x, need_w_in, need_w_out, need_w_gate = (
-            ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4],
-            ctx.needs_input_grad[5],
+            ctx.needs_input_grad[0], ctx.needs_input_grad[4], ctx.needs_input_grad[5],
+            ctx.needs_input_grad[6],
         )
         dy_ND = dy_ND.contiguous()
-        grad_w_out = _grouped_weight_grad(a_NF, dy_ND, segs, E).to(w_out.dtype) if need_w_out else None
-        da_NF = _grouped_mm(dy_ND, w_out, segs, transpose_w=True)
+        grad_w_out = gemms.weight_grad(a_NF, dy_ND).to(w_out.dtype) if need_w_out else None
+        da_NF = gemms.mm(dy_ND, w_out, transpose_w=True)
         grad_w_gate = dx_ND = None
         if ctx.activation == "swiglu":
             dh_NF = da_NF * F.silu(g_NF)
             dg_NF = torch.ops.aten.silu_backward(da_NF * h_NF, g_NF)
             if need_w_gate:
-                grad_w_gate = _grouped_weight_grad(x_ND, dg_NF, segs, E).to(w_gate.dtype)
+                grad_w_gate = gemms.weight_grad(x_ND, dg_NF).to(w_gate.dtype)
         else:
             # In place into da: saves one [N, F] buffer at the backward peak.
             dh_NF = torch.ops.aten.gelu_backward.grad_input(da_NF, h_NF, grad_input=da_NF)
-        grad_w_in = _grouped_weight_grad(x_ND, dh_NF, segs, E).to(w_in.dtype) if need_w_in else None
+        grad_w_in = gemms.weight_grad(x_ND, dh_NF).to(w_in.dtype) if need_w_in else None
         if need_x:
-            dx_ND = _grouped_mm(dh_NF, w_in, segs, transpose_w=True)
+            dx_ND = gemms.mm(dh_NF, w_in, transpose_w=True)
             if ctx.activation == "swiglu":
-                _grouped_mm(dg_NF, w_gate, segs, transpose_w=True, out=dx_ND, accumulate=True)
-        return dx_ND, None, None, grad_w_in, grad_w_out, grad_w_gate
+                gemms.mm(dg_NF, w_gate, transpose_w=True, out=dx_ND, accumulate=True)
+        return dx_ND, None, None, None, grad_w_in, grad_w_out, grad_w_gate
 
 
 class GroupedExperts(nn.Module):
@@ -125,10 +91,18 @@ class GroupedExperts(nn.Module):
     cast_on_use: bool = False  # under autocast: keep no low-precision weight copy (m6.model.cast_on_use)
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int, activation: Activation = "gelu",
-                 init_std: float = 0.02, init_seed: int = 0, first_expert: int = 0) -> None:
+                 init_std: float = 0.02, init_seed: int = 0, first_expert: int = 0,
+                 expert_kernel: ExpertKernel = "auto") -> None:
         super().__init__()
         if activation not in ("gelu", "swiglu"):
             raise ValueError(f"activation must be 'gelu' or 'swiglu', got {activation!r}")
+        if expert_kernel not in EXPERT_KERNELS:
+            raise ValueError(f"expert_kernel must be one of {EXPERT_KERNELS}, got {expert_kernel!r}")
+        if expert_kernel == "grouped_mm" and grouped_mm_op() is None:
+            raise ValueError(f"expert_kernel='grouped_mm' needs torch.nn.functional.grouped_mm or "
+                             f"torch._grouped_mm; torch {torch.__version__} has neither (use 'auto' or 'loop')")
+        self.expert_kernel = expert_kernel
+        self.last_kernel: str | None = None  # what the last forward ran ('loop' or 'grouped_mm')
         self.num_experts, self.d_model, self.ffn_dim = num_experts, d_model, ffn_dim
         self.activation = activation
         self.init_std, self.init_seed, self.first_expert = init_std, init_seed, first_expert
@@ -169,6 +143,8 @@ class GroupedExperts(nn.Module):
             if not self.cast_on_use:
                 # Whole-tensor casts: autograd saves them, so they live until backward.
                 weights = [w.to(dtype) if w is not None else None for w in weights]
+        x_ND = x_ND.contiguous()
+        self.last_kernel = choose_kernel(self.expert_kernel, x_ND, weights)
         with torch.autocast(device_type=device_type, enabled=False):
-            return _GroupedFFN.apply(x_ND.contiguous(), tuple(int(n) for n in splits), self.activation,
+            return _GroupedFFN.apply(x_ND, tuple(int(n) for n in splits), self.activation, self.last_kernel,
                                      *weights)

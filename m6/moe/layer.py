@@ -18,6 +18,7 @@ from torch import nn
 
 from m6.moe.dispatch import (Dispatcher, DispatchPlan, LocalDispatcher, expert_capacity, group_capacity,
                              plan_dispatch)
+from m6.moe.expert_gemm import ExpertKernel
 from m6.moe.experts import Activation, GroupedExperts
 from m6.moe.losses import balance_fractions, load_balancing_loss, router_entropy, router_z_terms
 from m6.moe.router import Routing, ScoreFunction, TopKRouter
@@ -93,6 +94,7 @@ class MoELayer(nn.Module):
         z_loss_coef: float = 1e-3,
         init_std: float = 0.02,
         init_seed: Optional[int] = None,
+        expert_kernel: ExpertKernel = "auto",
     ) -> None:
         super().__init__()
         # Each argument rule is checked in one place: here the sizes that router, experts and
@@ -124,7 +126,8 @@ class MoELayer(nn.Module):
             # One draw from the global RNG, the same whatever the expert count: the layers that
             # follow initialise identically on every rank of any expert-parallel layout.
             init_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
-        self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std, init_seed)
+        self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std, init_seed,
+                                      expert_kernel=expert_kernel)
         self.dispatcher = LocalDispatcher()
         self.stats_reducer = LocalRoutingStats()
         self.stats: Optional[MoEStats] = None

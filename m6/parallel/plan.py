@@ -57,7 +57,8 @@ def _shard_experts(experts: GroupedExperts, first: int, count: int) -> GroupedEx
     """A GroupedExperts holding global experts [first, first + count) with the same weights."""
     with torch.device(experts.w_in.device):  # meta stays meta: nothing allocated before materialising
         local = GroupedExperts(count, experts.d_model, experts.ffn_dim, experts.activation, experts.init_std,
-                               experts.init_seed, first_expert=first).to(dtype=experts.w_in.dtype)
+                               experts.init_seed, first_expert=first,
+                               expert_kernel=experts.expert_kernel).to(dtype=experts.w_in.dtype)
     if not experts.w_in.is_meta:
         with torch.no_grad():
             for name in ("w_in", "w_out", "w_gate"):

@@ -132,8 +132,16 @@ def test_choose_recompute_frees_most_bytes_per_second_and_drops_what_is_not_need
     assert "cannot be met" in impossible.summary(4)
 
 
+_DEVICE = ["cpu"]  # pytest --device (tests/conftest.py), set once per module below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _selected_device(device):
+    _DEVICE[0] = device.type
+
+
 def _fit(tmp_path, name: str, *extra: str) -> Trainer:
-    trainer = Trainer(load(None, [*TRAIN, f"run.dir={tmp_path / name}", *extra]))
+    trainer = Trainer(load(None, [*TRAIN, f"train.device={_DEVICE[0]}", f"run.dir={tmp_path / name}", *extra]))
     trainer.fit()
     return trainer
 

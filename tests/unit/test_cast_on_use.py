@@ -55,7 +55,7 @@ def _model(patch_embed: str, activation: str) -> M6Model:
                                moe=MoEConfig(every=2, num_experts=4, capacity_factor=None, activation=activation)))
 
 
-def _run(model: M6Model, cast_on_use: bool):
+def _run(model: M6Model, cast_on_use: bool, device: torch.device = torch.device("cpu")):
     """bf16 forward/backward of a fixed batch: loss, grads, and the bytes the forward kept."""
     g = torch.Generator().manual_seed(1)
     B, L = 4, 24
@@ -63,11 +63,13 @@ def _run(model: M6Model, cast_on_use: bool):
     segments[:, 12:] = 2
     ids = torch.randint(3, 200, (B, L), generator=g)
     labels = ids.masked_fill(segments == 1, -100)
+    images = torch.randn(B, 3, 16, 16, generator=g)
+    has_image = torch.tensor([True, False, True, True])
+    images, has_image, ids, segments, labels = (t.to(device) for t in (images, has_image, ids, segments, labels))
     set_cast_on_use(model, cast_on_use)
     with SavedActivationMeter(model.parameters()) as meter:
-        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=not cast_on_use):
-            hidden, aux = model(torch.randn(B, 3, 16, 16, generator=g), torch.tensor([True, False, True, True]),
-                                ids, segments)
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=not cast_on_use):
+            hidden, aux = model(images, has_image, ids, segments)
             loss = model.target_loss_sum(hidden, labels) + aux
     held, casts = meter.held_bytes(), meter.parameter_cast_bytes()
     loss.backward()
@@ -77,10 +79,10 @@ def _run(model: M6Model, cast_on_use: bool):
 
 
 @pytest.mark.parametrize("patch_embed, activation", [("linear", "gelu"), ("conv", "swiglu")])
-def test_model_cast_on_use_equals_autocast_and_keeps_no_weight_copy(patch_embed, activation):
-    model = _model(patch_embed, activation)
-    loss_a, grads_a, held_a, casts_a = _run(model, cast_on_use=False)
-    loss_c, grads_c, held_c, casts_c = _run(model, cast_on_use=True)
+def test_model_cast_on_use_equals_autocast_and_keeps_no_weight_copy(patch_embed, activation, device):
+    model = _model(patch_embed, activation).to(device)
+    loss_a, grads_a, held_a, casts_a = _run(model, cast_on_use=False, device=device)
+    loss_c, grads_c, held_c, casts_c = _run(model, cast_on_use=True, device=device)
     # Same kernels on the same bf16 operands: bitwise equal, so no tolerance is needed.
     assert loss_a == loss_c
     assert all(torch.equal(grads_a[n], grads_c[n]) for n in grads_a)

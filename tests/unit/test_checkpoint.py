@@ -25,12 +25,12 @@ def _model(hidden: int = 8) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2))
 
 
-def _trained(hidden: int = 8) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _trained(hidden: int = 8, device: torch.device = torch.device("cpu")) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A model and AdamW that have taken two steps, so the optimizer holds exp_avg/exp_avg_sq."""
-    model = _model(hidden)
+    model = _model(hidden).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(2):
-        model(torch.randn(3, 4)).pow(2).mean().backward()
+        model(torch.randn(3, 4).to(device)).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
     return model, opt
@@ -45,9 +45,9 @@ def _draws() -> tuple:
     return torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)], np.random.randn(3)
 
 
-def test_round_trip_model_optimizer_rng(tmp_path: Path) -> None:
+def test_round_trip_model_optimizer_rng(tmp_path: Path, device: torch.device) -> None:
     torch.manual_seed(0)
-    model, opt = _trained()
+    model, opt = _trained(device=device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
     opt.step()  # no grads, so parameters stay put; keeps the scheduler's step-order check quiet
     sched.step()
@@ -71,7 +71,7 @@ def test_round_trip_model_optimizer_rng(tmp_path: Path) -> None:
     for got, want in zip(_draws(), expected):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
-    fresh, fresh_opt = _trained()
+    fresh, fresh_opt = _trained(device=device)
     load_model_state(fresh, loaded["model"], str(path))
     fresh_opt.load_state_dict(loaded["optimizer"])
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):

@@ -106,9 +106,9 @@ def test_prefix_lm_mask_has_no_empty_rows():
 
 
 @pytest.fixture(scope="module")
-def model64() -> M6Model:
+def model64(device) -> M6Model:
     torch.manual_seed(0)
-    return M6Model(small_cfg()).double().eval()
+    return M6Model(small_cfg()).double().eval().to(device)
 
 
 def make_inputs(cfg: ModelConfig, seed: int = 0):
@@ -124,10 +124,17 @@ def make_inputs(cfg: ModelConfig, seed: int = 0):
     return images, has_image, ids, segments
 
 
+def on_model(model: M6Model, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors moved to the model's device (pytest --device)."""
+    device = next(model.parameters()).device
+    return tuple(t.to(device) for t in tensors)
+
+
 def forward(model: M6Model, images, has_image, ids, segments) -> torch.Tensor:
+    """Hidden states on the CPU, whatever device the model is on."""
     with torch.no_grad():
-        hidden, _ = model(images, has_image, ids, segments)
-    return hidden
+        hidden, _ = model(*on_model(model, images, has_image, ids, segments))
+    return hidden.cpu()
 
 
 def changed_positions(a_BLD: torch.Tensor, b_BLD: torch.Tensor) -> torch.Tensor:
@@ -190,7 +197,8 @@ def test_changing_one_image_patch_changes_its_rows_caption(model64):
     expected[0] = segments[0] != PAD
     assert torch.equal(moved, expected)
     target = segments[0] == TGT
-    logits_diff = (model64.logits(hidden[0, target]) - model64.logits(base[0, target])).abs().amax(dim=-1)
+    new_h, base_h = on_model(model64, hidden[0, target], base[0, target])
+    logits_diff = (model64.logits(new_h) - model64.logits(base_h)).abs().amax(dim=-1)
     assert (logits_diff > MOVED_MIN).all()
 
 
@@ -230,7 +238,7 @@ def test_padding_changes_nothing_else_even_with_a_capacity_limit():
 def test_shapes_of_hidden_and_logits(model64):
     cfg = model64.cfg
     images, has_image, ids, segments = make_inputs(cfg)
-    hidden, aux = model64(images, has_image, ids, segments)
+    hidden, aux = model64(*on_model(model64, images, has_image, ids, segments))
     assert hidden.shape == (3, 12, cfg.d_model)
     assert model64.logits(hidden).shape == (3, 12, cfg.vocab_size)
     assert aux.shape == () and torch.isfinite(aux)
@@ -242,9 +250,10 @@ def test_target_loss_sum_equals_manual_cross_entropy(model64):
     labels = torch.randint(0, model64.cfg.vocab_size, ids.shape, generator=g)
     labels[torch.rand(ids.shape, generator=g) < 0.4] = IGNORE
     with torch.no_grad():
-        hidden, _ = model64(images, has_image, ids, segments)
-        got = model64.target_loss_sum(hidden, labels)
-        weight = model64.text_embed.tokens.weight
+        hidden, _ = model64(*on_model(model64, images, has_image, ids, segments))
+        got = model64.target_loss_sum(hidden, labels.to(hidden.device))
+        hidden = hidden.cpu()
+        weight = model64.text_embed.tokens.weight.cpu()
         expected, count = 0.0, 0
         for b in range(labels.shape[0]):
             for p in range(labels.shape[1]):

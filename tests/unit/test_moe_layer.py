@@ -138,9 +138,9 @@ def _expert_weights(layer: MoELayer) -> list[torch.Tensor]:
 
 def _run_reference(layer: MoELayer, x: torch.Tensor, cfg: dict, requires_grad=True):
     """Float64 leaf copies of x and every parameter, and the reference on them."""
-    x64 = x.detach().double().requires_grad_(requires_grad)
-    router64 = layer.router.weight.detach().double().requires_grad_(requires_grad)
-    experts64 = [w.detach().double().requires_grad_(requires_grad) for w in _expert_weights(layer)]
+    x64 = x.detach().cpu().double().requires_grad_(requires_grad)
+    router64 = layer.router.weight.detach().cpu().double().requires_grad_(requires_grad)
+    experts64 = [w.detach().cpu().double().requires_grad_(requires_grad) for w in _expert_weights(layer)]
     w_gate = experts64[2] if len(experts64) == 3 else None
     T, E, K = x.shape[0], layer.num_experts, cfg.get("top_k", 2) * cfg.get("num_prototypes", 1)
     cf = layer.capacity_factor
@@ -152,7 +152,7 @@ def _run_reference(layer: MoELayer, x: torch.Tensor, cfg: dict, requires_grad=Tr
 
 
 def _assert_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str):
-    got, want = got.detach().double(), want.detach().double()
+    got, want = got.detach().cpu().double(), want.detach().cpu().double()
     scale = max(1.0, want.abs().max().item()) if want.numel() else 1.0
     torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=lambda m: f"{what}: {m}")
 
@@ -190,11 +190,11 @@ DTYPES_LOSS = DTYPES
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10}
 
 
-def _case(name: str, dtype: torch.dtype, seed: int = 0):
+def _case(name: str, dtype: torch.dtype, seed: int = 0, device: torch.device = torch.device("cpu")):
     E, T, kwargs = CASES[name]
     D, F = 6, 5
-    layer = _make_layer(D, F, E, seed=seed, **kwargs).to(dtype)
-    x = torch.randn(T, D, dtype=dtype, generator=torch.Generator().manual_seed(seed + 1))
+    layer = _make_layer(D, F, E, seed=seed, **kwargs).to(device, dtype)
+    x = torch.randn(T, D, dtype=dtype, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     return layer, x, kwargs
 
 
@@ -206,8 +206,8 @@ def _check_routing_margins(ref: Ref):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_output_and_grads_match_reference(name, dtype):
-    layer, x, kwargs = _case(name, dtype)
+def test_output_and_grads_match_reference(name, dtype, device):
+    layer, x, kwargs = _case(name, dtype, device=device)
     x.requires_grad_(True)
     params = [x, layer.router.weight] + _expert_weights(layer)
     y, _ = layer(x)
@@ -220,7 +220,7 @@ def test_output_and_grads_match_reference(name, dtype):
 
     _assert_close(y, ref.y_TD, TOL[dtype], "output")
     g_y = torch.randn(y.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
-    grads = torch.autograd.grad((y * g_y.to(dtype)).sum(), params)
+    grads = torch.autograd.grad((y * g_y.to(device, dtype)).sum(), params)
     ref_grads = torch.autograd.grad((ref.y_TD * g_y).sum(), ref_params)
     names = ["x", "router.weight", "w_in", "w_out", "w_gate"]
     for n, got, want in zip(names, grads, ref_grads):
@@ -315,15 +315,16 @@ def test_gradcheck_grouped_experts(activation):
 # ---------------------------------------------------------------------------------------------
 # 6. Experts that receive no tokens
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_all_tokens_to_one_expert(capacity_factor):
+def test_all_tokens_to_one_expert(capacity_factor, device):
     E, D, T, hot = 4, 5, 10, 2
     layer = _make_layer(D, 3, E, top_k=1, capacity_factor=capacity_factor, min_capacity=1, activation="swiglu")
+    layer.to(device)
     with torch.no_grad():
         layer.router.weight.mul_(0.1)
         layer.router.weight[hot, 0] = 20.0
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(2))
     x[:, 0] = 1.0  # a constant feature acts as the router bias toward expert `hot`
-    x.requires_grad_(True)
+    x = x.to(device).requires_grad_(True)
     params = [x, layer.router.weight] + _expert_weights(layer)
     y, _ = layer(x)
     ref, ref_params = _run_reference(layer, x, dict(top_k=1, activation="swiglu"))
@@ -333,11 +334,11 @@ def test_all_tokens_to_one_expert(capacity_factor):
         assert ref.dropped == T - layer.capacity(T) > 0
         # all weights tie at 1.0: the first `capacity` tokens are the kept ones
         assert ref.kept == {(t, 0) for t in range(layer.capacity(T))}
-        assert torch.equal(y[layer.capacity(T):], torch.zeros(T - layer.capacity(T), D))
+        assert torch.equal(y[layer.capacity(T):].cpu(), torch.zeros(T - layer.capacity(T), D))
     _assert_close(y, ref.y_TD, 2e-5, "output")
 
     g_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
-    grads = torch.autograd.grad((y * g_y).sum(), params)
+    grads = torch.autograd.grad((y * g_y.to(device)).sum(), params)
     ref_grads = torch.autograd.grad((ref.y_TD * g_y.double()).sum(), ref_params)
     for n, got, want in zip(["x", "router", "w_in", "w_out", "w_gate"], grads, ref_grads):
         _assert_close(got, want, 2e-5, f"grad {n}")

@@ -21,11 +21,17 @@ SMALL = [
     "model.image_size=16", "model.moe.every=2", "model.moe.num_experts=4", "data.kind=synthetic",
     "data.num_workers=0", "data.num_samples=256", "data.eval_samples=8", "data.seq_len=48",
     "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32",
-    "train.device=cpu", "logging.console=false", "checkpoint.every=0",
+    "logging.console=false", "checkpoint.every=0",
     # Offload is compared with the plain run bitwise: the same torch AdamW on the host. DeepSpeed's
     # CPU Adam (the default when it builds) is tested in test_host_optimizer.py.
     "memory.host_optimizer=torch",
 ]
+_DEVICE = ["cpu"]  # pytest --device (tests/conftest.py), set once per module below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _selected_device(device):
+    _DEVICE[0] = device.type
 VARIANTS = {
     "apply_groups": ["optim.apply_groups=4"],
     "offload_optimizer": ["memory.offload=optimizer"],
@@ -38,7 +44,7 @@ STEPS = 5
 
 
 def trainer(tmp_path, *extra: str) -> Trainer:
-    return Trainer(load(None, [*SMALL, f"run.dir={tmp_path}", *extra]))
+    return Trainer(load(None, [*SMALL, f"train.device={_DEVICE[0]}", f"run.dir={tmp_path}", *extra]))
 
 
 def run(tr: Trainer, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -1,0 +1,400 @@
+"""The parts of bench/gpu_suite.py, one per process: ``python -m bench.gpu_parts PART --out DIR``.
+
+Each part writes DIR/PART.json: {"part", "device_info", "result", "markdown"}; the suite runs
+each in its own process (a CUDA error or a hang in one cannot take the others down) and under its
+own time limit. ``--smoke`` shrinks every shape so the whole suite runs on a CPU in seconds (a
+harness check, not a measurement).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+# The tests that honour pytest --device (tests/conftest.py), plus the grouped-GEMM and host-sync
+# tests, whose CUDA cases run whenever CUDA is there.
+DEVICE_TESTS = ["tests/unit/test_moe_layer.py", "tests/unit/test_expert_kernel.py", "tests/unit/test_moe_host_syncs.py",
+                "tests/unit/test_model.py", "tests/unit/test_cast_on_use.py", "tests/unit/test_offload.py",
+                "tests/unit/test_checkpoint.py", "tests/unit/test_activation_checkpoint.py"]
+
+
+def device_info(device: torch.device) -> dict:
+    """Device name, torch, CUDA and driver versions: stamped on every part's result."""
+    info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+            "cuda_runtime": torch.version.cuda, "host": platform.node()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            info["driver"] = out.stdout.strip().splitlines()[0] if out.returncode == 0 else f"nvidia-smi rc {out.returncode}"
+        except (OSError, subprocess.TimeoutExpired, IndexError) as e:
+            info["driver"] = f"unavailable: {e}"
+    else:
+        info["name"] = platform.processor() or platform.machine()
+    return info
+
+
+def time_ms(fn: Callable[[], None], device: torch.device, warmup: int, reps: int) -> list[float]:
+    """Per-call milliseconds of ``fn`` after ``warmup`` calls: CUDA events on a GPU, else a host clock."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            out.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _stats(ms: list[float]) -> dict:
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "reps": len(ms)}
+
+
+# ---------------------------------------------------------------------------------------------
+# (a) the device-aware tests on the device
+def part_tests(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    files = DEVICE_TESTS
+    selector: list[str] = []
+    if args.smoke:
+        files, selector = ["tests/unit/test_expert_kernel.py"], ["-k", "no_rows or idle_first"]
+    junit = out / "tests-junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--device", device.type,
+           f"--junitxml={junit}", *selector, *files]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (out / "tests.log").write_text(proc.stdout + proc.stderr)
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    failed = []
+    if junit.exists():
+        root = ET.parse(junit).getroot()
+        for suite in ([root] if root.tag == "testsuite" else root.iter("testsuite")):
+            for k in counts:
+                counts[k] += int(suite.get(k, 0))
+            for case in suite.iter("testcase"):
+                if case.find("failure") is not None or case.find("error") is not None:
+                    failed.append(f"{case.get('classname')}::{case.get('name')}")
+    result = {"command": " ".join(cmd[1:]), "returncode": proc.returncode, **counts,
+              "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"], "failed": failed}
+    md = [f"`{result['command']}`: rc {proc.returncode}; {result['passed']} passed, {counts['failures']} failed, "
+          f"{counts['errors']} errors, {counts['skipped']} skipped (log: tests.log)"]
+    md += [f"- FAILED {name}" for name in failed[:30]]
+    return result, md
+
+
+# ---------------------------------------------------------------------------------------------
+# (b) the device's bf16 GEMM rate
+def part_gemm_rate(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    n = 256 if args.smoke else 8192
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    # Three random input sets, rotated, so no repeat reads operands from cache (and never zeros).
+    sets = [(torch.randn(n, n, device=device, dtype=dtype, generator=g),
+             torch.randn(n, n, device=device, dtype=dtype, generator=g)) for _ in range(3)]
+    c = torch.empty(n, n, device=device, dtype=dtype)
+    i = [0]
+
+    def step() -> None:
+        a, b = sets[i[0] % 3]
+        i[0] += 1
+        torch.mm(a, b, out=c)
+
+    ms = time_ms(step, device, warmup=3 if args.smoke else 10, reps=5 if args.smoke else 30)
+    s = _stats(ms)
+    tflops = 2 * n**3 / (s["median_ms"] * 1e-3) / 1e12
+    result = {"n": n, "dtype": str(dtype), **s, "tflops_median": tflops,
+              "tflops_best": 2 * n**3 / (s["min_ms"] * 1e-3) / 1e12}
+    return result, [f"{n}x{n}x{n} {dtype} matmul (random data, 3 rotating input sets): median {s['median_ms']:.3f} ms "
+                    f"over {s['reps']} -> {tflops:.1f} TFLOP/s (best {result['tflops_best']:.1f})"]
+
+
+# ---------------------------------------------------------------------------------------------
+# (c) grouped_mm vs the per-expert loop, real routing, fwd+bwd
+def routed_rows(num_experts: int, top_k: int, tokens: int, d_model: int, ffn_dim: int, device: torch.device,
+                seed: int = 0):
+    """A swiglu MoELayer on ``device`` and the tokens its own router sent to its experts:
+    (layer, x_ND grouped by expert, splits)."""
+    from m6.moe import MoELayer
+
+    torch.manual_seed(seed)
+    layer = MoELayer(d_model, ffn_dim, num_experts, top_k=top_k, capacity_factor=None, activation="swiglu").to(device)
+    x_TD = torch.randn(tokens, d_model, device=device)
+    with torch.no_grad():
+        routing = layer.router(x_TD)
+        plan = layer.dispatch_plan(routing, None, tokens)
+        x_ND, splits, _ = layer.dispatcher.dispatch(x_TD, plan)
+    return layer, x_ND, [int(s) for s in splits]
+
+
+def part_grouped_vs_loop(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    dtype = torch.bfloat16
+    tokens, d_model, ffn_dim = (64, 16, 24) if args.smoke else (16384, 2048, 1024)
+    rows = []
+    md = [f"tokens {tokens}, d_model {d_model}, expert ffn {ffn_dim}, swiglu, bf16 compute from fp32 weights "
+          "(cast-on-use), forward+backward of the experts alone on the router's real assignments", "",
+          "| E | top_k | rows | idle experts | rows/expert min-max | loop ms | grouped_mm ms | speedup | TFLOP/s grouped | max rel err (y, grads) |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for E, k in ((8, 2), (32, 4), (128, 8)):
+        layer, x_ND, splits = routed_rows(E, k, tokens, d_model, ffn_dim, device)
+        experts = layer.experts
+        experts.cast_on_use = True
+        x = x_ND.to(dtype).detach().requires_grad_(True)
+        dy = torch.randn_like(x)
+        outputs = {}
+        timings = {}
+        for kernel in ("loop", "grouped_mm"):
+            experts.expert_kernel = kernel
+
+            def step() -> None:
+                for p in experts.parameters():
+                    p.grad = None
+                x.grad = None
+                with torch.autocast(device.type, dtype=dtype):
+                    y = experts(x, splits)
+                y.backward(dy)
+
+            step()
+            with torch.autocast(device.type, dtype=dtype):
+                y = experts(x, splits)
+            y.backward(dy)
+            outputs[kernel] = [y.detach().float(), x.grad.float()] + [p.grad.float() for p in experts.parameters()]
+            ran = experts.last_kernel
+            timings[kernel] = _stats(time_ms(step, device, warmup=1 if args.smoke else 3, reps=3 if args.smoke else 20))
+            timings[kernel]["ran"] = ran
+        errs = [float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(outputs["grouped_mm"], outputs["loop"])]
+        flops = 3 * 3 * 2 * sum(splits) * d_model * ffn_dim  # 3 GEMMs (swiglu) x (fwd + 2 bwd) x 2 flops
+        speedup = timings["loop"]["median_ms"] / timings["grouped_mm"]["median_ms"]
+        row = {"num_experts": E, "top_k": k, "rows": sum(splits), "idle_experts": splits.count(0),
+               "rows_per_expert_min": min(splits), "rows_per_expert_max": max(splits), "timings": timings,
+               "speedup_grouped_over_loop": speedup, "rel_err_grouped_vs_loop": errs,
+               "tflops_grouped": flops / (timings["grouped_mm"]["median_ms"] * 1e-3) / 1e12}
+        rows.append(row)
+        md.append(f"| {E} | {k} | {row['rows']} | {row['idle_experts']} | {min(splits)}-{max(splits)} | "
+                  f"{timings['loop']['median_ms']:.3f} | {timings['grouped_mm']['median_ms']:.3f} | {speedup:.2f} | "
+                  f"{row['tflops_grouped']:.1f} | {max(errs):.2e} |")
+        del layer, experts, x, dy, outputs
+    return {"tokens": tokens, "d_model": d_model, "ffn_dim": ffn_dim, "rows": rows}, md
+
+
+# ---------------------------------------------------------------------------------------------
+# (d) bench/moe_layer on the device: m6 vs DeepSpeed-MoE vs dense
+def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    sub = out / "moe_layer"
+    cmd = [sys.executable, "-m", "bench.moe_layer", "--device", device.type, "--stages", "timing",
+           "--skip-glibc-compare", "--out", str(sub)]
+    cmd += ["--quick", "--rounds", "1", "--max-rounds", "2", "--no-drop", "--experts", "4", "--top-k", "2"] if args.smoke \
+        else ["--shapes", "gpu", "--rounds", "3", "--max-rounds", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (out / "moe_layer.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.moe_layer exited {proc.returncode}: {proc.stderr[-2000:]}")
+    files = sorted(sub.glob("moe_layer-*.json"))
+    result = json.loads(files[-1].read_text())
+    md = [f"`{' '.join(cmd[1:])}` -> {files[-1].relative_to(out)}", ""]
+    lines = files[-1].with_suffix(".md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| d/ffn/tokens"))
+    md += lines[start:]  # the table (and targets), without the long preamble
+    return {"command": " ".join(cmd[1:]), "file": str(files[-1].relative_to(out)), "rows": result["rows"]}, md
+
+
+# ---------------------------------------------------------------------------------------------
+# (e) one end-to-end train.py run, plus a profile of the same configuration
+def _text_corpus(path: Path, lines: int, words_per_line: int, seed: int = 0) -> None:
+    """Random lowercase words, one long line per sample: every sample fills data.seq_len."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    with open(path, "w") as f:
+        for _ in range(lines):
+            lens = rng.integers(2, 9, size=words_per_line)
+            f.write(" ".join("".join(rng.choice(letters, size=int(n))) for n in lens) + "\n")
+
+
+def train_overrides(args, out: Path) -> list[str]:
+    """Config overrides of the end-to-end run: full-length synthetic text, no eval or checkpoints."""
+    corpus = out / "corpus.txt"
+    seq_len = 64 if args.smoke else 1024
+    _text_corpus(corpus, lines=64 if args.smoke else 2048, words_per_line=seq_len // 3)
+    extra = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64",
+             "model.moe.num_experts=4", "model.moe.ffn_dim=32", "model.max_text_len=64", "train.global_batch_size=2",
+             "train.micro_batch_size=2"] if args.smoke else []
+    return ["data.kind=files", f"data.sources=[{{path: {corpus}, format: text, weight: 1.0}}]",
+            "data.tasks={continue: 1.0}", "data.eval_samples=0", "data.num_workers=2", f"data.seq_len={seq_len}",
+            f"train.device={'cuda' if args.device == 'cuda' else 'cpu'}", "train.eval_every=0", "checkpoint.every=0",
+            "logging.every=1", "logging.wandb.enabled=false", *extra]
+
+
+def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    steps = 3 if args.smoke else 12
+    run_dir = out / "train_run"
+    overrides = train_overrides(args, out) + [f"train.max_steps={steps}", f"run.dir={run_dir}"]
+    cmd = [sys.executable, "train.py", "--config", "configs/m6-gpu-2b.yaml", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (out / "train_e2e.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py exited {proc.returncode}: {proc.stderr[-2000:]}")
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    history = [h for h in history if "tokens_per_s" in h]
+    steady = history[min(2, len(history) - 1):]  # the first steps carry start-up work
+    med = lambda k: statistics.median(h[k] for h in steady) if all(k in h for h in steady) else None  # noqa: E731
+    result = {"command": " ".join(cmd[1:]), "steps": len(history), "steady_steps": len(steady),
+              "tokens_per_s_median": med("tokens_per_s"), "mfu_median": med("mfu"), "tflops_median": med("tflops"),
+              "step_time_s_median": med("step_time_s"), "peak_mem_gb_max": max(h["peak_mem_gb"] for h in history),
+              "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"]}
+    result["profile_top15"] = profile_steps(args, device, out, overrides)
+    mfu = result["mfu_median"]
+    md = [f"`python {result['command']}`",
+          f"- steps {len(history)} (median over the last {len(steady)}): {result['tokens_per_s_median']:.0f} tokens/s, "
+          f"{result['tflops_median']:.1f} TFLOP/s, MFU {'-' if mfu is None else f'{mfu:.3f}'}, "
+          f"step {result['step_time_s_median']:.3f} s, peak memory {result['peak_mem_gb_max']:.2f} GB, "
+          f"loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}",
+          f"- torch profiler, top-15 kernels by device time: {result['profile_top15']}"]
+    return result, md
+
+
+def profile_steps(args, device: torch.device, out: Path, overrides: list[str]) -> str:
+    """Two profiled train steps of the same configuration (after two warm-ups); the top 15 kernels
+    by self device time (CPU: self CPU time) go to profile_top15.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from m6.config import load
+    from m6.train.loop import Trainer
+
+    cfg = load("configs/m6-gpu-2b.yaml", [*overrides, "train.max_steps=100", f"run.dir={out / 'profile_run'}"])
+    trainer = Trainer(cfg)
+    for _ in range(2):
+        trainer.train_step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            trainer.train_step()
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    try:
+        table = prof.key_averages().table(sort_by=key, row_limit=15)
+    except (AttributeError, KeyError, RuntimeError):  # newer torch names device time differently
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15)
+    path = out / "profile_top15.txt"
+    path.write_text(table)
+    return path.name
+
+
+# ---------------------------------------------------------------------------------------------
+# (f) memory features on the device: bytes per parameter and time vs plain
+MEMORY_VARIANTS = {
+    "plain (bf16 autocast)": ["train.precision=bf16-autocast"],
+    "cast-on-use (bf16)": ["train.precision=bf16"],
+    "offload=optimizer": ["train.precision=bf16", "memory.offload=optimizer"],
+    "offload=optimizer+params": ["train.precision=bf16", "memory.offload=optimizer+params"],
+}
+README_DEVICE_BYTES_PER_PARAM = {"offload=optimizer": 4.50, "offload=optimizer+params": 1.86, "plain (bf16 autocast)": 16.0}
+
+
+def part_memory(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    from bench.memory import COMMON, MODEL, ModelStateBytes
+    from m6.config import load
+    from m6.train.loop import Trainer
+
+    model = MODEL["quick" if args.smoke else "cuda"]
+    steps = 2 if args.smoke else 6
+    rows = {}
+    for name, extra in MEMORY_VARIANTS.items():
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        overrides = [*COMMON, *model, f"train.device={device.type}", f"run.dir={out / 'memory_runs' / name.split()[0]}",
+                     *extra]
+        trainer = Trainer(load("configs/tiny.yaml", overrides))
+        states = ModelStateBytes(trainer)
+        num_params = sum(p.numel() for p in states.params)
+        trainer.train_step()  # warm-up: optimizer state and offload buffers exist after it
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = [trainer.train_step()["step_time_s"] for _ in range(steps)]
+        row = {"num_params": num_params, "step_time_s_median": statistics.median(times)}
+        if device.type == "cuda":  # the allocator's figures over the timed steps, hooks off
+            row["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+            row["memory_allocated_after_step_bytes"] = torch.cuda.memory_allocated(device)
+            row["allocated_after_step_bytes_per_param"] = row["memory_allocated_after_step_bytes"] / num_params
+            row["peak_bytes_per_param"] = row["max_memory_allocated_bytes"] / num_params
+        # Breakdown (bench.memory's counters): model-state bytes where a GPU run keeps them, sampled
+        # inside every block's forward and around every gradient's accumulation in one more step.
+        handles = states.watch()
+        trainer.train_step()
+        for h in handles:
+            h.remove()
+        sample = states.sample()
+        row["model_state_bytes_after_step"] = sample
+        row["model_state_device_side_peak_bytes_per_param"] = states.peak_device_side / num_params
+        row["model_state_device_side_after_step_bytes_per_param"] = sample["device_side"] / num_params
+        rows[name] = row
+        del trainer, states
+    plain = rows["plain (bf16 autocast)"]["step_time_s_median"]
+    md = ["| variant | params | model states on device, peak B/param (counters) | allocator: after step / peak B/param | "
+          "README (CPU-derived, device side) | step s | vs plain |", "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        r["time_vs_plain"] = r["step_time_s_median"] / plain
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        md.append(f"| {name} | {r['num_params']:,} | {fmt(r['model_state_device_side_peak_bytes_per_param'])} | "
+                  f"{fmt(r.get('allocated_after_step_bytes_per_param'))} / {fmt(r.get('peak_bytes_per_param'))} | "
+                  f"{README_DEVICE_BYTES_PER_PARAM.get(name, '-')} | "
+                  f"{r['step_time_s_median']:.3f} | {r['time_vs_plain']:.2f} |")
+    return {"model": model, "steps": steps, "variants": rows}, md
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else str(obj)
+
+
+PARTS = {"tests": part_tests, "gemm_rate": part_gemm_rate, "grouped_vs_loop": part_grouped_vs_loop,
+         "moe_layer": part_moe_layer, "train_e2e": part_train_e2e, "memory": part_memory}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=list(PARTS))
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    result, md = PARTS[args.part](args, device, out)
+    record = {"part": args.part, "device_info": device_info(device), "smoke": args.smoke,
+              "wall_s": round(time.time() - t0, 1), "result": result, "markdown": md}
+    (out / f"{args.part}.json").write_text(json.dumps(_jsonable(record), indent=2))
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

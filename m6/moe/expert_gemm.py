@@ -1,0 +1,176 @@
+"""The per-expert GEMMs of GroupedExperts: a Python loop of torch.mm, or one grouped GEMM call.
+
+Shape legend: N rows grouped by expert, K the contracted size, M the output size, E experts.
+
+Both backends compute the same three products over contiguous expert segments of the rows:
+``out[s:t] = a[s:t] @ w[e]`` (forward and input gradients, ``w[e].T`` when transposed) and
+``grad_w[e] = a[s:t].T @ g[s:t]`` (weight gradients, exact zeros for experts that got no rows).
+
+Grouped GEMM layout (torch ``grouped_mm``): forward and input gradients are 2D x 3D with ``offs``
+the cumulative int32 row ends; weight gradients are 2D x 2D, ``a.T`` (column-major view) times
+``g`` (row-major), giving [E, K, M]. In both, the grouped dimension is the outer (strided) one of
+every operand, so a group starts at row ``s`` of a row-major tensor: its address is 16-byte aligned
+whenever the row length is, and the CUDA kernel's per-group alignment assert (which applies only to
+the other layouts) is not reached. So groups need no padding; only K and M (d_model, ffn_dim) must
+be 16-byte multiples (8 bf16 / 4 fp32 elements) and the base pointers 16-byte aligned.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal, Optional, Sequence
+
+import numpy as np
+import torch
+
+ExpertKernel = Literal["auto", "loop", "grouped_mm"]
+EXPERT_KERNELS = ("auto", "loop", "grouped_mm")
+
+
+def grouped_mm_op() -> Optional[Callable[..., torch.Tensor]]:
+    """torch's grouped GEMM: the public ``torch.nn.functional.grouped_mm`` where it exists, else
+    the private ``torch._grouped_mm`` (torch 2.8-2.1x), else None."""
+    public = getattr(torch.nn.functional, "grouped_mm", None)
+    if public is not None:
+        return public
+    return getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_fits(x_NK: torch.Tensor, weights: Sequence[Optional[torch.Tensor]], compute_dtype: torch.dtype) -> bool:
+    """Whether the grouped kernel accepts these operands: every stride a 16-byte multiple and the
+    base pointers 16-byte aligned (TMA loads on Hopper; the CPU op checks the same strides)."""
+    elem = torch.empty((), dtype=compute_dtype).element_size()
+    dims = {x_NK.shape[1]} | {d for w in weights if w is not None for d in w.shape[1:]}
+    if any((d * elem) % 16 for d in dims):
+        return False
+    return x_NK.data_ptr() % 16 == 0
+
+
+def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Optional[torch.Tensor]]) -> str:
+    """'loop' or 'grouped_mm' for one layer call, from the configured choice, the device, dtype and shapes.
+
+    ``auto`` takes the grouped kernel only where torch has a fused one: CUDA, bf16, compute
+    capability 9.0 or newer (CUTLASS grouped GEMM on Hopper and Blackwell), aligned shapes, and at
+    least one row. Elsewhere (CPU, fp32, older GPUs) it keeps the loop, which is what m6 ran before.
+    """
+    if kernel == "loop":
+        return "loop"
+    if kernel == "grouped_mm":
+        if grouped_mm_op() is None:
+            raise ValueError(f"model.moe.expert_kernel=grouped_mm but torch {torch.__version__} has no grouped_mm")
+        if not grouped_mm_fits(x_NK, weights, x_NK.dtype):
+            dims = [x_NK.shape[1]] + [d for w in weights if w is not None for d in w.shape[1:]]
+            raise ValueError(f"model.moe.expert_kernel=grouped_mm: torch's grouped GEMM needs 16-byte strides, but "
+                             f"d_model/ffn_dim {sorted(set(dims))} in {x_NK.dtype} are not all multiples of "
+                             f"{16 // x_NK.element_size()} (or the tokens are not 16-byte aligned); use 'auto' or 'loop'")
+        return "grouped_mm"
+    if kernel != "auto":
+        raise ValueError(f"model.moe.expert_kernel must be one of {EXPERT_KERNELS}, got {kernel!r}")
+    if grouped_mm_op() is None or x_NK.device.type != "cuda" or x_NK.dtype != torch.bfloat16 or x_NK.shape[0] == 0:
+        return "loop"
+    if torch.cuda.get_device_capability(x_NK.device)[0] < 9:
+        return "loop"
+    return "grouped_mm" if grouped_mm_fits(x_NK, weights, x_NK.dtype) else "loop"
+
+
+def _segments(splits: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(expert, start, end) for experts that received tokens."""
+    out, start = [], 0
+    for e, n in enumerate(splits):
+        if n:
+            out.append((e, start, start + n))
+        start += n
+    return out
+
+
+class LoopGemms:
+    """Per-expert torch.mm on each segment; weights cast per expert, so at most one expert's
+    low-precision copy exists at a time."""
+
+    name = "loop"
+
+    def __init__(self, splits: Sequence[int], device: torch.device) -> None:
+        self.num_experts = len(splits)
+        self.segs = _segments(splits)
+
+    def mm(self, a_NK: torch.Tensor, w_EKM: torch.Tensor, transpose_w: bool = False,
+           out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+        """out[s:t] (+)= a[s:t] @ w[e] (or @ w[e].T) for each expert segment, in a's dtype."""
+        M = w_EKM.shape[1] if transpose_w else w_EKM.shape[2]
+        if out is None:
+            out = a_NK.new_empty(a_NK.shape[0], M)
+        for e, s, t in self.segs:
+            w = w_EKM[e].to(a_NK.dtype)  # cast on use (a no-op when the dtypes agree)
+            w = w.t() if transpose_w else w
+            if accumulate:
+                out[s:t].addmm_(a_NK[s:t], w)
+            else:
+                torch.mm(a_NK[s:t], w, out=out[s:t])
+        return out
+
+    def weight_grad(self, a_NK: torch.Tensor, g_NM: torch.Tensor) -> torch.Tensor:
+        """[E, K, M] grad_w[e] = a[s:t].T @ g[s:t] in a's dtype; idle experts get exact zeros."""
+        grad = a_NK.new_empty(self.num_experts, a_NK.shape[1], g_NM.shape[1])
+        seen = set()
+        for e, s, t in self.segs:
+            torch.mm(a_NK[s:t].t(), g_NM[s:t], out=grad[e])
+            seen.add(e)
+        for e in range(self.num_experts):
+            if e not in seen:
+                grad[e].zero_()
+        return grad
+
+
+class GroupedGemms:
+    """One torch grouped GEMM per product over all experts.
+
+    Cast-on-use casts the whole stacked weight once per call (not per expert): a transient
+    low-precision copy of one [E, K, M] weight (E*K*M*2 bytes in bf16) lives for the length of one
+    GEMM and is not saved for backward; the loop's per-expert cast peaks at 1/E of that.
+    """
+
+    name = "grouped_mm"
+
+    def __init__(self, splits: Sequence[int], device: torch.device) -> None:
+        self.num_experts = len(splits)
+        self.num_rows = int(sum(splits))
+        self.idle = [e for e, n in enumerate(splits) if n == 0]
+        # Row ends written on the host from the splits the host already holds, into a (pinned, on
+        # CUDA) buffer that is copied to the device asynchronously: no device read and no blocking
+        # copy, so dispatch's host_ints stays the one host sync per layer forward.
+        offs = torch.empty(self.num_experts, dtype=torch.int32, pin_memory=device.type == "cuda")
+        offs.numpy()[:] = np.cumsum(np.asarray(splits, dtype=np.int64))
+        self.offs = offs.to(device, non_blocking=True) if device.type == "cuda" else offs
+        self._op = grouped_mm_op()
+
+    def mm(self, a_NK: torch.Tensor, w_EKM: torch.Tensor, transpose_w: bool = False,
+           out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+        """out (+)= grouped a @ w[e] (or @ w[e].T), in a's dtype."""
+        w = w_EKM.to(a_NK.dtype)  # cast on use: the whole stack once, freed after this GEMM
+        if transpose_w:
+            w = w.transpose(1, 2)
+        if self.num_rows == 0:
+            y = a_NK.new_zeros(0, w.shape[2])
+        else:
+            y = self._op(a_NK, w, offs=self.offs)
+        if out is None:
+            return y
+        if accumulate:
+            return out.add_(y)
+        return out.copy_(y)
+
+    def weight_grad(self, a_NK: torch.Tensor, g_NM: torch.Tensor) -> torch.Tensor:
+        """[E, K, M] grad_w[e] = a[s:t].T @ g[s:t] in a's dtype; idle experts get exact zeros."""
+        if self.num_rows == 0:
+            # torch's stride check rejects a zero-length contraction; nothing to contract anyway.
+            return a_NK.new_zeros(self.num_experts, a_NK.shape[1], g_NM.shape[1])
+        grad = self._op(a_NK.t(), g_NM, offs=self.offs)
+        # An empty group's output block is not written by every kernel version: zero it here,
+        # from the host-side splits (no device read).
+        for e in self.idle:
+            grad[e].zero_()
+        return grad
+
+
+def build_gemms(name: str, splits: Sequence[int], device: torch.device) -> LoopGemms | GroupedGemms:
+    """The backend object for one layer call (``name`` from choose_kernel)."""
+    return GroupedGemms(splits, device) if name == "grouped_mm" else LoopGemms(splits, device)

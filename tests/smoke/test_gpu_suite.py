@@ -1,0 +1,57 @@
+"""bench/gpu_suite.py runs end to end on the CPU at tiny shapes (--smoke) and writes what it promises;
+a part that overruns its limit is killed and recorded while the next one still runs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+from bench.gpu_parts import PARTS
+from bench.gpu_suite import run_part
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_suite_smoke_on_cpu_writes_every_part(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_suite", "--out", str(tmp_path), "--device", "cpu", "--smoke"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    suite = json.loads((tmp_path / "suite.json").read_text())
+    assert [p["part"] for p in suite["parts"]] == list(PARTS)
+    assert all(p["status"] == "ok" for p in suite["parts"]), suite["parts"]
+    md = (tmp_path / "suite.md").read_text()
+    for part in PARTS:
+        record = json.loads((tmp_path / f"{part}.json").read_text())
+        assert record["device_info"]["torch"] and record["device_info"]["device"] == "cpu"
+        assert record["smoke"] and f"## {part}: ok" in md
+    tests = json.loads((tmp_path / "tests.json").read_text())["result"]
+    assert tests["returncode"] == 0 and tests["passed"] >= 2 and tests["failures"] == 0
+    gemm = json.loads((tmp_path / "gemm_rate.json").read_text())["result"]
+    assert gemm["tflops_median"] > 0
+    gvl = json.loads((tmp_path / "grouped_vs_loop.json").read_text())["result"]["rows"]
+    assert [r["num_experts"] for r in gvl] == [8, 32, 128]
+    assert gvl[-1]["idle_experts"] > 0  # real routing at E=128 leaves experts without tokens
+    for r in gvl:
+        assert r["timings"]["grouped_mm"]["ran"] == "grouped_mm" and r["timings"]["loop"]["ran"] == "loop"
+        assert max(r["rel_err_grouped_vs_loop"]) < 2e-2  # bf16 operands
+    moe = json.loads((tmp_path / "moe_layer.json").read_text())["result"]["rows"]
+    assert set(moe[0]["impls"]) == {"m6_capacity", "m6_dropless", "deepspeed", "dense"}
+    train = json.loads((tmp_path / "train_e2e.json").read_text())["result"]
+    assert train["steps"] == 3 and train["tokens_per_s_median"] > 0
+    assert (tmp_path / "profile_top15.txt").read_text().count("\n") > 5
+    memory = json.loads((tmp_path / "memory.json").read_text())["result"]["variants"]
+    plain = memory["plain (bf16 autocast)"]["model_state_device_side_peak_bytes_per_param"]
+    assert 16.0 <= plain < 16.01  # fp32 params + grads + two AdamW moments (+ step counts), nothing offloaded
+    assert memory["offload=optimizer"]["model_state_device_side_peak_bytes_per_param"] < plain / 2
+
+
+def test_a_part_over_its_limit_is_killed_and_the_next_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    args = Namespace(device="cpu", smoke=True)
+    slow = run_part("train_e2e", args, tmp_path, limit_s=1.0)
+    assert slow["status"] == "timeout" and "log_tail" in slow and not (tmp_path / "train_e2e.json").exists()
+    fast = run_part("gemm_rate", args, tmp_path, limit_s=120)
+    assert fast["status"] == "ok" and fast["markdown"]
