@@ -27,6 +27,7 @@ from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
 from m6.memory.estimate import activation_report, recomputed_parts
 from m6.memory.recompute import RecomputeParts
 from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
+from m6.plan.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
 
 
@@ -109,6 +110,10 @@ class HostProfile:
         try:
             model = rank_model(cfg, world_size, ep)
             model.materialize(torch.device("cpu"), cfg.run.seed)
+            if ep > 1:  # this rank's experts only: the exchange is skipped, its local work kept
+                wire = torch.bfloat16 if cfg.model.moe.a2a_dtype == "bf16" else None
+                for layer in model.moe_layers().values():
+                    layer.dispatcher = LoopbackDispatcher(cfg.model.moe.num_experts, ep, wire)
             if recompute:
                 RecomputeParts(model).apply(sorted(recompute))
             m, L = cfg.model, cfg.data.seq_len
