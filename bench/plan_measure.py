@@ -76,6 +76,38 @@ def live_storage_bytes() -> int:
     return sum(seen.values())
 
 
+class PhaseClock:
+    """Wall seconds spent in a few of the trainer's calls during the timed steps (instance
+    attributes shadow the methods; removed after), to tell where a step's time goes."""
+
+    PHASES = {"forward": ("trainer", "forward_loss"), "backward": ("update", "backward"),
+              "finish (grad sync wait, offload)": ("update", "finish"), "clip": ("update", "clip"),
+              "update": ("update", "step")}
+
+    def __init__(self, trainer) -> None:
+        self.owners = {"trainer": trainer, "update": trainer.update}
+        self.seconds = {name: 0.0 for name in self.PHASES}
+
+    def _timed(self, name: str, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+        return run
+
+    def __enter__(self) -> "PhaseClock":
+        for name, (owner, attr) in self.PHASES.items():
+            obj = self.owners[owner]
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr in self.PHASES.values():
+            delattr(self.owners[owner], attr)
+
+
 def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> None:
     """Warm-up + timed steps, then one metered step; this rank's figures to out_dir/rank{r}.json."""
     from m6.train.loop import Trainer  # the worker imports the trainer; the prediction side never does
@@ -91,12 +123,13 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
         for _ in range(warmup):
             trainer.train_step()
         times, waits = [], []
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            metrics = trainer.train_step()
-            times.append(metrics["step_time_s"])
-            waits.append(metrics["data_wait_s"])
-        wall = time.perf_counter() - t0
+        t0, c0 = time.perf_counter(), time.process_time()
+        with PhaseClock(trainer) as clock:
+            for _ in range(steps):
+                metrics = trainer.train_step()
+                times.append(metrics["step_time_s"])
+                waits.append(metrics["data_wait_s"])
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         loads.append(os.getloadavg()[0])
         at_start = live_storage_bytes()
         with LiveBytes() as live:
@@ -104,7 +137,8 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
         rank = trainer.rank
         saved = metrics.get("activation_saved_mb")
         result = {"rank": rank, "step_time_s": times, "data_wait_s": waits, "median_step_s": statistics.median(times),
-                  "timed_wall_s": wall, "load_1min": loads, "threads": torch.get_num_threads(),
+                  "timed_wall_s": wall, "timed_cpu_s": cpu,
+                  "phase_s_per_step": {k: v / steps for k, v in clock.seconds.items()}, "load_1min": loads, "threads": torch.get_num_threads(),
                   "live_at_step_start": at_start, "step_alloc_peak": live.peak, "peak_bytes": at_start + live.peak,
                   "activation_saved_bytes": None if saved is None else saved * 2**20,
                   "recompute_plan": None if trainer.activations.plan is None else

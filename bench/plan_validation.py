@@ -195,6 +195,23 @@ def markdown(rows: list[dict], info: dict) -> str:
             + "/".join(f"{v:.3f}" for v in s.values())
             + f") | {t['measured']:.3f} [{r['measured']['step_s_min']:.3f}-{r['measured']['step_s_max']:.3f}] | "
             f"{t['ratio']:.3f} | {'pass' if t['pass'] else 'MISS'} | {r['measured']['load_1min_at_start']:.2f} |")
+    lines += ["", "Where the time goes: predicted split vs the measured trainer calls (seconds per step, "
+              "rank 0, mean over the timed steps; 'other' = step - the calls listed: loss bookkeeping, "
+              "metrics, zero_grad, the step's small all-reduces).", "",
+              "| plan | predicted compute | measured forward + backward | predicted a2a + sync + offload | "
+              "measured finish (sync wait, offload) | predicted update | measured clip + update | measured other | "
+              "run's recompute plan | process CPU / wall (rank 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, rank0 = r["predicted"]["split_s"], r["measured"]["per_rank"][0]
+        ph = rank0["phase_s_per_step"]
+        fb = ph["forward"] + ph["backward"]
+        listed = sum(ph.values())
+        other = statistics.fmean(rank0["step_time_s"]) - statistics.fmean(rank0["data_wait_s"]) - listed
+        plan = rank0["recompute_plan"]
+        lines.append(f"| {r['name']} | {s['compute']:.3f} | {fb:.3f} | {s['all_to_all'] + s['grad_sync'] + s['offload']:.3f} | "
+                     f"{ph['finish (grad sync wait, offload)']:.3f} | {s['update']:.3f} | "
+                     f"{ph['clip'] + ph['update']:.3f} | {other:.3f} | "
+                     f"{'-' if plan is None else len(plan)} | {rank0['timed_cpu_s'] / rank0['timed_wall_s']:.2f} |")
     mem_ok = sum(r["memory"]["pass"] for r in rows)
     time_ok = sum(r["time"]["pass"] for r in rows)
     lines += ["", f"Memory within 10%: {mem_ok} of {len(rows)}. Step time within 15%: {time_ok} of {len(rows)}.",

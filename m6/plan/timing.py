@@ -10,7 +10,8 @@ all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and com
           (inter-node bandwidth once the expert-parallel group spans nodes).
 grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group, not overlapped with backward.
 offload   host<->device bytes (gradients out, weights back, streamed blocks twice per micro-batch)
-          / the PCIe figure; the host update's time is MEASURED on this host (AdamW, foreach).
+          / the PCIe figure; the host update's time is MEASURED on this host (m6's gradient
+          clipping + foreach AdamW: a per-tensor and a per-element cost, for the rank's tensor count).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
 from m6.memory.estimate import activation_report, recomputed_parts
 from m6.memory.recompute import RecomputeParts
 from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
+from m6.parallel.grad_sync import clip_grad_norm
 from m6.plan.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
 
@@ -92,12 +94,12 @@ def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:
 
 
 class HostProfile:
-    """Timings measured on this host: the rank's forward+backward at a shape, and AdamW's update."""
+    """Timings measured on this host: the rank's forward+backward at a shape, and clip + AdamW."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
         self._cache: dict[tuple, float] = {}
-        self._adam_s_per_param: Optional[float] = None
+        self._step_costs: Optional[tuple[float, float]] = None  # (per tensor, per element)
 
     def forward_backward_s(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
                            recompute: frozenset) -> float:
@@ -136,25 +138,41 @@ class HostProfile:
             torch.set_num_threads(previous)
         return self._cache[key]
 
-    def adam_s_per_param(self) -> float:
-        """Seconds per parameter of a foreach AdamW step (4M params in 8 tensors)."""
-        if self._adam_s_per_param is None:
+    def host_step_s(self, num_tensors: int, numel: int) -> float:
+        """Seconds of the host's clip + foreach AdamW step over ``num_tensors`` tensors holding
+        ``numel`` elements: a per-element and a per-tensor cost, fitted to two measured shapes
+        (8 tensors of 512K elements; 512 of 1K), since a real model's many small tensors (norms,
+        biases) cost far more per element than one large buffer."""
+        if self._step_costs is None:
             previous = torch.get_num_threads()
             torch.set_num_threads(self.threads)
             try:
-                params = [torch.zeros(2**19, requires_grad=True) for _ in range(8)]
-                for p in params:
-                    p.grad = torch.randn_like(p)
-                opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
-                times = []
-                for _ in range(4):
-                    t0 = time.perf_counter()
-                    opt.step()
-                    times.append(time.perf_counter() - t0)
-                self._adam_s_per_param = statistics.median(times[1:]) / (8 * 2**19)
+                big, small = self._time_step(8, 2**19), self._time_step(512, 2**10)
             finally:
                 torch.set_num_threads(previous)
-        return self._adam_s_per_param
+            # big = 8 a + 8*2^19 b ; small = 512 a + 512*2^10 b
+            n1, e1, n2, e2 = 8, 8 * 2**19, 512, 512 * 2**10
+            per_elem = max((big * n2 - small * n1) / (e1 * n2 - e2 * n1), 0.0)
+            per_tensor = max((small - e2 * per_elem) / n2, 0.0)
+            self._step_costs = (per_tensor, per_elem)
+        per_tensor, per_elem = self._step_costs
+        return num_tensors * per_tensor + numel * per_elem
+
+    @staticmethod
+    def _time_step(num_tensors: int, size: int) -> float:
+        """Median of 3 (after one warm-up) host steps as the run makes them: m6's own gradient
+        clipping (a norm per tensor) and a foreach AdamW step."""
+        params = [torch.zeros(size, requires_grad=True) for _ in range(num_tensors)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        times = []
+        for _ in range(4):
+            t0 = time.perf_counter()
+            clip_grad_norm(params, [], 1.0)
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
 
 
 def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> float:
@@ -209,7 +227,7 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             moved += 2 * 4.0 * streamed * accum
         offload = moved / (copy_GBps * 1e9)
     if cfg.memory.offload != "none" or hw.peak_tflops is None:
-        update = numel * host.adam_s_per_param()
+        update = host.host_step_s(sum(1 for p in model.parameters() if p.requires_grad), numel)
         if hw.peak_tflops is None:
             update *= max(1.0, min(world_size, gpus_per_node) / max(cores, 1))
     else:
