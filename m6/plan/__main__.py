@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.latency_us is not None:
                 hw = dataclasses.replace(hw, latency_s=args.latency_us * 1e-6)
         threads = max(1, (args.cores or 1) // min(args.gpus, args.gpus_per_node))
-        result = search(cfg, args.gpus, args.gpus_per_node, hw, HostProfile(threads), host_gib, args.cores or 1)
+        profile = HostProfile(threads, concurrent=min(args.gpus, args.gpus_per_node) if args.gpu == "cpu" else 1)
+        result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

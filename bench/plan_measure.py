@@ -1,0 +1,199 @@
+"""What bench.plan_validation measures inside each torchrun worker: a real m6 Trainer's step time
+and peak live tensor bytes, and the gloo link (latency, bandwidth) the planner's prediction uses.
+
+Run by bench.plan_validation under torchrun (gloo, CPU); not meant to be started by hand.
+
+Peak tensor bytes of one step (per rank) = bytes of every live tensor storage at the step's start
+(``gc`` walk, each storage once: weights, AdamW moments, offload masters and gradient buffers,
+model buffers) + the peak of the storages allocated during ``train_step`` and still alive
+(m6.memory.live_bytes.LiveBytes: activations, gradients, buckets, all-to-all payloads, the
+update's temporaries, and the step's batch). Process RSS is not used: it holds the Python/torch
+runtime and whatever the allocator kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from m6.config import load
+from m6.data.batch import Sample
+from m6.memory.live_bytes import LiveBytes
+
+BASE_CONFIG = "configs/tiny.yaml"
+# No eval, no checkpoints, no console: the step is all a run does. fp32 (auto on CPU is fp32).
+COMMON = ["data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "data.eval_samples=0",
+          "train.precision=fp32", "train.eval_every=0", "train.max_steps=100000", "checkpoint.every=0",
+          "logging.console=false", "logging.wandb.enabled=false", "train.device=cpu"]
+LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", dtype=np.uint8)
+
+
+class DenseSamples:
+    """Full-length samples: an image in every row and a target filling the text (source empty, so
+    BOS SEP t_1..t_{L-2}: no padding, labels at L-2 of the L positions, one fewer than the densest
+    batch the planner sizes for). Random letters, so the router spreads them over the experts."""
+
+    def __init__(self, num: int, seq_len: int, image_shape: tuple[int, int, int], seed: int = 0) -> None:
+        self.num, self.seq_len, self.image_shape, self.seed = num, seq_len, image_shape, seed
+
+    def __len__(self) -> int:
+        return self.num
+
+    def __getitem__(self, i: int) -> Sample:
+        rng = np.random.default_rng((self.seed, i))
+        image = rng.standard_normal(self.image_shape, dtype=np.float32)
+        target = rng.choice(LETTERS, size=self.seq_len).tobytes().decode()
+        return Sample(image, "", target)
+
+
+def live_storage_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable from Python now (after a full gc)."""
+    gc.collect()
+    seen: dict[int, int] = {}
+    with warnings.catch_warnings():  # isinstance touches deprecated module attributes among gc's objects
+        warnings.simplefilter("ignore")
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        try:
+            if obj.is_meta:
+                continue
+            s = obj.untyped_storage()
+        except (RuntimeError, ReferenceError):  # tensors without storage (sparse, functional wrappers)
+            continue
+        if s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+class PhaseClock:
+    """Wall seconds spent in a few of the trainer's calls during the timed steps (instance
+    attributes shadow the methods; removed after), to tell where a step's time goes."""
+
+    PHASES = {"forward": ("trainer", "forward_loss"), "backward": ("update", "backward"),
+              "finish (grad sync wait, offload)": ("update", "finish"), "clip": ("update", "clip"),
+              "update": ("update", "step")}
+
+    def __init__(self, trainer) -> None:
+        self.owners = {"trainer": trainer, "update": trainer.update}
+        self.seconds = {name: 0.0 for name in self.PHASES}
+
+    def _timed(self, name: str, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - t0
+        return run
+
+    def __enter__(self) -> "PhaseClock":
+        for name, (owner, attr) in self.PHASES.items():
+            obj = self.owners[owner]
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr in self.PHASES.values():
+            delattr(self.owners[owner], attr)
+
+
+def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> None:
+    """Warm-up + timed steps, then one metered step; this rank's figures to out_dir/rank{r}.json."""
+    from m6.train.loop import Trainer  # the worker imports the trainer; the prediction side never does
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = load(BASE_CONFIG, [*COMMON, *overrides, f"run.dir={tmp}/run"])
+        m = cfg.model
+        data = DenseSamples(cfg.train.global_batch_size * (warmup + steps + 2), cfg.data.seq_len,
+                            (m.image_channels, m.image_size, m.image_size), cfg.run.seed)
+        trainer = Trainer(cfg, dataset=data)
+        loads = [os.getloadavg()[0]]
+        for _ in range(warmup):
+            trainer.train_step()
+        times, waits = [], []
+        t0, c0 = time.perf_counter(), time.process_time()
+        with PhaseClock(trainer) as clock:
+            for _ in range(steps):
+                metrics = trainer.train_step()
+                times.append(metrics["step_time_s"])
+                waits.append(metrics["data_wait_s"])
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        loads.append(os.getloadavg()[0])
+        at_start = live_storage_bytes()
+        with LiveBytes() as live:
+            metrics = trainer.train_step()
+        rank = trainer.rank
+        saved = metrics.get("activation_saved_mb")
+        result = {"rank": rank, "step_time_s": times, "data_wait_s": waits, "median_step_s": statistics.median(times),
+                  "timed_wall_s": wall, "timed_cpu_s": cpu,
+                  "phase_s_per_step": {k: v / steps for k, v in clock.seconds.items()}, "load_1min": loads, "threads": torch.get_num_threads(),
+                  "live_at_step_start": at_start, "step_alloc_peak": live.peak, "peak_bytes": at_start + live.peak,
+                  "activation_saved_bytes": None if saved is None else saved * 2**20,
+                  "recompute_plan": None if trainer.activations.plan is None else
+                  sorted(trainer.activations.plan.recompute)}
+        if trainer.world_size > 1:
+            dist.barrier()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def probe_link(out_dir: Path, sizes: list[int], reps: int) -> None:
+    """Median seconds of all_reduce (fp32, ``n`` bytes per rank) and all_to_all_single (``n`` bytes
+    sent by each rank, (W-1)/W of them to others) at each size; rank 0 writes them."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {"world_size": world, "all_reduce": {}, "all_to_all": {}}
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        recv = torch.empty_like(x)
+        for name, op in (("all_reduce", lambda: dist.all_reduce(x)),
+                         ("all_to_all", lambda: dist.all_to_all_single(recv, x))):
+            times = []
+            for i in range(reps + 2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            # The slowest rank's time is the collective's.
+            t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out[name][str(nbytes)] = t.item()
+    if rank == 0:
+        out["load_1min"] = os.getloadavg()[0]
+        (out_dir / "probe.json").write_text(json.dumps(out))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--probe", action="store_true")
+    p.add_argument("--sizes", default="16384,262144,1048576,4194304")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    out = Path(args.out)
+    if args.probe:
+        probe_link(out, [int(s) for s in args.sizes.split(",")], args.reps)
+    else:
+        run_plan(args.overrides, args.warmup, args.steps, out)
+
+
+if __name__ == "__main__":
+    main()
