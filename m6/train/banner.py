@@ -31,6 +31,7 @@ class RunFacts:
     device: torch.device
     precision: str  # e.g. "bf16 (cast-on-use)" or "fp32"
     size: ModelSize  # the whole model (all experts), not this rank's share
+    moe_blocks: list[int]  # indices of the blocks whose FFN is MoE (the model's moe_layers())
     source_records: list[int]  # records indexed per data source (synthetic: [num_samples])
     tokenizer: str  # e.g. "byte (vocab 261)"
     run_dir: Path
@@ -61,14 +62,13 @@ def device_label(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def _model_line(cfg: Config, size: ModelSize) -> str:
+def _model_line(cfg: Config, size: ModelSize, blocks: list[int]) -> str:
     m, moe = cfg.model, cfg.model.moe
     shape = f"{m.num_layers} blocks x d_model {m.d_model}, {m.num_heads} heads"
-    if moe.every == 0 or moe.num_experts == 0:
+    if not blocks:
         ffn = f"dense FFN {m.ffn_dim}"
     else:
-        blocks = [i for i in range(m.num_layers) if (i + 1) % moe.every == 0]
-        where = "every block" if moe.every == 1 else f"blocks {','.join(map(str, blocks))}"
+        where = "every block" if len(blocks) == m.num_layers else f"blocks {','.join(map(str, blocks))}"
         capacity = "dropless" if moe.capacity_factor is None else f"capacity {moe.capacity_factor:g} per {moe.capacity_group}"
         groups = f" in {moe.num_prototypes} prototypes" if moe.num_prototypes > 1 else ""
         ffn = f"MoE in {where}: {moe.num_experts} experts{groups}, top-{moe.top_k}, {capacity}"
@@ -99,7 +99,7 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
     ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
     lines = [
         f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}",
-        f"model    {_model_line(cfg, facts.size)}",
+        f"model    {_model_line(cfg, facts.size, facts.moe_blocks)}",
         f"parallel world {facts.world_size} = expert-parallel {facts.expert_parallel_size} x expert-data-parallel "
         f"{dp}; batch {t.global_batch_size} = micro-batch {facts.micro_batch} x accumulation {facts.accumulation} "
         f"x {facts.world_size} rank{'s' if facts.world_size > 1 else ''}; per sample {cfg.data.seq_len} text tokens + "

@@ -163,7 +163,8 @@ class Trainer:
         return RunFacts(
             world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,
             micro_batch=self.micro_batch, accumulation=self.accum, device=self.device, precision=precision,
-            size=self.size, source_records=self.data.source_records,
+            size=self.size, moe_blocks=[int(name.removeprefix("block")) for name in self.model.moe_layers()],
+            source_records=self.data.source_records,
             tokenizer=f"{self.cfg.data.tokenizer or 'byte'} (vocab {self.data.tokenizer.vocab_size:,})",
             run_dir=self.run_dir.resolve(), start=self.start, wandb=self.logger.wandb_mode,
             user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir)
