@@ -105,7 +105,12 @@ class SavedActivationMeter(torch.autograd.graph.saved_tensors_hooks):
         return key
 
     def _pack(self, t: torch.Tensor) -> _Saved:
-        saved = _Saved(t)
+        # Kept detached: an op that saves its own output hands us that output with its grad_fn,
+        # and holding it would close a cycle through C++ (grad_fn -> saved slot -> holder ->
+        # output -> grad_fn) that no gc can break, so a graph dropped without backward (the
+        # recompute profile's forwards) would never be freed. Lossless: on unpack autograd
+        # re-attaches the grad_fn it recorded when the tensor was saved.
+        saved = _Saved(t.detach() if t.grad_fn is not None else t)
         key = storage_key(t)
         # By storage, and by object for weights whose storage changes (streamed by offload).
         is_param = key in self._param_keys or isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)

@@ -3,6 +3,9 @@ training run with and without it, the auto plan under its budget, and the gradie
 
 from __future__ import annotations
 
+import gc
+import warnings
+
 import pytest
 import torch
 
@@ -51,6 +54,42 @@ def test_meter_counts_each_storage_once_and_skips_parameters():
     assert meter.held_bytes() == 4 * 8 * 4 + 4 * 8 * 4 + 8 * 4 * 4  # x, h (once), exp's output
     y.backward()
     assert meter.held_bytes() == 0  # backward released every saved slot
+
+
+def test_meter_frees_a_graph_dropped_without_backward():
+    # exp saves its own output: a pack hook keeping that output itself (with its grad_fn) would
+    # close a cycle through C++ (output -> grad_fn -> saved slot -> output) that no gc can break,
+    # so a forward never followed by backward (the recompute profile's) would stay alive.
+    x = torch.randn(64, 64, requires_grad=True)
+    with SavedActivationMeter([]) as meter:
+        y = (x * 2).exp()  # mul by a constant saves nothing; exp saves its output
+    assert meter.held_bytes() == 64 * 64 * 4
+    del y
+    gc.collect()
+    assert meter.held_bytes() == 0
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of the distinct storages behind every tensor object Python can reach."""
+    gc.collect()
+    storages = {}
+    with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated aliases warns
+        warnings.simplefilter("ignore", FutureWarning)
+        objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in objects:
+        if obj.device.type != "meta":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def test_recompute_profile_keeps_nothing_of_its_forwards():
+    model, loss_fn = _model_and_batch()
+    ckpt = RecomputeParts(model)
+    loss_fn().backward()  # what a forward leaves by design (MoE statistics, gradients) exists already
+    before = _live_tensor_bytes()
+    profile_parts(ckpt, loss_fn, model.parameters(), torch.device("cpu"))
+    assert _live_tensor_bytes() == before
 
 
 def test_predicted_bytes_match_measured_for_every_plan_and_math_is_bitwise_equal():
@@ -174,9 +213,10 @@ def test_full_and_auto_train_exactly_like_no_checkpointing(tmp_path, capsys):
     batch = auto.loader.next_step()[0][0].batch.densest()
     for trainer in (full, auto):
         with SavedActivationMeter(trainer.model.parameters()) as meter:
-            trainer.forward_loss(batch)
+            out = trainer.forward_loss(batch)
         # Another densest batch: the same up to small routing-dependent index buffers.
         assert meter.held_bytes() == pytest.approx(trainer.activations.plan.predicted_bytes, rel=0.01)
+        del out
     assert full.history[0]["activation_saved_mb"] < auto.history[0]["activation_saved_mb"]
     assert "activation_saved_mb" not in plain.history[0]
 
