@@ -52,6 +52,10 @@ class MoEConfig:
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     normalize_weights: bool = True
     router_jitter: float = 0.0
+    # Benchmarking only (as Megatron's --moe-router-force-load-balancing): every expert gets the
+    # same number of assignments whatever the router scores, so speed and memory are measured
+    # under the balanced routing that planners and published MFU figures assume. Not for training.
+    force_balance: bool = False
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
     # global: balance statistics (f_e, P_e) and the z-loss summed over all data-parallel ranks

@@ -11,9 +11,15 @@ call, and torch calls it per (param group x apply group), so the largest such ca
 
 The peak is the largest of three moments of a step, on top of what lives all the time (weights,
 and optimizer state when it stays on the device):
-  backward   gradients of earlier micro-batches + the activations kept for backward + the largest
-             transient (one layer's gradient buffers, a recomputed part's activations again, or
-             the all-to-all payload) + the gradient-sync buckets in flight;
+  backward   walked unit by unit in the order backward runs (head, blocks last to first,
+             embeddings): at each unit, gradients of earlier micro-batches + the activations not
+             yet released + the gradients produced so far + the gradient-sync buckets in flight
+             (laid out and launched as m6.parallel.grad_sync does: reverse registration order,
+             a bucket goes once it and every bucket before it are complete, at most two in
+             flight) + the largest transient (one layer's gradient buffers, a recomputed part's
+             activations again, or the all-to-all payload). A bucket therefore weighs on the
+             activation peak only when it completes while activations are still held: one bucket
+             holding every gradient is copied after they are gone;
   end of backward   every gradient + the buckets;
   update     every gradient + the step's temporaries (on the host when offloaded).
 DeepSpeed's CPU Adam (memory.host_optimizer=deepspeed) updates in place: no temporaries; auto
@@ -132,9 +138,8 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     accum = accumulation_steps(cfg.train, world_size)
     # Gradients summed over other ranks travel in flat bucket copies: replicated ones whenever
     # world > 1, expert ones when another rank holds the same experts.
-    synced = sum(p.numel() for p in replicated) * (world_size > 1) + \
-        sum(p.numel() for p in experts) * (world_size // ep > 1)
-    buckets = min(4.0 * synced, MAX_BUCKETS_IN_FLIGHT * cfg.parallel.bucket_size_mb * 2**20)
+    walk = _BackwardWalk(model, expert_ids, world_size, ep, cfg.parallel.bucket_size_mb * 2**20)
+    buckets = walk.most_in_flight()
     transients = {"activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
                   "backward transients": max(acts.backward_transient, redo), "gradient-sync buckets": buckets}
 
@@ -145,6 +150,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         "optimizer step temporaries": 4.0 * largest_call,
     }
     mode = cfg.memory.offload
+    keeps_grads = accum > 1 or world_size > 1
     if mode == "none":
         device = {**states, **transients}
         host: dict[str, float] = {}
@@ -155,7 +161,6 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     else:
         # Offloaded: a gradient leaves the device once final. Until then (accumulation, all-reduce)
         # the device holds it; without either, only a transient tensor at a time (the largest one).
-        keeps_grads = accum > 1 or world_size > 1
         device_grads = 4.0 * numel if keeps_grads else 4.0 * max((p.numel() for p in params), default=0)
         if mode == "optimizer+params":
             blocks = list(getattr(model, "blocks", []))
@@ -170,7 +175,11 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         grads_before = device_grads if accum > 1 else 0.0
         resident, update_device, update_host = device_params, 0.0, host["optimizer step temporaries"]
         grads_end = device_grads
-    backward = grads_before + kept + max(acts.a2a_buffers, acts.backward_transient, redo) + buckets
+    # Gradients this backward allocates as it goes: all of them when none exist before it (no
+    # accumulation) and the device keeps them (not offloaded, or offloaded but summed first).
+    made_in_backward = 1.0 if accum == 1 and (mode == "none" or keeps_grads) else 0.0
+    transient = max(acts.a2a_buffers, acts.backward_transient, redo)
+    backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)), made_in_backward)
     phases_device = max(backward, grads_end + buckets, update_device)
     host_resident = sum(v for k, v in host.items() if k != "optimizer step temporaries")
     return MemoryReport(
@@ -179,3 +188,58 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         peak_host=host_resident + update_host,
         peak_shared=resident + host_resident + max(backward, grads_end + buckets, update_device + update_host),
     )
+
+
+def _unit_of(name: str) -> str:
+    """The backward unit a parameter's gradient is made in (ActivationBytes.kept_by_unit's names)."""
+    if name.startswith("blocks."):
+        return ".".join(name.split(".")[:2])
+    return "head" if name.startswith("final_norm.") else "embeddings"
+
+
+class _BackwardWalk:
+    """Gradient-sync buckets and gradients along one backward, unit by unit.
+
+    Buckets as m6.parallel.grad_sync.GradientSync builds them (one open bucket per group and dtype,
+    filled in reverse registration order, closed at ``bucket_bytes``); parameters whose group has
+    one rank are not bucketed. A bucket is launched once complete with all before it; the last
+    MAX_BUCKETS_IN_FLIGHT launched count as in flight (the link may not have finished them).
+    """
+
+    def __init__(self, model: nn.Module, expert_ids: set[int], world_size: int, ep: int, bucket_bytes: float) -> None:
+        self.grads_by_unit: dict[str, float] = {}
+        open_buckets: dict[tuple, list] = {}
+        self.buckets: list[list] = []  # [bytes, units still to finish]
+        for name, p in reversed([(n, p) for n, p in model.named_parameters() if p.requires_grad]):
+            unit, nbytes = _unit_of(name), float(p.numel() * p.element_size())
+            self.grads_by_unit[unit] = self.grads_by_unit.get(unit, 0.0) + nbytes
+            group = ("expert_data", world_size // ep) if id(p) in expert_ids else ("world", world_size)
+            if group[1] == 1:
+                continue
+            bucket = open_buckets.setdefault((group[0], p.dtype), [0.0, set()])
+            bucket[0] += nbytes
+            bucket[1].add(unit)
+            if bucket[0] >= bucket_bytes:
+                self.buckets.append(open_buckets.pop((group[0], p.dtype)))
+        self.buckets.extend(open_buckets.values())
+
+    def most_in_flight(self) -> float:
+        """Bytes of the largest MAX_BUCKETS_IN_FLIGHT buckets (the end of backward, the update)."""
+        return sum(sorted((b[0] for b in self.buckets), reverse=True)[:MAX_BUCKETS_IN_FLIGHT])
+
+    def peak(self, kept_by_unit: dict[str, float], produced_fraction: float) -> float:
+        """Largest activations still held + gradients made so far (``produced_fraction`` of each
+        unit's: 1 when this backward allocates them, 0 when they exist already) + buckets in flight,
+        as each unit's backward runs."""
+        held, made, launched, next_bucket = sum(kept_by_unit.values()), 0.0, [], 0
+        done: set[str] = set()
+        worst = 0.0
+        for unit, acts in kept_by_unit.items():
+            made += produced_fraction * self.grads_by_unit.get(unit, 0.0)
+            worst = max(worst, held + made + sum(launched[-MAX_BUCKETS_IN_FLIGHT:]))
+            held -= acts
+            done.add(unit)
+            while next_bucket < len(self.buckets) and self.buckets[next_bucket][1] <= done:
+                launched.append(self.buckets[next_bucket][0])
+                next_bucket += 1
+        return worst

@@ -43,6 +43,9 @@ class ActivationBytes:
 
     outside: float = 0.0
     parts: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (saved, inputs)
+    # ``outside`` by where backward releases it: "embeddings", "blocks.<i>" or "head" (the order
+    # backward runs is head, blocks last to first, embeddings).
+    outside_by_unit: dict[str, float] = field(default_factory=dict)
     a2a_buffers: float = 0.0  # send + receive payload of one MoE layer's exchange (transient)
     backward_transient: float = 0.0  # gradient buffers alive at once at the backward's worst point
 
@@ -53,6 +56,21 @@ class ActivationBytes:
 
     def kept_full(self) -> float:
         return self.kept(set(self.parts))
+
+    def kept_by_unit(self, recompute: set[str] | None = None) -> dict[str, float]:
+        """``kept(recompute)`` split by unit (see ``outside_by_unit``), in backward order."""
+        recompute = recompute or set()
+        units = dict(self.outside_by_unit)
+        for name, (saved, inp) in self.parts.items():
+            unit = name.rsplit(".", 1)[0]  # blocks.<i>.attention -> blocks.<i>
+            units[unit] = units.get(unit, 0.0) + (inp if name in recompute else saved)
+        order = ["head", *sorted((u for u in units if u.startswith("blocks.")), key=lambda u: -int(u.split(".")[1])),
+                 "embeddings"]
+        return {u: units.get(u, 0.0) for u in order}
+
+    def _add_outside(self, unit: str, nbytes: float) -> None:
+        self.outside += nbytes
+        self.outside_by_unit[unit] = self.outside_by_unit.get(unit, 0.0) + nbytes
 
 
 def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationBytes:
@@ -72,7 +90,7 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     out = ActivationBytes()
 
     # Embeddings: the flattened patches (the projection's input) and small index tensors.
-    out.outside += B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * B * L
+    out._add_outside("embeddings", B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * B * L)
     for i in range(cfg.num_layers):
         # Attention part: its input (the block input: the residual stream), norm stats, the
         # qkv input (norm output), the qkv output (q, k, v views), SDPA's float mask [B,1,S,S]
@@ -81,7 +99,7 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
         attn_inputs = r * T * D + B * S * S  # the block input and the boolean mask (shared by all layers)
         out.parts[f"blocks.{i}.attention"] = (attn_saved, attn_inputs)
         # Outside the parts: the FFN norm's input (residual after attention) and stats.
-        out.outside += r * T * D + norm_stats
+        out._add_outside(f"blocks.{i}", r * T * D + norm_stats)
         if moe.every > 0 and (i + 1) % moe.every == 0:
             # Router (outside): its input (norm output), logits and probabilities [T, E], top-k
             # ids and weights; dispatch indices; the combine's inputs (expert outputs and their
@@ -90,7 +108,7 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
             dispatch = 2 * INDEX_BYTES * N + 4 * N + 2 * c * N * D
             if ep > 1:
                 dispatch += INDEX_BYTES * N  # the received rows' local order
-            out.outside += router + dispatch
+            out._add_outside(f"blocks.{i}", router + dispatch)
             gates = 3 if moe.activation == "swiglu" else 2  # hidden and activation (+ gate)
             experts_saved = c * N * D + gates * c * N * Fe
             out.parts[f"blocks.{i}.experts"] = (experts_saved, c * N * D)
@@ -107,6 +125,6 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     # Head: final norm input (last residual) and stats, the gathered target rows, fp32 logits and
     # labels. The logits' gradient (same size) is the backward's first transient.
     targets = B * (L - 1)
-    out.outside += r * T * D + norm_stats + targets * (4 * D + 4 * V + INDEX_BYTES) + B * L
+    out._add_outside("head", r * T * D + norm_stats + targets * (4 * D + 4 * V + INDEX_BYTES) + B * L)
     out.backward_transient = max(out.backward_transient, 4 * targets * V)
     return out

@@ -33,7 +33,7 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
             capacity_group=moe.capacity_group,
             num_prototypes=moe.num_prototypes, activation=moe.activation,
             score_function=moe.score_function, normalize_weights=moe.normalize_weights,
-            router_jitter=moe.router_jitter, aux_loss_coef=moe.aux_loss_coef,
+            router_jitter=moe.router_jitter, force_balance=moe.force_balance, aux_loss_coef=moe.aux_loss_coef,
             z_loss_coef=moe.z_loss_coef, init_std=cfg.init_std, expert_kernel=moe.expert_kernel,
         )
     return DenseMLP(cfg.d_model, cfg.ffn_dim)

@@ -90,6 +90,7 @@ class MoELayer(nn.Module):
         score_function: ScoreFunction = "softmax",
         normalize_weights: bool = True,
         router_jitter: float = 0.0,
+        force_balance: bool = False,
         aux_loss_coef: float = 1e-2,
         z_loss_coef: float = 1e-3,
         init_std: float = 0.02,
@@ -121,7 +122,7 @@ class MoELayer(nn.Module):
         self.capacity_factor, self.min_capacity, self.capacity_group = capacity_factor, min_capacity, capacity_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = TopKRouter(d_model, num_experts, top_k, num_prototypes, score_function,
-                                 normalize_weights, router_jitter)
+                                 normalize_weights, router_jitter, force_balance)
         if init_seed is None:
             # One draw from the global RNG, the same whatever the expert count: the layers that
             # follow initialise identically on every rank of any expert-parallel layout.

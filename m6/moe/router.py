@@ -47,6 +47,7 @@ class TopKRouter(nn.Module):
         score_function: ScoreFunction = "softmax",
         normalize_weights: bool = True,
         jitter_eps: float = 0.0,
+        force_balance: bool = False,
     ) -> None:
         super().__init__()
         if score_function not in ("softmax", "sigmoid"):
@@ -59,6 +60,7 @@ class TopKRouter(nn.Module):
         self.score_function = score_function
         self.normalize_weights = normalize_weights
         self.jitter_eps = jitter_eps
+        self.force_balance = force_balance
         # The gate is always fp32: routing decisions are sensitive to rounding (ties flip under bf16).
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, dtype=torch.float32))
         self.reset_parameters()
@@ -93,7 +95,16 @@ class TopKRouter(nn.Module):
             scores_TPG = torch.softmax(logits_TPG, dim=-1)
         else:
             scores_TPG = torch.sigmoid(logits_TPG)
-        top_scores_TPk, top_local_TPk = torch.topk(scores_TPG, self.top_k, dim=-1)
+        if self.force_balance:
+            # Slot j of token t goes to expert (t * top_k + j) mod E/P of every group: top_k distinct
+            # experts per token, and each expert receives the same count (+-1) of any T tokens.
+            # The weights are still the router's scores there, so the gate trains as usual.
+            slots_T1k = torch.arange(T, device=logits_TE.device).view(T, 1, 1) * self.top_k + \
+                torch.arange(self.top_k, device=logits_TE.device).view(1, 1, self.top_k)
+            top_local_TPk = (slots_T1k % (E // P)).expand(T, P, self.top_k)
+            top_scores_TPk = scores_TPG.gather(-1, top_local_TPk)
+        else:
+            top_scores_TPk, top_local_TPk = torch.topk(scores_TPG, self.top_k, dim=-1)
         group_offset_P1 = torch.arange(P, device=logits_TE.device).view(P, 1) * (E // P)
         expert_ids_TK = (top_local_TPk + group_offset_P1).reshape(T, P * self.top_k)
         weights_TK = top_scores_TPk.reshape(T, P * self.top_k)

@@ -42,7 +42,8 @@ def describe(c: Candidate, rank: int) -> str:
              + (f" (budget {c.budget_gb:.2f} GiB)" if c.budget_gb is not None else "")
              + f", offload {c.offload}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}",
              f"    PREDICTED {c.tokens_per_s:,.0f} tokens/s, step {t.total:.3f} s = compute {t.compute:.3f} + "
-             f"all-to-all {t.all_to_all:.3f} + grad sync {t.grad_sync:.3f} + offload {t.offload:.3f} + "
+             f"all-to-all {t.all_to_all:.3f} + grad sync {t.grad_sync:.3f} + small collectives "
+             f"{t.small_collectives:.3f} + offload {t.offload:.3f} + "
              f"update {t.update:.3f}" + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
              f"    per-GPU device memory peak {_gib(mem.peak_device)} GiB: "
              + ", ".join(f"{k} {_gib(v)}" for k, v in mem.device.items() if v),

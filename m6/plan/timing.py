@@ -10,6 +10,10 @@ all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and com
           and backward) + 1 counts exchange, each latency + bytes sent to other ranks / bandwidth
           (inter-node bandwidth once the expert-parallel group spans nodes).
 grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group, not overlapped with backward.
+small collectives  the step's scalar all-reduces, one latency each (world > 1): target-token count,
+          routing statistics per MoE layer and micro-batch (aux_loss_scope global; local: one
+          aux-loss sum per step), the gradient sync's reach check, loss and metric sums, the expert
+          gradient norm (EP > 1) and the stop-signal flag, as m6.train.loop issues them.
 offload   host<->device bytes (gradients out, weights back, streamed blocks twice per micro-batch)
           / the PCIe figure; the host update's time is MEASURED on this host (m6's gradient
           clipping + foreach AdamW: a per-tensor and a per-element cost, for the rank's tensor count).
@@ -82,10 +86,11 @@ class StepTime:
     offload: float
     update: float
     model_flops: float  # of the whole job's step (active parameters: MFU's numerator)
+    small_collectives: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.grad_sync + self.offload + self.update
+        return self.compute + self.all_to_all + self.grad_sync + self.small_collectives + self.offload + self.update
 
 
 def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:
@@ -270,6 +275,14 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             nbytes = 4.0 * numel
             sync += 2 * (n - 1) / n * (_exchange_s(nbytes, hw, n, gpus_per_node) - hw.latency_s) \
                 + hw.latency_s * max(1, round(nbytes / bucket))
+    scalars = 0
+    if world_size > 1:
+        per_step = 4 + (ep > 1)  # targets, sync reach check, loss/metric sums, stop flag; expert norm
+        if cfg.model.moe.aux_loss_scope == "global":
+            scalars = per_step + moe_layers * accum  # routing statistics, in each MoE layer's forward
+        else:
+            scalars = per_step + 1  # the aux-loss sums, once per step
+    small = scalars * hw.latency_s
     numel = numel_rep + numel_exp
     offload = 0.0
     if cfg.memory.offload != "none":
@@ -285,4 +298,4 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             update *= max(1.0, min(world_size, gpus_per_node) / max(cores, 1))
     else:
         update = 28.0 * numel / (hw.memory_GBps * 1e9 * 0.7)
-    return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size)
+    return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small)

@@ -72,6 +72,8 @@ def _model_line(cfg: Config, size: ModelSize, blocks: list[int]) -> str:
         capacity = "dropless" if moe.capacity_factor is None else f"capacity {moe.capacity_factor:g} per {moe.capacity_group}"
         groups = f" in {moe.num_prototypes} prototypes" if moe.num_prototypes > 1 else ""
         ffn = f"MoE in {where}: {moe.num_experts} experts{groups}, top-{moe.top_k}, {capacity}"
+        if moe.force_balance:
+            ffn += " | !! routing FORCED balanced (model.moe.force_balance: benchmarking only)"
     return f"{shape}; {ffn} | {human_count(size.total)} params, {human_count(size.active)} active per token"
 
 

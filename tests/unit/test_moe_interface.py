@@ -190,6 +190,27 @@ def test_single_vector_and_empty_batch():
 
 
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs", [dict(top_k=2), dict(top_k=3, num_prototypes=2)])
+def test_force_balance_gives_every_expert_the_same_count_and_trains_the_gate(kwargs):
+    E, T = 8, 37
+    layer = _make_layer(6, 5, E, capacity_factor=None, force_balance=True, **kwargs)
+    # Inputs that the router alone would send to very few experts.
+    x = torch.randn(1, 6).repeat(T, 1) + 0.01 * torch.randn(T, 6, generator=torch.Generator().manual_seed(3))
+    routing = layer.router(x)
+    ids = routing.expert_ids_TK
+    K = layer.router.num_assignments
+    assert ids.shape == (T, K)
+    assert all(len(set(row.tolist())) == K for row in ids)  # distinct experts per token
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    assert int(counts.max() - counts.min()) <= 1 and int(counts.sum()) == T * K
+    free = _make_layer(6, 5, E, capacity_factor=None, **kwargs)
+    assert int(torch.bincount(free.router(x).expert_ids_TK.reshape(-1), minlength=E).max()) >= T  # unbalanced
+    y, aux = layer(x)
+    (y.sum() + aux).backward()
+    assert layer.router.weight.grad is not None and layer.router.weight.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------
 def test_router_jitter_only_in_training():
     layer = _make_layer(6, 5, 8, top_k=2, capacity_factor=None, router_jitter=0.5)
     plain = _make_layer(6, 5, 8, top_k=2, capacity_factor=None)
