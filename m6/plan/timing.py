@@ -3,9 +3,9 @@
 compute   GPUs (not runnable here): model FLOPs of the densest micro-batch (m6.model.flops rates,
           recomputed forwards added) / (datasheet peak x an ASSUMED efficiency).
           cpu: MEASURED on this host by running the rank's real modules at the planned shapes
-          (one forward+backward of the densest micro-batch, recompute applied), with the
-          threads each rank gets, in as many processes at once as the node runs ranks (they
-          share cores, caches and memory bandwidth as the ranks will).
+          (forward+backward of the densest micro-batch, recompute applied, each followed by the
+          update as in training), with the threads each rank gets, in as many processes at once
+          as the node runs ranks (they share cores, caches and memory bandwidth as the ranks will).
 all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and combine, forward
           and backward) + 1 counts exchange, each latency + bytes sent to other ranks / bandwidth
           (inter-node bandwidth once the expert-parallel group spans nodes).
@@ -15,8 +15,11 @@ small collectives  the step's scalar all-reduces, one latency each (world > 1): 
           aux-loss sum per step), the gradient sync's reach check, loss and metric sums, the expert
           gradient norm (EP > 1) and the stop-signal flag, as m6.train.loop issues them.
 offload   host<->device bytes (gradients out, weights back, streamed blocks twice per micro-batch)
-          / the PCIe figure; the host update's time is MEASURED on this host (m6's gradient
-          clipping + foreach AdamW: a per-tensor and a per-element cost, for the rank's tensor count).
+          / the PCIe figure.
+update    cpu: MEASURED on the rank's real parameters between the profiled steps. GPUs: on the
+          device, 28 B per parameter over the memory bandwidth; offloaded, the host update MEASURED
+          on this host (m6's gradient clipping + foreach AdamW: a per-tensor and a per-element
+          cost, for the rank's tensor count).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
 from m6.memory.estimate import activation_report, recomputed_parts
 from m6.memory.recompute import RecomputeParts
 from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
+from m6.model.param_groups import no_decay_ids
 from m6.parallel.grad_sync import clip_grad_norm
 from m6.plan.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
@@ -127,19 +131,36 @@ def _densest_inputs(cfg: Config, micro_batch: int) -> tuple[torch.Tensor, ...]:
     return images, torch.ones(micro_batch, dtype=torch.bool), ids, seg, labels
 
 
-def _time_forward_backward(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int]) -> float:
-    """Median seconds of a forward+backward after one warm-up: ``runs`` timed runs, or (None) at
-    least 5 and up to 0.5 s of them (a burst of another process's work on a shared host can
-    stretch a few runs several-fold)."""
+def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int]) -> tuple[float, float]:
+    """Median seconds of (forward+backward, update) of the rank's steps after one warm-up: ``runs``
+    timed steps, or (None) at least 5 and up to 0.5 s of them (a burst of another process's work
+    on a shared host can stretch a few runs several-fold).
+
+    Each step runs as training does: forward+backward, then m6's global-norm clip and torch's
+    foreach AdamW over the two groups m6's optimizer uses (decayed matrices, the rest), then the
+    gradients dropped. On a CPU the update streams every weight, gradient and moment through the
+    caches, so the next forward starts cold, as in the run; timed back to back without it, the
+    forward+backward came out 10-35% faster than the trainer's."""
     images, has, ids, seg, labels = inputs
-    times: list[float] = []
-    while (len(times) < 6 or (sum(times[1:]) < 0.5 and len(times) < 40)) if runs is None else len(times) < runs + 1:
+    params = [p for p in model.parameters() if p.requires_grad]
+    skip = no_decay_ids(model)
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if id(p) not in skip], "weight_decay": 0.1},
+                                   {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}],
+                                  lr=1e-6, foreach=True)
+    compute: list[float] = []
+    update: list[float] = []
+    while (len(compute) < 6 or (sum(compute[1:]) < 0.5 and len(compute) < 40)) if runs is None \
+            else len(compute) < runs + 1:
         t0 = time.perf_counter()
         hidden, aux = model(images, has, ids, seg)
         (model.target_loss_sum(hidden, labels) + aux).backward()
-        times.append(time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        clip_grad_norm(params, [], 1.0)
+        optimizer.step()
+        update.append(time.perf_counter() - t1)
+        compute.append(t1 - t0)
         model.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+    return statistics.median(compute[1:]), statistics.median(update[1:])
 
 
 def _concurrent_rank(cfg: Config, world_size: int, ep: int, micro_batch: int, recompute: frozenset, threads: int,
@@ -148,7 +169,7 @@ def _concurrent_rank(cfg: Config, world_size: int, ep: int, micro_batch: int, re
     torch.set_num_threads(threads)
     model, inputs = _profile_model(cfg, world_size, ep, recompute), _densest_inputs(cfg, micro_batch)
     barrier.wait()  # every rank's process times at once, as the ranks of a run compute at once
-    results.put(_time_forward_backward(model, inputs, runs))
+    results.put(_time_step(model, inputs, runs))
 
 
 class HostProfile:
@@ -162,13 +183,22 @@ class HostProfile:
 
     def __init__(self, threads: int, concurrent: int = 1) -> None:
         self.threads, self.concurrent = threads, concurrent
-        self._cache: dict[tuple, float] = {}
+        self._cache: dict[tuple, tuple[float, float]] = {}  # shape -> (forward+backward, update) seconds
         self._step_costs: Optional[tuple[float, float]] = None  # (per tensor, per element)
 
     def forward_backward_s(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
                            recompute: frozenset) -> float:
         """Seconds of one forward+backward of the rank's real modules on a densest micro-batch
         (the median over the concurrent processes of each one's median)."""
+        return self._profile(cfg, world_size, ep, micro_batch, recompute)[0]
+
+    def update_s(self, cfg: Config, world_size: int, ep: int, micro_batch: int, recompute: frozenset) -> float:
+        """Seconds of the rank's clip + AdamW update, timed on its real parameters between the
+        profiled steps (``forward_backward_s``'s runs)."""
+        return self._profile(cfg, world_size, ep, micro_batch, recompute)[1]
+
+    def _profile(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
+                 recompute: frozenset) -> tuple[float, float]:
         key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype)
         if key in self._cache:
             return self._cache[key]
@@ -183,13 +213,13 @@ class HostProfile:
             times = [results.get(timeout=600) for _ in procs]
             for proc in procs:
                 proc.join()
-            self._cache[key] = statistics.median(times)
+            self._cache[key] = (statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
             return self._cache[key]
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            self._cache[key] = _time_forward_backward(_profile_model(cfg, world_size, ep, recompute),
-                                                      _densest_inputs(cfg, micro_batch), None)
+            self._cache[key] = _time_step(_profile_model(cfg, world_size, ep, recompute),
+                                          _densest_inputs(cfg, micro_batch), None)
         finally:
             torch.set_num_threads(previous)
         return self._cache[key]
@@ -258,6 +288,8 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         # Profiled alone: ranks beyond the cores take turns on them.
         share = 1.0 if host.concurrent >= ranks_here else max(1.0, ranks_here / max(cores, 1))
         compute = accum * share * host.forward_backward_s(cfg, world_size, ep, mb, recompute)
+        # The rank's own update, timed between those steps (the same sharing of the cores).
+        cpu_update = share * host.update_s(cfg, world_size, ep, mb, recompute)
     else:
         extra = (len(recompute) / max(len(acts.parts), 1)) * flops_mb / 3 * 0.9  # the blocks' forward again
         compute = accum * (flops_mb + extra) / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
@@ -292,10 +324,10 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             streamed = sum(p.numel() for b in model.blocks for p in b.parameters())
             moved += 2 * 4.0 * streamed * accum
         offload = moved / (copy_GBps * 1e9)
-    if cfg.memory.offload != "none" or hw.peak_tflops is None:
+    if hw.peak_tflops is None:
+        update = cpu_update
+    elif cfg.memory.offload != "none":
         update = host.host_step_s(sum(1 for p in model.parameters() if p.requires_grad), numel)
-        if hw.peak_tflops is None:
-            update *= max(1.0, min(world_size, gpus_per_node) / max(cores, 1))
     else:
         update = 28.0 * numel / (hw.memory_GBps * 1e9 * 0.7)
     return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small)

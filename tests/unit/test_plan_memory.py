@@ -78,3 +78,53 @@ def test_inspect_sizes_one_rank_of_the_layout(capsys):
     assert "expert-parallel size 512" in capsys.readouterr().out
     assert m6inspect.main([str(CONFIGS / "m6-1t.yaml"), "--world-size", "480"]) == 2
     assert "train.global_batch_size (1024) must be divisible" in capsys.readouterr().err
+
+
+def _walk_setup():
+    from m6.memory.estimate import _BackwardWalk, recomputed_parts
+    from m6.moe import MoELayer
+    from m6.plan.memory import rank_model
+    cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL)
+    model = rank_model(cfg, 1, 1)
+    experts = {id(p) for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
+    acts = activation_bytes(cfg.model, ActivationShape(3, cfg.data.seq_len))
+    kept = acts.kept_by_unit(recomputed_parts(cfg, acts))
+    walk = lambda world, ep, bucket: _BackwardWalk(model, experts, world, ep, bucket)  # noqa: E731
+    return model, acts, kept, walk
+
+
+def test_activations_split_by_unit_in_backward_order():
+    _, acts, kept, _ = _walk_setup()
+    assert list(kept)[0] == "head" and list(kept)[-1] == "embeddings"
+    assert list(kept)[1:-1] == [f"blocks.{i}" for i in reversed(range(4))]
+    assert sum(kept.values()) == pytest.approx(acts.kept())
+
+
+def test_a_bucket_weighs_on_the_backward_peak_only_while_activations_are_held():
+    model, _, kept, walk = _walk_setup()
+    alone = walk(1, 1, 25 * 2**20).peak(kept, 1.0)  # one process: nothing bucketed
+    assert walk(1, 1, 25 * 2**20).buckets == []
+    # EP 2 at world 2: only replicated gradients are summed, all in one bucket that completes with
+    # the embeddings' gradients, the last ones backward makes: after every activation is released.
+    one = walk(2, 2, 25 * 2**20)
+    assert len(one.buckets) == 1 and one.peak(kept, 1.0) == alone
+    # A bucket per parameter: each goes as soon as its unit is done, beside the activations still held.
+    many = walk(2, 1, 1)
+    largest = max(p.numel() * 4 for p in model.parameters())
+    assert len(many.buckets) == sum(1 for _ in model.parameters())
+    assert alone < many.peak(kept, 1.0) <= alone + 2 * largest
+    # Gradients that exist before backward (accumulation) are not made again.
+    assert walk(1, 1, 1).peak(kept, 0.0) == sum(kept.values())  # at the first unit, all of them held
+
+
+def test_step_time_counts_one_latency_per_scalar_all_reduce():
+    from m6.plan.timing import GPUS, step_time
+    cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL + ["train.global_batch_size=16", "train.micro_batch_size=2"])
+    hw = GPUS["h100"]
+    assert step_time(cfg, 1, 1, 8, hw, None).small_collectives == 0.0
+    layers = 2  # tiny: MoE in blocks 1 and 3
+    accum = 16 // (4 * 2)
+    t = step_time(cfg, 4, 2, 8, hw, None)
+    # targets, the sync's reach check, loss/metric sums, stop flag, expert norm (EP 2), routing stats
+    assert t.small_collectives == pytest.approx((4 + 1 + layers * accum) * hw.latency_s)
+    assert t.total == pytest.approx(t.compute + t.all_to_all + t.grad_sync + t.small_collectives + t.offload + t.update)
