@@ -12,7 +12,8 @@ runs of the same layouts on this host (CPU, gloo, torchrun at world 1, 2 and 4).
 2. PREDICTED, per plan: the functions ``python -m m6.plan --gpu cpu`` ranks layouts with
    (m6.plan.memory.RankMemory -> m6.memory.estimate, m6.plan.timing.step_time with a
    HostProfile of the threads each rank gets, cores // ranks, timed in as many processes at once
-   as there are ranks), on this layout alone rather than searched. Memory: the estimate's ``peak_shared`` (device
+   as there are ranks, waiting for each other where the run's collectives do), on this layout
+   alone rather than searched. Memory: the estimate's ``peak_shared`` (device
    and host are one memory on CPU; equal to its device peak when nothing is offloaded).
 3. MEASURED, per plan: a real Trainer under torchrun (bench.plan_measure): 3 warm-up steps, the
    median [min-max] of step_time_s - data_wait_s over 8 steps (data_wait_s shown), then one metered step: live

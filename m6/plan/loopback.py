@@ -12,11 +12,32 @@ d_model, R expert-parallel ranks, L local experts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from m6.moe.dispatch import Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, host_ints, permute_tokens
+
+
+Sync = Callable[[], None]
+
+
+class _SyncInBackward(torch.autograd.Function):
+    """Identity whose backward waits at ``sync`` first: an exchange of the backward pass."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sync: Sync) -> torch.Tensor:
+        ctx.sync = sync
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.sync()
+        return grad, None
+
+
+def sync_in_backward(x: torch.Tensor, sync: Optional[Sync]) -> torch.Tensor:
+    return x if sync is None or not x.requires_grad else _SyncInBackward.apply(x, sync)
 
 
 @dataclass
@@ -30,9 +51,14 @@ class LoopbackDispatcher(Dispatcher):
     """AllToAllDispatcher's local work (permute, wire cast, regroup, send back, combine) with the
     exchange replaced by the identity: for timing one rank, never for training."""
 
-    def __init__(self, num_experts: int, expert_parallel_size: int, a2a_dtype: Optional[torch.dtype]) -> None:
+    def __init__(self, num_experts: int, expert_parallel_size: int, a2a_dtype: Optional[torch.dtype],
+                 sync: Optional[Sync] = None) -> None:
+        """``sync``: called where the real dispatcher's exchanges make the ranks wait for each
+        other (counts and payload in dispatch, payload in combine, and both payloads again in
+        backward), so ranks profiled together keep the run's lockstep (m6.plan.timing)."""
         self.R, self.L = expert_parallel_size, num_experts // expert_parallel_size
         self.a2a_dtype = a2a_dtype
+        self.sync = sync
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], LoopbackHandle]:
         """[T, D] -> [N, D] rows grouped by local expert, rows per local expert, handle."""
@@ -40,6 +66,10 @@ class LoopbackDispatcher(Dispatcher):
         kept = plan.kept(sum(counts))
         wire = self.a2a_dtype or x_TD.dtype
         x_ND = permute_tokens(x_TD, kept).to(wire)
+        if self.sync is not None:
+            self.sync()  # the counts exchange
+            self.sync()  # the payload exchange
+            x_ND = sync_in_backward(x_ND, self.sync)  # its backward: the gradients' exchange
         counts_RL = plan.counts_E.view(self.R, self.L)  # what this rank sends is what it receives
         local_expert_N = torch.repeat_interleave(torch.arange(self.L, device=x_TD.device).repeat(self.R),
                                                  counts_RL.reshape(-1), output_size=x_ND.shape[0])
@@ -51,4 +81,7 @@ class LoopbackDispatcher(Dispatcher):
     def combine(self, y_ND: torch.Tensor, handle: LoopbackHandle, out_dtype: torch.dtype) -> torch.Tensor:
         """Rows back to their order (and through the wire dtype), weighted and summed per token."""
         y_sent = torch.empty_like(y_ND).index_copy(0, handle.local_order_N, y_ND).to(handle.wire_dtype)
+        if self.sync is not None:
+            self.sync()  # the payload's way back
+            y_sent = sync_in_backward(y_sent, self.sync)
         return combine_tokens(y_sent, handle.kept, out_dtype)

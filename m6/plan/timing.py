@@ -24,10 +24,11 @@ update    cpu: MEASURED on the rank's real parameters between the profiled steps
 
 from __future__ import annotations
 
+import queue
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -105,15 +106,23 @@ def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:
                        attention_pairs=micro_batch * S * S)
 
 
-def _profile_model(cfg: Config, world_size: int, ep: int, recompute: frozenset) -> nn.Module:
+def _profile_model(cfg: Config, world_size: int, ep: int, recompute: frozenset,
+                   sync: Optional[Callable[[], None]] = None) -> nn.Module:
     """The rank's model, materialised on the CPU, recompute applied; under expert parallelism
-    its experts only, with the exchange skipped (LoopbackDispatcher) and its local work kept."""
+    its experts only, with the exchange skipped (LoopbackDispatcher) and its local work kept.
+    ``sync`` (ranks profiled together): called wherever the run's ranks wait for each other
+    inside forward and backward (the all-to-alls; each MoE layer's routing statistics)."""
     model = rank_model(cfg, world_size, ep)
     model.materialize(torch.device("cpu"), cfg.run.seed)
+    if sync is not None and cfg.model.moe.aux_loss_scope == "global":
+        def routing_statistics(*_) -> None:  # their all-reduce (a hook returning None keeps the inputs)
+            sync()
+        for layer in model.moe_layers().values():
+            layer.register_forward_pre_hook(routing_statistics)
     if ep > 1:
         wire = torch.bfloat16 if cfg.model.moe.a2a_dtype == "bf16" else None
         for layer in model.moe_layers().values():
-            layer.dispatcher = LoopbackDispatcher(cfg.model.moe.num_experts, ep, wire)
+            layer.dispatcher = LoopbackDispatcher(cfg.model.moe.num_experts, ep, wire, sync)
     if recompute:
         RecomputeParts(model).apply(sorted(recompute))
     return model
@@ -131,7 +140,8 @@ def _densest_inputs(cfg: Config, micro_batch: int) -> tuple[torch.Tensor, ...]:
     return images, torch.ones(micro_batch, dtype=torch.bool), ids, seg, labels
 
 
-def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int]) -> tuple[float, float]:
+def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int],
+               sync: Optional[Callable[[], None]] = None) -> tuple[float, float]:
     """Median seconds of (forward+backward, update) of the rank's steps after one warm-up: ``runs``
     timed steps, or (None) at least 5 and up to 0.5 s of them (a burst of another process's work
     on a shared host can stretch a few runs several-fold).
@@ -154,6 +164,8 @@ def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optiona
         t0 = time.perf_counter()
         hidden, aux = model(images, has, ids, seg)
         (model.target_loss_sum(hidden, labels) + aux).backward()
+        if sync is not None:
+            sync()  # the gradient sync and the step's scalar all-reduces: every rank done with backward
         t1 = time.perf_counter()
         clip_grad_norm(params, [], 1.0)
         optimizer.step()
@@ -165,11 +177,38 @@ def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optiona
 
 def _concurrent_rank(cfg: Config, world_size: int, ep: int, micro_batch: int, recompute: frozenset, threads: int,
                      runs: int, barrier, results) -> None:
-    """One of the processes that profile the ranks of a node together (spawned by HostProfile)."""
+    """One of the processes that profile the ranks of a node together (spawned by HostProfile).
+
+    When the node's processes are all the job's ranks (``world_size`` of them), they also wait
+    for each other wherever the run's collectives make ranks wait: a rank slowed by a neighbour
+    holds the others up, as in the run. Only the waiting is kept: the data moved is the
+    all-to-all and sync terms' business (bytes / bandwidth)."""
     torch.set_num_threads(threads)
-    model, inputs = _profile_model(cfg, world_size, ep, recompute), _densest_inputs(cfg, micro_batch)
+    sync = barrier.wait if world_size > 1 and barrier.parties == world_size else None
+    model, inputs = _profile_model(cfg, world_size, ep, recompute, sync), _densest_inputs(cfg, micro_batch)
     barrier.wait()  # every rank's process times at once, as the ranks of a run compute at once
-    results.put(_time_step(model, inputs, runs))
+    results.put(_time_step(model, inputs, runs, sync))
+
+
+def _collect(procs: list, results, timeout_s: float) -> list:
+    """One result from each profiling process; a process that dies first (an error in the
+    profiled model) ends the wait with an error instead of leaving the others at their barrier."""
+    out, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(out) < len(procs):
+            try:
+                out.append(results.get(timeout=1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    why = f"exit code {dead[0].exitcode}" if dead else f"no result in {timeout_s:.0f} s"
+                    raise RuntimeError(f"a process profiling the node's ranks failed ({why}); its error is above")
+    finally:
+        for p in procs:
+            if p.is_alive() and len(out) < len(procs):
+                p.terminate()
+            p.join()
+    return out
 
 
 class HostProfile:
@@ -177,7 +216,8 @@ class HostProfile:
 
     ``concurrent`` > 1 (the ranks a node runs, more than one): the forward+backward is timed in
     that many processes at once, each with ``threads`` threads, so the figure holds what the
-    ranks really get of the host: shared cores, memory bandwidth and caches."""
+    ranks really get of the host: shared cores, memory bandwidth and caches; when they are the
+    whole job, in the run's lockstep too (they wait for each other where its collectives do)."""
 
     CONCURRENT_RUNS = 8
 
@@ -210,9 +250,7 @@ class HostProfile:
                      for _ in range(self.concurrent)]
             for proc in procs:
                 proc.start()
-            times = [results.get(timeout=600) for _ in procs]
-            for proc in procs:
-                proc.join()
+            times = _collect(procs, results, timeout_s=600.0)
             self._cache[key] = (statistics.median(t[0] for t in times), statistics.median(t[1] for t in times))
             return self._cache[key]
         previous = torch.get_num_threads()
