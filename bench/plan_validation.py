@@ -178,7 +178,7 @@ def measure(plan: Plan, overrides: list[str], max_wait_s: float) -> dict:
 
 def merge_rounds(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     """One prediction and one measurement from the rounds: medians of the step times (and of each
-    predicted component), the largest measured peak, every timed step's range, the last round's
+    predicted component: they need not add up to the median step), the largest measured peak, every timed step's range, the last round's
     per-rank details."""
     preds, meas = [p for p, _ in rounds], [m for _, m in rounds]
     pred = dict(preds[-1], step_s=statistics.median(p["step_s"] for p in preds),
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--stem", default=f"plan-cpu-{CORES}core")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     plans = [pl for pl in PLANS if args.only is None or args.only in pl.name]
     worlds = sorted({pl.world_size for pl in plans if pl.world_size > 1})
     links = {w: measure_link(w) for w in worlds}

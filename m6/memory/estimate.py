@@ -176,10 +176,11 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         resident, update_device, update_host = device_params, 0.0, host["optimizer step temporaries"]
         grads_end = device_grads
     # Gradients this backward allocates as it goes: all of them when none exist before it (no
-    # accumulation) and the device keeps them (not offloaded, or offloaded but summed first).
-    made_in_backward = 1.0 if accum == 1 and (mode == "none" or keeps_grads) else 0.0
+    # accumulation); offloaded ones leave as they become final (one at a time at world 1).
     transient = max(acts.a2a_buffers, acts.backward_transient, redo)
-    backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)), made_in_backward)
+    backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)),
+                                                    grads_made=accum == 1 and (mode == "none" or keeps_grads),
+                                                    offloaded=mode != "none")
     phases_device = max(backward, grads_end + buckets, update_device)
     host_resident = sum(v for k, v in host.items() if k != "optimizer step temporaries")
     return MemoryReport(
@@ -190,11 +191,18 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     )
 
 
-def _unit_of(name: str) -> str:
-    """The backward unit a parameter's gradient is made in (ActivationBytes.kept_by_unit's names)."""
+def _units_of(model: nn.Module, name: str) -> tuple[str, str]:
+    """(unit whose backward allocates a parameter's gradient, unit after which it is final), in
+    ActivationBytes.kept_by_unit's names. They differ for the tied embedding: the LM head's
+    backward makes its [V, D] gradient, the embeddings' backward adds to it last."""
     if name.startswith("blocks."):
-        return ".".join(name.split(".")[:2])
-    return "head" if name.startswith("final_norm.") else "embeddings"
+        unit = ".".join(name.split(".")[:2])
+        return unit, unit
+    if name.startswith(("final_norm.", "lm_head.")):
+        return "head", "head"
+    if name == "text_embed.tokens.weight" and getattr(model, "lm_head", True) is None:
+        return "head", "embeddings"
+    return "embeddings", "embeddings"
 
 
 class _BackwardWalk:
@@ -207,35 +215,57 @@ class _BackwardWalk:
     """
 
     def __init__(self, model: nn.Module, expert_ids: set[int], world_size: int, ep: int, bucket_bytes: float) -> None:
-        self.grads_by_unit: dict[str, float] = {}
-        open_buckets: dict[tuple, list] = {}
-        self.buckets: list[list] = []  # [bytes, units still to finish]
+        # Per parameter: (allocated in, final after, bytes, bucket index or None).
+        self.grads: list[tuple[str, str, float, Optional[int]]] = []
+        open_buckets: dict[tuple, int] = {}
+        closing: list[int] = []
+        self.buckets: list[list] = []  # [bytes, units that must be done]
         for name, p in reversed([(n, p) for n, p in model.named_parameters() if p.requires_grad]):
-            unit, nbytes = _unit_of(name), float(p.numel() * p.element_size())
-            self.grads_by_unit[unit] = self.grads_by_unit.get(unit, 0.0) + nbytes
+            made_in, final_after = _units_of(model, name)
+            nbytes = float(p.numel() * p.element_size())
             group = ("expert_data", world_size // ep) if id(p) in expert_ids else ("world", world_size)
-            if group[1] == 1:
-                continue
-            bucket = open_buckets.setdefault((group[0], p.dtype), [0.0, set()])
-            bucket[0] += nbytes
-            bucket[1].add(unit)
-            if bucket[0] >= bucket_bytes:
-                self.buckets.append(open_buckets.pop((group[0], p.dtype)))
-        self.buckets.extend(open_buckets.values())
+            index = None
+            if group[1] > 1:
+                key = (group[0], p.dtype)
+                if key not in open_buckets:
+                    open_buckets[key] = len(self.buckets)
+                    self.buckets.append([0.0, set()])
+                index = open_buckets[key]
+                self.buckets[index][0] += nbytes
+                self.buckets[index][1].add(final_after)
+                if self.buckets[index][0] >= bucket_bytes:
+                    closing.append(open_buckets.pop(key))
+            self.grads.append((made_in, final_after, nbytes, index))
+        # GradientSync lists a bucket when it closes, then the still-open ones in the order they
+        # were opened: that list is the launch order.
+        order = closing + list(open_buckets.values())
+        self.buckets = [self.buckets[i] for i in order]
+        remap = {old: new for new, old in enumerate(order)}
+        self.grads = [(a, f, b, None if i is None else remap[i]) for a, f, b, i in self.grads]
 
     def most_in_flight(self) -> float:
         """Bytes of the largest MAX_BUCKETS_IN_FLIGHT buckets (the end of backward, the update)."""
         return sum(sorted((b[0] for b in self.buckets), reverse=True)[:MAX_BUCKETS_IN_FLIGHT])
 
-    def peak(self, kept_by_unit: dict[str, float], produced_fraction: float) -> float:
-        """Largest activations still held + gradients made so far (``produced_fraction`` of each
-        unit's: 1 when this backward allocates them, 0 when they exist already) + buckets in flight,
-        as each unit's backward runs."""
-        held, made, launched, next_bucket = sum(kept_by_unit.values()), 0.0, [], 0
+    def peak(self, kept_by_unit: dict[str, float], grads_made: bool, offloaded: bool = False) -> float:
+        """Largest activations still held + gradients made so far + buckets in flight, as each
+        unit's backward runs. ``grads_made``: this backward allocates the gradients (False: they
+        exist before it, accumulation). ``offloaded``: a gradient leaves the device once final:
+        at once when nothing sums it with other ranks, else when its bucket is drained (past the
+        in-flight window)."""
+        held, launched, next_bucket = sum(kept_by_unit.values()), [], 0
         done: set[str] = set()
         worst = 0.0
         for unit, acts in kept_by_unit.items():
-            made += produced_fraction * self.grads_by_unit.get(unit, 0.0)
+            drained = set(range(max(0, len(launched) - MAX_BUCKETS_IN_FLIGHT)))
+            made = 0.0
+            if grads_made:
+                for made_in, final_after, nbytes, bucket in self.grads:
+                    if made_in not in done and made_in != unit:
+                        continue  # not made yet
+                    if offloaded and (bucket is None and final_after in done or bucket in drained):
+                        continue  # already streamed to the host
+                    made += nbytes
             worst = max(worst, held + made + sum(launched[-MAX_BUCKETS_IN_FLIGHT:]))
             held -= acts
             done.add(unit)

@@ -97,8 +97,10 @@ class TopKRouter(nn.Module):
             scores_TPG = torch.sigmoid(logits_TPG)
         if self.force_balance:
             # Slot j of token t goes to expert (t * top_k + j) mod E/P of every group: top_k distinct
-            # experts per token, and each expert receives the same count (+-1) of any T tokens.
-            # The weights are still the router's scores there, so the gate trains as usual.
+            # experts per token, and each expert receives the same count (+-1) of the T rows of
+            # this call (padding rows included). The weights are still the router's scores there,
+            # so gradients reach the gate and backward costs what it does in training, but what
+            # the gate learns is meaningless, and the balance loss (counts fixed) gives no signal.
             slots_T1k = torch.arange(T, device=logits_TE.device).view(T, 1, 1) * self.top_k + \
                 torch.arange(self.top_k, device=logits_TE.device).view(1, 1, self.top_k)
             top_local_TPk = (slots_T1k % (E // P)).expand(T, P, self.top_k)

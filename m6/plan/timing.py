@@ -151,6 +151,7 @@ def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optiona
     gradients dropped. On a CPU the update streams every weight, gradient and moment through the
     caches, so the next forward starts cold, as in the run; timed back to back without it, the
     forward+backward came out 10-35% faster than the trainer's."""
+    assert sync is None or runs is not None, "ranks in lockstep must time the same number of steps"
     images, has, ids, seg, labels = inputs
     params = [p for p in model.parameters() if p.requires_grad]
     skip = no_decay_ids(model)
@@ -161,6 +162,8 @@ def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optiona
     update: list[float] = []
     while (len(compute) < 6 or (sum(compute[1:]) < 0.5 and len(compute) < 40)) if runs is None \
             else len(compute) < runs + 1:
+        if sync is not None:
+            sync()  # the step's first collective (its target count): nobody starts while another updates
         t0 = time.perf_counter()
         hidden, aux = model(images, has, ids, seg)
         (model.target_loss_sum(hidden, labels) + aux).backward()

@@ -47,6 +47,6 @@ def test_profiled_rank_waits_where_the_runs_collectives_make_ranks_wait():
     model = _profile_model(cfg, 2, 2, frozenset({"blocks.0.experts"}), sync=lambda: calls.append(1))
     _time_step(model, _densest_inputs(cfg, 2), runs=1, sync=lambda: calls.append(1))
     # Per MoE layer (2) and step: routing statistics, counts and payload exchange in dispatch, the
-    # payload's way back in combine, both payloads again in backward (6); then the end-of-step
-    # sync. Recompute (blocks.0.experts) re-runs no exchange. Two steps (one warm-up, one timed).
-    assert len(calls) == 2 * (2 * 6 + 1)
+    # payload's way back in combine, both payloads again in backward (6); the step's start and
+    # its end. Recompute (blocks.0.experts) re-runs no exchange. Two steps (one warm-up, one timed).
+    assert len(calls) == 2 * (2 * 6 + 2)

@@ -102,19 +102,27 @@ def test_activations_split_by_unit_in_backward_order():
 
 def test_a_bucket_weighs_on_the_backward_peak_only_while_activations_are_held():
     model, _, kept, walk = _walk_setup()
-    alone = walk(1, 1, 25 * 2**20).peak(kept, 1.0)  # one process: nothing bucketed
+    alone_walk = walk(1, 1, 25 * 2**20)
+    alone = alone_walk.peak(kept, grads_made=True)  # one process: nothing bucketed
     assert walk(1, 1, 25 * 2**20).buckets == []
     # EP 2 at world 2: only replicated gradients are summed, all in one bucket that completes with
     # the embeddings' gradients, the last ones backward makes: after every activation is released.
     one = walk(2, 2, 25 * 2**20)
-    assert len(one.buckets) == 1 and one.peak(kept, 1.0) == alone
+    assert len(one.buckets) == 1 and one.peak(kept, grads_made=True) == alone
     # A bucket per parameter: each goes as soon as its unit is done, beside the activations still held.
     many = walk(2, 1, 1)
     largest = max(p.numel() * 4 for p in model.parameters())
     assert len(many.buckets) == sum(1 for _ in model.parameters())
-    assert alone < many.peak(kept, 1.0) <= alone + 2 * largest
+    assert alone < many.peak(kept, grads_made=True) <= alone + 2 * largest
+    # The tied embedding's gradient is made by the head's backward (the first unit), final after
+    # the embeddings' (the last): it counts from the start, and its bucket goes at the end.
+    head = dict(kept)
+    head_grads = {u: sum(b for a, _, b, _ in alone_walk.grads if a == u) for u in kept}
+    assert head_grads["head"] >= model.text_embed.tokens.weight.numel() * 4
+    # Offloaded, a gradient nothing sums leaves the device as soon as it is final.
+    assert alone_walk.peak(head, grads_made=True, offloaded=True) < alone
     # Gradients that exist before backward (accumulation) are not made again.
-    assert walk(1, 1, 1).peak(kept, 0.0) == sum(kept.values())  # at the first unit, all of them held
+    assert walk(1, 1, 1).peak(kept, grads_made=False) == sum(kept.values())  # at the first unit, all of them held
 
 
 def test_step_time_counts_one_latency_per_scalar_all_reduce():
