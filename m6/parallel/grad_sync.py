@@ -28,6 +28,7 @@ has completed, and ``finish()`` the rest.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -121,8 +122,18 @@ class GradientSync:
         self._local: set[int] = set()  # params whose group is this process alone
         self._make_buckets()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        # The hook reaches this object through a weak reference: a strong one would close a cycle
+        # parameter -> hook -> GradientSync -> model -> parameter that runs through autograd's C++
+        # side, which Python's gc cannot collect, so a dropped Trainer would keep its model alive.
+        on_ready = weakref.WeakMethod(self._on_grad_ready)
+
+        def hook(param: nn.Parameter) -> None:
+            method = on_ready()
+            if method is not None:
+                method(param)
+
         for _, p in self._trainable():
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            p.register_post_accumulate_grad_hook(hook)
         if self.sharded.groups.world is not None and self.sharded.groups.layout.world_size > 1:
             self._check_same_layout()
         self._in_flight: deque[_Bucket] = deque()
