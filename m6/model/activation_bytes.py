@@ -41,13 +41,16 @@ class ActivationBytes:
     """Saved bytes of one micro-batch: per recomputable part (kept when not recomputed / kept when
     recomputed), what is kept outside every part, and the largest transient of one layer."""
 
-    outside: float = 0.0
-    parts: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (saved, inputs)
-    # ``outside`` by where backward releases it: "embeddings", "blocks.<i>" or "head" (the order
-    # backward runs is head, blocks last to first, embeddings).
+    # What is kept outside every part, by where backward releases it: "embeddings", "blocks.<i>"
+    # or "head" (backward runs head, blocks last to first, embeddings).
     outside_by_unit: dict[str, float] = field(default_factory=dict)
+    parts: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (saved, inputs)
     a2a_buffers: float = 0.0  # send + receive payload of one MoE layer's exchange (transient)
     backward_transient: float = 0.0  # gradient buffers alive at once at the backward's worst point
+
+    @property
+    def outside(self) -> float:
+        return sum(self.outside_by_unit.values())
 
     def kept(self, recompute: set[str] | None = None) -> float:
         """Bytes kept for backward when the parts ``recompute`` are recomputed (None: none)."""
@@ -69,7 +72,6 @@ class ActivationBytes:
         return {u: units.get(u, 0.0) for u in order}
 
     def _add_outside(self, unit: str, nbytes: float) -> None:
-        self.outside += nbytes
         self.outside_by_unit[unit] = self.outside_by_unit.get(unit, 0.0) + nbytes
 
 

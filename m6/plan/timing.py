@@ -140,7 +140,7 @@ def _densest_inputs(cfg: Config, micro_batch: int) -> tuple[torch.Tensor, ...]:
     return images, torch.ones(micro_batch, dtype=torch.bool), ids, seg, labels
 
 
-def _time_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int],
+def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int],
                sync: Optional[Callable[[], None]] = None) -> tuple[float, float]:
     """Median seconds of (forward+backward, update) of the rank's steps after one warm-up: ``runs``
     timed steps, or (None) at least 5 and up to 0.5 s of them (a burst of another process's work
@@ -190,7 +190,7 @@ def _concurrent_rank(cfg: Config, world_size: int, ep: int, micro_batch: int, re
     sync = barrier.wait if world_size > 1 and barrier.parties == world_size else None
     model, inputs = _profile_model(cfg, world_size, ep, recompute, sync), _densest_inputs(cfg, micro_batch)
     barrier.wait()  # every rank's process times at once, as the ranks of a run compute at once
-    results.put(_time_step(model, inputs, runs, sync))
+    results.put(_time_rank_steps(model, inputs, runs, sync))
 
 
 def _collect(procs: list, results, timeout_s: float) -> list:
@@ -259,7 +259,7 @@ class HostProfile:
         previous = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         try:
-            self._cache[key] = _time_step(_profile_model(cfg, world_size, ep, recompute),
+            self._cache[key] = _time_rank_steps(_profile_model(cfg, world_size, ep, recompute),
                                           _densest_inputs(cfg, micro_batch), None)
         finally:
             torch.set_num_threads(previous)
@@ -274,7 +274,7 @@ class HostProfile:
             previous = torch.get_num_threads()
             torch.set_num_threads(self.threads)
             try:
-                big, small = self._time_step(8, 2**19), self._time_step(512, 2**10)
+                big, small = self._time_host_update(8, 2**19), self._time_host_update(512, 2**10)
             finally:
                 torch.set_num_threads(previous)
             # big = 8 a + 8*2^19 b ; small = 512 a + 512*2^10 b
@@ -286,7 +286,7 @@ class HostProfile:
         return num_tensors * per_tensor + numel * per_elem
 
     @staticmethod
-    def _time_step(num_tensors: int, size: int) -> float:
+    def _time_host_update(num_tensors: int, size: int) -> float:
         """Median of 3 (after one warm-up) host steps as the run makes them: m6's own gradient
         clipping (a norm per tensor) and a foreach AdamW step."""
         params = [torch.zeros(size, requires_grad=True) for _ in range(num_tensors)]

@@ -41,11 +41,11 @@ def test_cpu_profile_runs_an_expert_parallel_rank_alone_and_with_its_node():
 
 
 def test_profiled_rank_waits_where_the_runs_collectives_make_ranks_wait():
-    from m6.plan.timing import _profile_model, _time_step, _densest_inputs
+    from m6.plan.timing import _profile_model, _time_rank_steps, _densest_inputs
     cfg = load(None, TINY)
     calls = []
     model = _profile_model(cfg, 2, 2, frozenset({"blocks.0.experts"}), sync=lambda: calls.append(1))
-    _time_step(model, _densest_inputs(cfg, 2), runs=1, sync=lambda: calls.append(1))
+    _time_rank_steps(model, _densest_inputs(cfg, 2), runs=1, sync=lambda: calls.append(1))
     # Per MoE layer (2) and step: routing statistics, counts and payload exchange in dispatch, the
     # payload's way back in combine, both payloads again in backward (6); the step's start and
     # its end. Recompute (blocks.0.experts) re-runs no exchange. Two steps (one warm-up, one timed).

@@ -116,11 +116,10 @@ def test_a_bucket_weighs_on_the_backward_peak_only_while_activations_are_held():
     assert alone < many.peak(kept, grads_made=True) <= alone + 2 * largest
     # The tied embedding's gradient is made by the head's backward (the first unit), final after
     # the embeddings' (the last): it counts from the start, and its bucket goes at the end.
-    head = dict(kept)
     head_grads = {u: sum(b for a, _, b, _ in alone_walk.grads if a == u) for u in kept}
     assert head_grads["head"] >= model.text_embed.tokens.weight.numel() * 4
     # Offloaded, a gradient nothing sums leaves the device as soon as it is final.
-    assert alone_walk.peak(head, grads_made=True, offloaded=True) < alone
+    assert alone_walk.peak(kept, grads_made=True, offloaded=True) < alone
     # Gradients that exist before backward (accumulation) are not made again.
     assert walk(1, 1, 1).peak(kept, grads_made=False) == sum(kept.values())  # at the first unit, all of them held
 
