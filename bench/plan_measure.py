@@ -149,28 +149,44 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
 
 
 def probe_link(out_dir: Path, sizes: list[int], reps: int) -> None:
-    """Median seconds of all_reduce (fp32, ``n`` bytes per rank) and all_to_all_single (``n`` bytes
-    sent by each rank, (W-1)/W of them to others) at each size; rank 0 writes them."""
+    """Mean seconds of all_reduce (fp32, ``n`` bytes per rank) and all_to_all (``n`` bytes sent by
+    each rank, (W-1)/W of them to others) at each size, issued as a step issues them; rank 0
+    writes them.
+
+    As in a step, each call moves freshly made tensors: the all-to-all through m6's own exchange
+    (m6.moe.all_to_all.all_to_all: uneven-split API, a new receive buffer per call), the
+    all-reduce on a new flat buffer (the gradient sync all-reduces a bucket's fresh ``torch.cat``).
+    A barrier before each call leaves the ranks' arrival out (the planner's CPU profile keeps the
+    run's lockstep and holds that). The MEAN per call, the slowest rank's: a step pays the sum of
+    its calls, and on this shared host a call's time has a long tail (a thread waiting for a
+    core): the mean is 1.5-4x the median here, and with the median the planner under-predicted
+    every world-2 expert-parallel step by 15-18% (its all-to-alls cost 1.0-1.6 ms per call in the
+    run against 0.3-0.7 ms predicted)."""
+    from m6.moe.all_to_all import all_to_all  # the worker's side; the prediction imports no process group
+
     dist.init_process_group("gloo")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world, rank = dist.get_world_size(), dist.get_rank()
-    out = {"world_size": world, "all_reduce": {}, "all_to_all": {}}
+    group = dist.group.WORLD
+    out = {"world_size": world, "statistic": "mean", "all_reduce": {}, "all_to_all": {}}
     for nbytes in sizes:
-        x = torch.ones(nbytes // 4)
-        recv = torch.empty_like(x)
-        for name, op in (("all_reduce", lambda: dist.all_reduce(x)),
-                         ("all_to_all", lambda: dist.all_to_all_single(recv, x))):
+        rows = nbytes // 4 // 64 // world * world  # [rows, 64] fp32, an equal share to each rank
+        splits = [rows // world] * world
+        ops = (("all_reduce", lambda: torch.randn(rows * 64), dist.all_reduce),
+               ("all_to_all", lambda: torch.randn(rows, 64), lambda x: all_to_all(x, splits, splits, group)))
+        for name, make, op in ops:
             times = []
             for i in range(reps + 2):
+                x = make()  # what the compute hands the collective
                 dist.barrier()
                 t0 = time.perf_counter()
-                op()
+                op(x)
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
             # The slowest rank's time is the collective's.
-            t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+            t = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            out[name][str(nbytes)] = t.item()
+            out[name][str(rows * 64 * 4)] = t.item()
     if rank == 0:
         out["load_1min"] = os.getloadavg()[0]
         (out_dir / "probe.json").write_text(json.dumps(out))
@@ -183,7 +199,7 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--probe", action="store_true")
     p.add_argument("--sizes", default="16384,262144,1048576,4194304")
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("overrides", nargs="*")

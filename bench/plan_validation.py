@@ -4,8 +4,9 @@ runs of the same layouts on this host (CPU, gloo, torchrun at world 1, 2 and 4).
     python -m bench.plan_validation                 # every plan, 3 rounds (~25 min on 2 idle cores)
     python -m bench.plan_validation --only w2-ep2   # plans whose name contains the text
 
-1. The gloo link: bench.plan_measure --probe times all_reduce and all_to_all_single at 16 KiB -
-   4 MiB per rank under torchrun at world 2 and 4; latency and bandwidth are fitted to the
+1. The gloo link: bench.plan_measure --probe times all_reduce and m6's all-to-all at 16 KiB -
+   4 MiB per rank under torchrun at world 2 and 4, as a step issues them (fresh buffers, the
+   mean per call: a step pays the sum of its calls); latency and bandwidth are fitted to the
    planner's own formulas (all-to-all: latency + bytes sent to others / bandwidth; ring
    all-reduce: latency + 2(n-1)/n x bytes / bandwidth) and passed to it, as --latency-us and
    --intra-node-GBps would be.
