@@ -148,10 +148,10 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
-def probe_link(out_dir: Path, sizes: list[int], reps: int) -> None:
+def probe_collectives(sizes: list[int], reps: int) -> dict:
     """Mean seconds of all_reduce (fp32, ``n`` bytes per rank) and all_to_all (``n`` bytes sent by
-    each rank, (W-1)/W of them to others) at each size, issued as a step issues them; rank 0
-    writes them.
+    each rank, (W-1)/W of them to others) at each size, issued as a step issues them, over the
+    default process group; every rank returns the same figures.
 
     As in a step, each call moves freshly made tensors: the all-to-all through m6's own exchange
     (m6.moe.all_to_all.all_to_all: uneven-split API, a new receive buffer per call), the
@@ -164,9 +164,7 @@ def probe_link(out_dir: Path, sizes: list[int], reps: int) -> None:
     run against 0.3-0.7 ms predicted)."""
     from m6.moe.all_to_all import all_to_all  # the worker's side; the prediction imports no process group
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     group = dist.group.WORLD
     out = {"world_size": world, "statistic": "mean", "all_reduce": {}, "all_to_all": {}}
     for nbytes in sizes:
@@ -187,7 +185,15 @@ def probe_link(out_dir: Path, sizes: list[int], reps: int) -> None:
             t = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             out[name][str(rows * 64 * 4)] = t.item()
-    if rank == 0:
+    return out
+
+
+def probe_link(out_dir: Path, sizes: list[int], reps: int) -> None:
+    """``probe_collectives`` under torchrun; rank 0 writes probe.json."""
+    dist.init_process_group("gloo")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    out = probe_collectives(sizes, reps)
+    if dist.get_rank() == 0:
         out["load_1min"] = os.getloadavg()[0]
         (out_dir / "probe.json").write_text(json.dumps(out))
     dist.barrier()

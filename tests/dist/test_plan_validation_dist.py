@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+import torch.distributed as dist
 from dist_helpers import run_distributed
 
-from bench.plan_measure import COMMON, DenseSamples, live_storage_bytes
+from bench.plan_measure import COMMON, DenseSamples, live_storage_bytes, probe_collectives
 from m6.config import load
 from m6.memory.live_bytes import LiveBytes
 from m6.plan.memory import RankMemory
@@ -43,3 +45,22 @@ def _measure(rank: int, world: int, root: str, extra: list[str]) -> None:
 @pytest.mark.parametrize("extra", PLANS, ids=["plain", "offload-accumulation", "full-recompute"])
 def test_predicted_peak_matches_world2_run(tmp_path, extra) -> None:
     run_distributed(_measure, 2, str(tmp_path), extra, timeout_s=120)
+
+
+def _probe(rank: int, world: int) -> None:
+    sizes = [16384, 262144]
+    out = probe_collectives(sizes, reps=3)
+    assert out["statistic"] == "mean" and out["world_size"] == world
+    for op in ("all_reduce", "all_to_all"):
+        assert sorted(int(n) for n in out[op]) == sizes, (op, out[op])  # [rows, 64] fp32 rows split evenly
+        assert all(t > 0 for t in out[op].values())
+    # The slowest rank's figures: every rank holds the same ones.
+    mine = torch.tensor([out[op][str(n)] for op in ("all_reduce", "all_to_all") for n in sizes], dtype=torch.float64)
+    lowest = mine.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    assert torch.equal(mine, lowest)
+
+
+def test_link_probe_runs_m6s_exchange_at_world2() -> None:
+    """The bench's link probe (its all-to-all is m6's own, uneven-split API) at world 2."""
+    run_distributed(_probe, 2, timeout_s=60)
