@@ -1,7 +1,7 @@
 """Planner validation: m6.plan's predicted per-rank peak memory and step time against real m6
 runs of the same layouts on this host (CPU, gloo, torchrun at world 1, 2 and 4).
 
-    python -m bench.plan_validation                 # every plan, 3 rounds (~25 min on 2 idle cores)
+    python -m bench.plan_validation                 # every plan, 3 rounds (~15-20 min on 2 cores)
     python -m bench.plan_validation --only w2-ep2   # plans whose name contains the text
 
 1. The gloo link: bench.plan_measure --probe times all_reduce and m6's all-to-all at 16 KiB -
