@@ -108,6 +108,31 @@ class PhaseClock:
             delattr(self.owners[owner], attr)
 
 
+class AllToAllClock:
+    """Wall seconds and calls of every ``torch.distributed.all_to_all_single`` during the timed steps
+    (m6's exchange calls it through the module attribute, which this replaces while entered): what
+    the run's all-to-alls cost, waiting for the other ranks included, beside the planner's term."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def __enter__(self) -> "AllToAllClock":
+        self._original = original = dist.all_to_all_single
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        dist.all_to_all_single = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_to_all_single = self._original
+
+
 def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> None:
     """Warm-up + timed steps, then one metered step; this rank's figures to out_dir/rank{r}.json."""
     from m6.train.loop import Trainer  # the worker imports the trainer; the prediction side never does
@@ -124,7 +149,7 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
             trainer.train_step()
         times, waits = [], []
         t0, c0 = time.perf_counter(), time.process_time()
-        with PhaseClock(trainer) as clock:
+        with PhaseClock(trainer) as clock, AllToAllClock() as a2a:
             for _ in range(steps):
                 metrics = trainer.train_step()
                 times.append(metrics["step_time_s"])
@@ -138,7 +163,9 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
         saved = metrics.get("activation_saved_mb")
         result = {"rank": rank, "step_time_s": times, "data_wait_s": waits, "median_step_s": statistics.median(times),
                   "timed_wall_s": wall, "timed_cpu_s": cpu,
-                  "phase_s_per_step": {k: v / steps for k, v in clock.seconds.items()}, "load_1min": loads, "threads": torch.get_num_threads(),
+                  "phase_s_per_step": {k: v / steps for k, v in clock.seconds.items()},
+                  "all_to_all_s_per_step": a2a.seconds / steps, "all_to_all_calls_per_step": a2a.calls / steps,
+                  "load_1min": loads, "threads": torch.get_num_threads(),
                   "live_at_step_start": at_start, "step_alloc_peak": live.peak, "peak_bytes": at_start + live.peak,
                   "activation_saved_bytes": None if saved is None else saved * 2**20,
                   "recompute_plan": None if trainer.activations.plan is None else
@@ -157,16 +184,17 @@ def probe_collectives(sizes: list[int], reps: int) -> dict:
     (m6.moe.all_to_all.all_to_all: uneven-split API, a new receive buffer per call), the
     all-reduce on a new flat buffer (the gradient sync all-reduces a bucket's fresh ``torch.cat``).
     A barrier before each call leaves the ranks' arrival out (the planner's CPU profile keeps the
-    run's lockstep and holds that). The MEAN per call, the slowest rank's: a step pays the sum of
-    its calls, and on this shared host a call's time has a long tail (a thread waiting for a
-    core): the mean is 1.5-4x the median here, and with the median the planner under-predicted
-    every world-2 expert-parallel step by 15-18% (its all-to-alls cost 1.0-1.6 ms per call in the
-    run against 0.3-0.7 ms predicted)."""
+    run's lockstep and holds that). The MEAN per call, the slowest rank's, is what is fitted: a
+    step pays the sum of its calls, and on a shared host a call's time has a tail (a thread
+    waiting for a core) that the median (kept beside it, under "median") hides; with the median
+    of back-to-back calls on reused buffers the planner under-predicted every world-2
+    expert-parallel step here by 15-18% (bench/results/plan-cpu-2core.md, README)."""
     from m6.moe.all_to_all import all_to_all  # the worker's side; the prediction imports no process group
 
     world = dist.get_world_size()
     group = dist.group.WORLD
-    out = {"world_size": world, "statistic": "mean", "all_reduce": {}, "all_to_all": {}}
+    out = {"world_size": world, "statistic": "mean", "all_reduce": {}, "all_to_all": {},
+           "median": {"all_reduce": {}, "all_to_all": {}}}  # beside the mean, to show the tail
     for nbytes in sizes:
         rows = nbytes // 4 // 64 // world * world  # [rows, 64] fp32, an equal share to each rank
         splits = [rows // world] * world
@@ -182,9 +210,9 @@ def probe_collectives(sizes: list[int], reps: int) -> dict:
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
             # The slowest rank's time is the collective's.
-            t = torch.tensor([statistics.fmean(times)], dtype=torch.float64)
+            t = torch.tensor([statistics.fmean(times), statistics.median(times)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            out[name][str(rows * 64 * 4)] = t.item()
+            out[name][str(rows * 64 * 4)], out["median"][name][str(rows * 64 * 4)] = t.tolist()
     return out
 
 

@@ -194,6 +194,15 @@ def merge_rounds(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
     return pred, merged
 
 
+def tail_ratios(probe: dict) -> str:
+    """Range of mean / median over the probed sizes, per collective."""
+    out = []
+    for op in ("all_to_all", "all_reduce"):
+        r = [probe[op][n] / probe["median"][op][n] for n in probe[op]]
+        out.append(f"{op.replace('_', '-')} {min(r):.2f}-{max(r):.2f}x")
+    return ", ".join(out)
+
+
 def judge(pred: float, meas: float, target: float) -> dict:
     ratio = pred / meas
     return {"predicted": pred, "measured": meas, "ratio": ratio, "pass": abs(ratio - 1) <= target}
@@ -206,6 +215,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"{info['torch']}; `{info['command']}`; {info['date']}.",
              f"Link (measured, passed to the planner): " + "; ".join(
                  f"world {w}: latency {l['latency_us']:.0f} us, {l['GBps']:.2f} GB/s" for w, l in info["links"].items()),
+             "Link probe, mean / median time per call (the tail a step pays; mean fitted): " + "; ".join(
+                 f"world {w}: {tail_ratios(l['probe'])}" for w, l in info["links"].items()),
              "", "Targets: predicted peak within 10%, predicted step time within 15% of the measured ones.", "",
              "| plan | world | predicted peak MiB | measured peak MiB (max rank) | ratio | mem | predicted step s "
              "(compute/a2a/sync/offload/update) | measured step s (step_time_s - data_wait_s) median [min-max] | ratio | time | load 1-min |",
@@ -221,9 +232,10 @@ def markdown(rows: list[dict], info: dict) -> str:
     lines += ["", "Where the time goes: predicted split vs the measured trainer calls (seconds per step, "
               "rank 0, mean over the timed steps; 'other' = step - the calls listed: loss bookkeeping, "
               "metrics, zero_grad, the step's small all-reduces).", "",
-              "| plan | predicted compute | measured forward + backward | predicted a2a + sync + offload | "
+              "| plan | predicted compute | measured forward + backward | predicted all-to-all | measured all-to-all "
+              "calls in the step (s, calls; inside forward + backward, waits included) | predicted sync + offload | "
               "measured finish (sync wait, offload) | predicted update | measured clip + update | measured other | "
-              "run's recompute plan | process CPU / wall (rank 0) |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "run's recompute plan | process CPU / wall (rank 0) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s, rank0 = r["predicted"]["split_s"], r["measured"]["per_rank"][0]
         ph = rank0["phase_s_per_step"]
@@ -231,7 +243,10 @@ def markdown(rows: list[dict], info: dict) -> str:
         listed = sum(ph.values())
         other = statistics.fmean(rank0["step_time_s"]) - statistics.fmean(rank0["data_wait_s"]) - listed
         plan = rank0["recompute_plan"]
-        lines.append(f"| {r['name']} | {s['compute']:.3f} | {fb:.3f} | {s['all_to_all'] + s['grad_sync'] + s['offload']:.3f} | "
+        a2a = f"{rank0['all_to_all_s_per_step']:.3f} ({rank0['all_to_all_calls_per_step']:.0f})" \
+            if rank0.get("all_to_all_calls_per_step") else "-"
+        lines.append(f"| {r['name']} | {s['compute']:.3f} | {fb:.3f} | {s['all_to_all']:.3f} | {a2a} | "
+                     f"{s['grad_sync'] + s['offload']:.3f} | "
                      f"{ph['finish (grad sync wait, offload)']:.3f} | {s['update']:.3f} | "
                      f"{ph['clip'] + ph['update']:.3f} | {other:.3f} | "
                      f"{'-' if plan is None else len(plan)} | {rank0['timed_cpu_s'] / rank0['timed_wall_s']:.2f} |")

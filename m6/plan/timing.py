@@ -141,7 +141,7 @@ def _densest_inputs(cfg: Config, micro_batch: int) -> tuple[torch.Tensor, ...]:
 
 
 def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int],
-               sync: Optional[Callable[[], None]] = None) -> tuple[float, float]:
+                     sync: Optional[Callable[[], None]] = None) -> tuple[float, float]:
     """Median seconds of (forward+backward, update) of the rank's steps after one warm-up: ``runs``
     timed steps, or (None) at least 5 and up to 0.5 s of them (a burst of another process's work
     on a shared host can stretch a few runs several-fold).
@@ -260,7 +260,7 @@ class HostProfile:
         torch.set_num_threads(self.threads)
         try:
             self._cache[key] = _time_rank_steps(_profile_model(cfg, world_size, ep, recompute),
-                                          _densest_inputs(cfg, micro_batch), None)
+                                                _densest_inputs(cfg, micro_batch), None)
         finally:
             torch.set_num_threads(previous)
         return self._cache[key]

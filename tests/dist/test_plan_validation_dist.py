@@ -54,6 +54,7 @@ def _probe(rank: int, world: int) -> None:
     for op in ("all_reduce", "all_to_all"):
         assert sorted(int(n) for n in out[op]) == sizes, (op, out[op])  # [rows, 64] fp32 rows split evenly
         assert all(t > 0 for t in out[op].values())
+        assert sorted(out["median"][op]) == sorted(out[op])
     # The slowest rank's figures: every rank holds the same ones.
     mine = torch.tensor([out[op][str(n)] for op in ("all_reduce", "all_to_all") for n in sizes], dtype=torch.float64)
     lowest = mine.clone()

@@ -22,4 +22,3 @@ def test_fit_recovers_the_link(world, latency_us, GBps) -> None:
     link = fit_link(_probe(world, latency_us * 1e-6, GBps))
     assert link["latency_us"] == pytest.approx(latency_us, rel=1e-6)
     assert link["GBps"] == pytest.approx(GBps, rel=1e-6)
-
