@@ -51,10 +51,10 @@ from bench.checkpoint_anchor import anchor_load, anchor_save
 from bench.harness import current_rss_bytes, machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, write_results
 from m6 import config as m6config
 from m6.config import load
-from m6.inspect import build_meta_model
+from m6.model import build_meta_model
 from m6.model.flops import count_parameters
 from m6.parallel.layout import resolve_expert_parallel_size
-from m6.train import sharded_io
+from m6.checkpoint import sharded_io
 from m6.train.loop import Trainer
 
 PIN_ENV = {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores", "OMP_NUM_THREADS": "1"}
@@ -542,7 +542,7 @@ def render(result: dict) -> str:
               "- m6's load peak is not a fraction of the share but of the largest tensor read: "
               f"{min(per_largest):.1f}-{max(per_largest):.1f}x the rank's largest tensor (DCP's reader holds about "
               "two items at a time: the previous one is still referenced while the next loads. Alone in one process, "
-              f"reading one {rc['tensor_bytes'] / MiB:.0f} MiB tensor through m6.train.sharded_io.read raised RSS by "
+              f"reading one {rc['tensor_bytes'] / MiB:.0f} MiB tensor through m6.checkpoint.sharded_io.read raised RSS by "
               f"{rc['m6_sharded_read_one'] / MiB:.0f} MiB, two of them by {rc['m6_sharded_read_two'] / MiB:.0f} MiB, "
               f"a torch.load of one by {rc['torch_load_one'] / MiB:.0f} MiB; the rest varies between ranks and rounds "
               "and was not traced). As the share shrinks with world size, "

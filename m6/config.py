@@ -355,7 +355,7 @@ class CheckpointConfig:
     async_save: bool = True  # the step waits only for the copy to host memory; files are written behind it
     # Weights only, from another run's checkpoint (step dir, or run dir: its latest), when this run
     # does not resume: fresh optimizer, schedule and data; a dense FFN fills every expert of an MoE
-    # layer at the same place (upcycling, m6.train.init_from).
+    # layer at the same place (upcycling, m6.checkpoint.init_from).
     init_from: Optional[str] = None
 
     def validate(self) -> None:

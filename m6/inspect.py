@@ -11,22 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 
 from m6 import config as m6config
 from m6.config_loader import ConfigError
 from m6.model.flops import count_parameters, memory_estimate_bytes, training_flops_per_token
-from m6.model.m6_model import M6Model
+from m6.model.m6_model import build_meta_model
 from m6.memory.estimate import COMPONENTS, estimate_memory
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.layout import LayoutError, resolve_expert_parallel_size
 from m6.plan.memory import rank_model
-
-
-def build_meta_model(cfg: m6config.ModelConfig) -> M6Model:
-    """The model with shapes only (no storage): counts are exact at any scale."""
-    with torch.device("meta"):
-        return M6Model(cfg)
 
 
 def _human(n: float, unit: str = "") -> str:

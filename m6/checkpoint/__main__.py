@@ -16,7 +16,7 @@ import sys
 
 from m6.checkpoint.export import EXPORT_DTYPES, export_safetensors
 from m6.checkpoint.info import checkpoint_info, format_info
-from m6.train.checkpoint import CheckpointError
+from m6.checkpoint.errors import CheckpointError
 
 
 def main(argv: list[str] | None = None) -> int:

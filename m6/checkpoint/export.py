@@ -22,8 +22,9 @@ import torch
 from torch.distributed.checkpoint import CheckpointException
 
 from m6.checkpoint.info import MODEL, read_values
-from m6.train import sharded_io
-from m6.train.checkpoint import CheckpointError, find_checkpoint, load_metadata
+import m6.checkpoint.sharded_io as sharded_io
+from m6.checkpoint.errors import CheckpointError
+from m6.checkpoint.reader import find_checkpoint, load_metadata
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -10,8 +10,10 @@ from typing import Any, Iterable
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from m6.train import sharded_io
-from m6.train.checkpoint import CheckpointError, find_checkpoint, load_metadata, unflatten
+import m6.checkpoint.sharded_io as sharded_io
+from m6.checkpoint.errors import CheckpointError
+from m6.checkpoint.reader import find_checkpoint, load_metadata
+from m6.checkpoint.state_tree import unflatten
 
 MODEL = "model/"
 

@@ -142,3 +142,9 @@ class M6Model(nn.Module):
         logits = self.logits(hidden_BLD[keep])
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits, labels_BL[keep], reduction="sum")
+
+
+def build_meta_model(cfg: ModelConfig) -> M6Model:
+    """The model with shapes only (no storage): parameter counts are exact at any scale."""
+    with torch.device("meta"):
+        return M6Model(cfg)

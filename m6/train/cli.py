@@ -22,7 +22,7 @@ from m6.config import ConfigError, load
 from m6.config_loader import dumps_yaml
 from m6.parallel import LayoutError
 from m6.parallel.peer_check import describe_peer_failure, is_peer_failure
-from m6.train.checkpoint import CheckpointError, CheckpointMismatch
+from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
 
 

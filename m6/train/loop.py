@@ -25,11 +25,10 @@ from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
 from m6.parallel import build_parallel, join_job
-from m6.inspect import build_meta_model
+from m6.model import build_meta_model
 from m6.train.banner import RunFacts, checkpoint_line, end_line, startup_banner
-from m6.train.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, resolve_resume
+from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
 from m6.train.eval import evaluate_captions, rank_slice
-from m6.train.init_from import init_from_checkpoint
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Callable
 
 import torch
 
@@ -19,17 +19,14 @@ from m6.data.record_dataset import RUNTIME_SKIP_REASONS
 from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
 from m6.parallel import ShardedModel
-from m6.train.checkpoint import CheckpointError, CheckpointManager, CheckpointMismatch, rng_state, set_rng_state
-from m6.train import sharded_io
-from m6.train.sharded_io import Shards
+from m6.checkpoint.compat import changed_keys, checkpoint_keys, shape_differences
+from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
+from m6.checkpoint.manager import CheckpointManager
+from m6.checkpoint.rng import rng_state, set_rng_state
+from m6.checkpoint.sharded_io import Shards
+from m6.checkpoint.stateful import Stateful
 
 ReduceSum = Callable[[list[float]], list[float]]  # sums floats over all ranks (identity on one process)
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state_dict: Any) -> None: ...
 
 
 class TrainerCounters:
@@ -252,22 +249,6 @@ DATA_IDENTITY = ("data.kind", "data.sources", "data.eval_samples", "data.num_sam
                  "data.tasks")
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def changed_keys(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[str]:
-    """Config keys under ``prefixes`` whose values differ between the saving run and this one,
-    each with both values."""
-    before, now = _flat(saved), _flat(current)
-    return [f"{k}: {before.get(k)!r} at save, {now.get(k)!r} now" for k in sorted(set(before) | set(now))
-            if k.startswith(prefixes) and before.get(k) != now.get(k)
-            and k not in ("data.num_workers", "data.prefetch_factor")]
-
-
 _WEIGHTS_ONLY = ("Resume with the saved values, or keep only the weights with checkpoint.init_from=PATH and "
                  "checkpoint.resume=none.")
 
@@ -278,18 +259,3 @@ def config_changes(saved: dict, current: dict, piece: str) -> str:
     if not changed:
         return "The config keys that decide it are the same as at save."
     return "Changed since the save: " + "; ".join(changed) + ". " + _WEIGHTS_ONLY
-
-
-def checkpoint_keys(path: Path) -> dict[str, Any]:
-    """Flat key -> global shape (tensors) or None (python values) of a checkpoint on disk."""
-    md = sharded_io.read_metadata(path)
-    return {k: (v.size if hasattr(v, "size") else None) for k, v in md.state_dict_metadata.items()}
-
-
-def shape_differences(expected: dict[str, torch.Size], saved: dict[str, torch.Size]) -> list[str]:
-    """Shape mismatches, then keys missing from and unexpected in the checkpoint."""
-    diffs = [f"{k}: checkpoint {list(saved[k])} vs model {list(v)}" for k, v in expected.items()
-             if k in saved and saved[k] is not None and torch.Size(saved[k]) != v]
-    diffs += [f"missing in checkpoint: {k}" for k in expected if k not in saved]
-    diffs += [f"unexpected in checkpoint: {k}" for k in saved if k not in expected]
-    return diffs

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from dist_helpers import run_distributed
 
 from m6.config import load
-from m6.train.checkpoint import CheckpointError
-from m6.train.sharded_io import read_metadata
+from m6.checkpoint import CheckpointError
+from m6.checkpoint.sharded_io import read_metadata
 from m6.train.loop import Trainer
 
 SMALL = [

@@ -13,7 +13,7 @@ from dist_helpers import run_distributed
 
 from m6.checkpoint import checkpoint_info, export_safetensors
 from m6.config import load
-from m6.train.checkpoint import read_checkpoint
+from m6.checkpoint import read_checkpoint
 from m6.train.loop import Trainer
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

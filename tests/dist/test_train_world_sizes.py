@@ -198,7 +198,7 @@ def test_file_data_is_world_size_invariant_and_resumable(tmp_path):
 
 
 def test_scaling_experts_is_one_key(tmp_path):
-    from m6.train.checkpoint import read_checkpoint
+    from m6.checkpoint import read_checkpoint
 
     torchrun(tmp_path, 4, "train.max_steps=2", "model.moe.num_experts=16")
     state = read_checkpoint(tmp_path / "checkpoints" / "step_00000002")

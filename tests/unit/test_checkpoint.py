@@ -1,4 +1,4 @@
-"""Unit tests for m6.train.checkpoint: round trips, retention, crash safety and clear errors."""
+"""Unit tests for m6.checkpoint (manager, reader, rng, resume): round trips, retention, crash safety and clear errors."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from m6.train import checkpoint as ckpt
-from m6.train.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    load_model_state,
-    resolve_resume,
-    rng_state,
-    set_rng_state,
-)
+from m6.checkpoint import CheckpointError, CheckpointManager, resolve_resume
+from m6.checkpoint.compat import load_model_state
+from m6.checkpoint.rng import rng_state, set_rng_state
+from m6.checkpoint.sharded_io import METADATA_FILE
+from m6.checkpoint.step_dirs import POINTER_FILE, step_of
 
 
 def _model(hidden: int = 8) -> torch.nn.Module:
@@ -83,7 +79,7 @@ def test_round_trip_model_optimizer_rng(tmp_path: Path, device: torch.device) ->
     assert loaded["step"] == 7 and loaded["data"] == {"epoch": 1, "offset": 28}
     assert loaded["config"]["betas"] == (0.9, 0.95)
     # The same checkpoint loads given its metadata file instead of its directory.
-    assert manager.load(path / ckpt.METADATA_FILE)["step"] == 7
+    assert manager.load(path / METADATA_FILE)["step"] == 7
 
 
 def test_keep_two_leaves_last_two_and_latest_tracks(tmp_path: Path) -> None:
@@ -106,18 +102,18 @@ def test_list_orders_by_step_number_not_name(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep=5)
     for step in (5, 100_000_000, 99_999_999):  # a 9-digit name sorts first as text
         manager.save(step, _state(step))
-    assert [ckpt._step_of(p) for p in manager.list()] == [5, 99_999_999, 100_000_000]
+    assert [step_of(p) for p in manager.list()] == [5, 99_999_999, 100_000_000]
 
 
 def test_latest_falls_back_without_or_with_stale_pointer(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep=3)
     for step in (1, 2, 3):
         manager.save(step, _state(step))
-    (manager.dir / ckpt.POINTER_FILE).write_text("step_00000002\n")
+    (manager.dir / POINTER_FILE).write_text("step_00000002\n")
     assert manager.latest() == manager.step_dir(2)  # the pointer, not the highest step, is authoritative
-    (manager.dir / ckpt.POINTER_FILE).write_text("step_00000009\n")
+    (manager.dir / POINTER_FILE).write_text("step_00000009\n")
     assert manager.latest() == manager.step_dir(3)
-    (manager.dir / ckpt.POINTER_FILE).unlink()
+    (manager.dir / POINTER_FILE).unlink()
     assert manager.latest() == manager.step_dir(3)
 
 
@@ -128,7 +124,7 @@ def test_crash_before_rename_keeps_previous(tmp_path: Path, monkeypatch: pytest.
     def crash(src, dst):
         raise OSError("simulated crash")
 
-    monkeypatch.setattr(ckpt.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="simulated crash"):
         manager.save(20, _state(20))
     monkeypatch.undo()
@@ -152,11 +148,11 @@ def test_crash_between_rename_and_pointer(tmp_path: Path, monkeypatch: pytest.Mo
     real_replace = os.replace
 
     def replace_dirs_only(src, dst):
-        if Path(dst).name == ckpt.POINTER_FILE:
+        if Path(dst).name == POINTER_FILE:
             raise OSError("simulated crash")
         real_replace(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "replace", replace_dirs_only)
+    monkeypatch.setattr(os, "replace", replace_dirs_only)
     with pytest.raises(OSError):
         manager.save(20, _state(20))
     monkeypatch.undo()
@@ -200,7 +196,7 @@ def test_prune_never_removes_the_checkpoint_just_saved(tmp_path: Path) -> None:
 def test_truncated_file_names_it(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path, keep=2)
     path = manager.save(10, _state(10))
-    for file in (path / "__0_0.distcp", path / ckpt.METADATA_FILE):
+    for file in (path / "__0_0.distcp", path / METADATA_FILE):
         data = file.read_bytes()
         for size in (0, 10, len(data) // 2, len(data) - 5):
             file.write_bytes(data[:size])
@@ -217,7 +213,7 @@ def test_load_missing_paths(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         manager.load(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match=f"has no {ckpt.METADATA_FILE}"):
+    with pytest.raises(CheckpointError, match=f"has no {METADATA_FILE}"):
         manager.load(tmp_path / "empty")
 
 

@@ -19,9 +19,9 @@ from m6.checkpoint import checkpoint_info, export_safetensors  # noqa: E402
 from m6.checkpoint.__main__ import main  # noqa: E402
 from m6.config import ConfigError  # noqa: E402
 from m6.model.flops import count_parameters  # noqa: E402
-from m6.train import sharded_io  # noqa: E402
-from m6.train.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
-from m6.train.init_from import plan_init  # noqa: E402
+from m6.checkpoint import sharded_io  # noqa: E402
+from m6.checkpoint import CheckpointError, read_checkpoint  # noqa: E402
+from m6.checkpoint.init_from import plan_init  # noqa: E402
 from m6.train.loop import Trainer  # noqa: E402
 
 safetensors_torch = pytest.importorskip("safetensors.torch")  # the `test` extra

@@ -13,7 +13,7 @@ import pytest
 from m6 import config as m6config
 from m6 import inspect as m6inspect
 from m6.config import ModelConfig, MoEConfig
-from m6.model import M6Model
+from m6.model import M6Model, build_meta_model
 from m6.model.flops import count_parameters, training_flops_per_token
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -150,6 +150,6 @@ def test_training_flops_per_token_by_hand(name):
 
 def test_meta_model_counts_equal_real_model_counts():
     cfg = SMALL_CFGS["moe-every-2-untied"]
-    assert count_parameters(m6inspect.build_meta_model(cfg)) == count_parameters(M6Model(cfg))
-    assert all(p.is_meta for p in m6inspect.build_meta_model(cfg).parameters())
+    assert count_parameters(build_meta_model(cfg)) == count_parameters(M6Model(cfg))
+    assert all(p.is_meta for p in build_meta_model(cfg).parameters())
     assert not any(p.is_meta for p in M6Model(cfg).parameters())

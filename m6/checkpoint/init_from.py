@@ -3,7 +3,7 @@ weights come from another run's checkpoint; optimizer state, schedule, data posi
 start fresh.
 
 Each rank reads only its rows of the expert tensors (the ``model/`` keys and expert shards that
-ModelState declares), so a checkpoint saved at any layout initialises any other.
+the model declares), so a checkpoint saved at any layout initialises any other.
 
 Dense -> MoE upcycling: where the checkpoint holds a dense FFN (DenseMLP: ``fc_in.weight`` [F, D],
 ``fc_out.weight`` [D, F], each with a bias) and this model has an MoE layer (GroupedExperts:
@@ -22,9 +22,11 @@ from typing import Callable
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from m6.train import sharded_io
-from m6.train.checkpoint import CheckpointError, find_checkpoint, load_metadata
-from m6.train.state import ModelState, shape_differences
+import m6.checkpoint.sharded_io as sharded_io
+from m6.checkpoint.compat import shape_differences
+from m6.checkpoint.errors import CheckpointError
+from m6.checkpoint.reader import find_checkpoint, load_metadata
+from m6.checkpoint.stateful import ModelTensors
 
 _PREFIX = "model/"
 _MOE_FFN = re.compile(r"^(blocks\.\d+\.ffn\.)experts\.w_in$")
@@ -93,7 +95,7 @@ def _upcycle_differences(ffn: str, model: dict[str, torch.Size], saved: dict[str
     return diffs
 
 
-def init_from_checkpoint(path: str | Path, model: ModelState, group=None,
+def init_from_checkpoint(path: str | Path, model: ModelTensors, group=None,
                          log: Callable[[str], None] = print) -> Path:
     """Fill ``model``'s weights from the checkpoint at ``path`` (a step directory or its metadata
     file, or a run directory: its latest checkpoint); a collective over ``group`` (None with one
