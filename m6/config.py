@@ -65,6 +65,10 @@ class MoEConfig:
     # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product;
     # auto = grouped_mm on CUDA bf16 (compute capability >= 9.0, d_model/ffn_dim multiples of 8), else loop.
     expert_kernel: Literal["auto", "loop", "grouped_mm"] = "auto"
+    # The router GEMM's precision (weight and logits stay fp32): fp32 exact; tf32 = fp32 inputs on
+    # TF32 tensor cores; bf16 = inputs cast to bf16 (Megatron-Core's default); auto = tf32 on CUDA,
+    # fp32 elsewhere.
+    router_dtype: Literal["auto", "fp32", "tf32", "bf16"] = "auto"
 
     def validate(self) -> None:
         """Check the model.moe keys on their own."""
@@ -86,6 +90,8 @@ class MoEConfig:
                               f"(no capacity limit), got {self.capacity_factor}")
         if self.ffn_dim is not None and self.ffn_dim <= 0:
             raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {self.ffn_dim}")
+        if self.router_dtype not in ("auto", "fp32", "tf32", "bf16"):
+            raise ConfigError(f"model.moe.router_dtype must be 'auto', 'fp32', 'tf32' or 'bf16', got {self.router_dtype!r}")
         if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
             raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
 

@@ -87,18 +87,19 @@ class ForwardFlopRates:
     per_target: int  # LM head per target position
     per_attention_pair: int  # QK^T and AV per (query, key) pair of one sequence, all blocks
     per_assignment: int  # one expert FFN on one kept token assignment (the same in every MoE layer)
+    router_per_position: int = 0  # the routers' part of per_position (their GEMM may run at another precision)
 
 
 def forward_flop_rates(model: M6Model) -> ForwardFlopRates:
     """What each unit of work costs this model's forward; with expert parallelism the experts
     held here have the shapes of every expert, so any rank's share of the model gives the same."""
-    per_position = per_pair = 0
+    per_position = per_pair = router = 0
     per_assignment: set[int] = set()
     for block in model.blocks:
         per_position += 2 * (block.attn.qkv.weight.numel() + block.attn.out.weight.numel())
         per_pair += 2 * 2 * block.attn.qkv.weight.shape[1]  # q.k and p.v over all heads: 2 D each
         if isinstance(block.ffn, MoELayer):
-            per_position += 2 * block.ffn.router.weight.numel()
+            router += 2 * block.ffn.router.weight.numel()
             experts = block.ffn.experts
             mats = [w for w in (experts.w_in, experts.w_out, experts.w_gate) if w is not None]
             per_assignment.add(2 * sum(w[0].numel() for w in mats))
@@ -110,8 +111,9 @@ def forward_flop_rates(model: M6Model) -> ForwardFlopRates:
     if patch.kind == "conv":  # the 3x3 stem runs at every pixel: patch_size**2 of them per patch
         per_patch += 2 * patch.stem[0].weight.numel() * patch.patch_size ** 2
     head = model.text_embed.tokens.weight if model.lm_head is None else model.lm_head.weight
-    return ForwardFlopRates(per_position=per_position, per_patch=per_patch, per_target=2 * head.numel(),
-                            per_attention_pair=per_pair, per_assignment=next(iter(per_assignment), 0))
+    return ForwardFlopRates(per_position=per_position + router, per_patch=per_patch, per_target=2 * head.numel(),
+                            per_attention_pair=per_pair, per_assignment=next(iter(per_assignment), 0),
+                            router_per_position=router)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from m6.moe.dispatch import (Dispatcher, DispatchPlan, LocalDispatcher, expert_c
 from m6.moe.expert_gemm import ExpertKernel
 from m6.moe.experts import Activation, GroupedExperts
 from m6.moe.losses import balance_fractions, load_balancing_loss, router_entropy, router_z_terms
-from m6.moe.router import Routing, ScoreFunction, TopKRouter
+from m6.moe.router import RouterDtype, Routing, ScoreFunction, TopKRouter
 from m6.moe.routing_stats import LocalRoutingStats, RoutingStatsReducer
 
 
@@ -96,6 +96,7 @@ class MoELayer(nn.Module):
         init_std: float = 0.02,
         init_seed: Optional[int] = None,
         expert_kernel: ExpertKernel = "auto",
+        router_dtype: RouterDtype = "auto",
     ) -> None:
         super().__init__()
         # Each argument rule is checked in one place: here the sizes that router, experts and
@@ -122,7 +123,7 @@ class MoELayer(nn.Module):
         self.capacity_factor, self.min_capacity, self.capacity_group = capacity_factor, min_capacity, capacity_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = TopKRouter(d_model, num_experts, top_k, num_prototypes, score_function,
-                                 normalize_weights, router_jitter, force_balance)
+                                 normalize_weights, router_jitter, force_balance, router_dtype)
         if init_seed is None:
             # One draw from the global RNG, the same whatever the expert count: the layers that
             # follow initialise identically on every rank of any expert-parallel layout.

@@ -6,13 +6,62 @@ token (= P * top_k).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Iterator, Literal
 
 import torch
 from torch import nn
 
 ScoreFunction = Literal["softmax", "sigmoid"]
+# The router GEMM's precision; its logits are fp32 in every case. fp32: exact fp32 (on a GPU the
+# CUDA cores' rate: 67 TFLOP/s on an H100 SXM against 989 for bf16); tf32: fp32 inputs and output,
+# products on TF32 tensor cores (10-bit mantissa, fp32 accumulation; 495 TFLOP/s on an H100 SXM);
+# bf16: inputs and weight cast to bf16, fp32 accumulation, output upcast (Megatron-Core's default
+# and torchtitan's under bf16 training); auto: tf32 on CUDA, fp32 elsewhere (no TF32 on a CPU).
+RouterDtype = Literal["auto", "fp32", "tf32", "bf16"]
+ROUTER_DTYPES = ("auto", "fp32", "tf32", "bf16")
+
+
+def router_gemm_precision(setting: RouterDtype, device_type: str) -> str:
+    """The precision ``model.moe.router_dtype`` = ``setting`` gives the router GEMM on ``device_type``."""
+    if setting not in ROUTER_DTYPES:
+        raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {setting!r}")
+    if setting == "auto":
+        return "tf32" if device_type == "cuda" else "fp32"
+    return setting
+
+
+@contextmanager
+def _tf32_matmuls() -> Iterator[None]:
+    """CUDA fp32 matmuls on TF32 tensor cores inside the block, whatever the process setting is
+    (restored after; torch's new fp32_precision API only: mixing it with allow_tf32 is an error)."""
+    matmul = torch.backends.cuda.matmul
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = previous
+
+
+class _TF32Logits(torch.autograd.Function):
+    """x [T, D] @ w [E, D]^T with TF32 products in forward AND backward (a context around the forward
+    alone would leave the backward's two GEMMs, which run later, in full fp32)."""
+
+    @staticmethod
+    def forward(ctx, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_TD, w_ED)
+        with _tf32_matmuls():
+            return x_TD @ w_ED.t()
+
+    @staticmethod
+    def backward(ctx, grad_TE: torch.Tensor):
+        x_TD, w_ED = ctx.saved_tensors
+        with _tf32_matmuls():
+            grad_x = grad_TE @ w_ED if ctx.needs_input_grad[0] else None
+            grad_w = grad_TE.t() @ x_TD if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w
 
 
 @dataclass
@@ -32,7 +81,8 @@ class Routing:
 
 
 class TopKRouter(nn.Module):
-    """Linear gate in fp32 with top-k (optionally per-prototype) expert selection.
+    """Linear gate (fp32 weight, fp32 logits; the GEMM at ``router_dtype``) with top-k (optionally
+    per-prototype) expert selection.
 
     With ``num_prototypes = P`` (M6-T expert prototyping) the E experts form P contiguous groups of
     E/P and each token picks ``top_k`` experts inside every group, so K = P * top_k assignments.
@@ -48,8 +98,10 @@ class TopKRouter(nn.Module):
         normalize_weights: bool = True,
         jitter_eps: float = 0.0,
         force_balance: bool = False,
+        router_dtype: RouterDtype = "auto",
     ) -> None:
         super().__init__()
+        router_gemm_precision(router_dtype, "cpu")  # checks the name
         if score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
         if jitter_eps < 0:
@@ -61,7 +113,9 @@ class TopKRouter(nn.Module):
         self.normalize_weights = normalize_weights
         self.jitter_eps = jitter_eps
         self.force_balance = force_balance
-        # The gate is always fp32: routing decisions are sensitive to rounding (ties flip under bf16).
+        self.router_dtype = router_dtype
+        # The gate's weight and logits are always fp32: routing decisions are sensitive to rounding
+        # (ties flip under bf16); only the GEMM's products follow router_dtype.
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, dtype=torch.float32))
         self.reset_parameters()
 
@@ -74,7 +128,7 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
-        """Route [T, D] tokens; computed in fp32 whatever the surrounding autocast says."""
+        """Route [T, D] tokens; fp32 logits whatever the surrounding autocast says."""
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             # At least fp32 (float64 stays float64, for reference checks).
             compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
@@ -83,8 +137,16 @@ class TopKRouter(nn.Module):
                 # Switch-Transformer multiplicative jitter: explores routings early in training.
                 noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
                 x_TD = x_TD * noise
-            logits_TE = x_TD @ self.weight.to(compute_dtype).t()
-            return self._select(logits_TE)
+            return self._select(self._logits(x_TD, self.weight.to(compute_dtype)))
+
+    def _logits(self, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
+        """[T, E] logits in x's dtype (fp32, or float64 for reference checks: always exact)."""
+        precision = router_gemm_precision(self.router_dtype, x_TD.device.type)
+        if x_TD.dtype != torch.float32 or precision == "fp32":
+            return x_TD @ w_ED.t()
+        if precision == "bf16":
+            return (x_TD.to(torch.bfloat16) @ w_ED.to(torch.bfloat16).t()).float()
+        return _TF32Logits.apply(x_TD, w_ED)
 
     def _select(self, logits_TE: torch.Tensor) -> Routing:
         T, E = logits_TE.shape

@@ -1,7 +1,9 @@
 """Step time of a candidate layout: compute + all-to-all + gradient sync + offload traffic + update.
 
 compute   GPUs (not runnable here): model FLOPs of the densest micro-batch (m6.model.flops rates,
-          recomputed forwards added) / (datasheet peak x an ASSUMED efficiency).
+          recomputed forwards added) / (datasheet peak x an ASSUMED efficiency); the router GEMMs'
+          share at the datasheet peak of their precision (model.moe.router_dtype: fp32 on an H100
+          runs at 67 of 989 TFLOP/s).
           cpu: MEASURED on this host by running the rank's real modules at the planned shapes
           (forward+backward of the densest micro-batch, recompute applied, each followed by the
           update as in training), with the threads each rank gets, in as many processes at once
@@ -40,6 +42,7 @@ from m6.memory.estimate import activation_report, recomputed_parts
 from m6.memory.recompute import RecomputeParts
 from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
 from m6.model.param_groups import no_decay_ids
+from m6.moe.router import router_gemm_precision
 from m6.parallel.grad_sync import clip_grad_norm
 from m6.plan.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
@@ -60,6 +63,14 @@ class Hardware:
     memory_GBps: float  # device memory bandwidth (the on-device update streams 28 B per param)
     precision: str  # the train.precision m6 runs on it
     assumed: tuple[str, ...] = field(default_factory=tuple)
+    # Datasheet matmul peaks by precision (dense), for work that does not run at ``precision``
+    # (the router GEMM); a precision missing here runs at the fp32 rate (no unit for it).
+    matmul_tflops: tuple[tuple[str, float], ...] = ()
+
+    def matmul_peak(self, precision: str) -> float:
+        """TFLOP/s of a matmul at ``precision`` (tf32/bf16 without their unit: the fp32 rate)."""
+        peaks = dict(self.matmul_tflops)
+        return peaks.get(precision, peaks.get("fp32", self.peak_tflops))
 
 
 # Datasheet peaks (dense): H100 SXM bf16 989.4 TFLOP/s, 3.35 TB/s HBM3, NVLink 900 GB/s (450 per
@@ -68,11 +79,13 @@ class Hardware:
 GPUS = {
     "h100": Hardware("H100 SXM 80GB", 989.4, 0.40, 80.0, 300.0, 50.0, 50.0, 20e-6, 3350.0, "bf16",
                      ("compute efficiency 0.40 of 989.4 TFLOP/s", "NVLink 300 GB/s effective per GPU",
-                      "inter-node 50 GB/s per GPU (400 Gb/s IB)", "PCIe5 50 GB/s", "collective latency 20 us")),
+                      "inter-node 50 GB/s per GPU (400 Gb/s IB)", "PCIe5 50 GB/s", "collective latency 20 us"),
+                     (("bf16", 989.4), ("tf32", 494.7), ("fp32", 67.0))),
     "v100": Hardware("V100 SXM2 32GB", 15.7, 0.60, 32.0, 100.0, 12.5, 12.0, 30e-6, 900.0, "fp32",
                      ("compute efficiency 0.60 of 15.7 TFLOP/s fp32 (m6 has no fp16 path; V100 has no bf16)",
                       "NVLink 100 GB/s effective per GPU", "inter-node 12.5 GB/s per GPU (100 Gb/s RDMA)",
-                      "PCIe3 12 GB/s", "collective latency 30 us")),
+                      "PCIe3 12 GB/s", "collective latency 30 us"),
+                     (("fp32", 15.7),)),
 }
 
 
@@ -334,6 +347,11 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     else:
         extra = (len(recompute) / max(len(acts.parts), 1)) * flops_mb / 3 * 0.9  # the blocks' forward again
         compute = accum * (flops_mb + extra) / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
+        # The router GEMMs run at their own precision's rate, not the model's (m6.moe.router).
+        router_precision = router_gemm_precision(cfg.model.moe.router_dtype, "cuda")
+        router_flops = 3.0 * rates.router_per_position * counts.positions
+        compute += accum * router_flops * (1 / hw.matmul_peak(router_precision) - 1 / hw.peak_tflops) \
+            / (1e12 * hw.compute_efficiency)
     wire = 2 if cfg.model.moe.a2a_dtype == "bf16" else c
     a2a = 0.0
     if ep > 1:

@@ -14,6 +14,7 @@ from m6 import __version__
 from m6.config import Config, num_patches
 from m6.data.sources import relative_to_cwd_note
 from m6.model.flops import ModelSize
+from m6.moe.router import router_gemm_precision
 from m6.train.loggers import format_duration
 
 SYNTHETIC_WARNING = ("SYNTHETIC (data.kind=synthetic: generated shapes and captions, not real data; "
@@ -62,7 +63,7 @@ def device_label(device: torch.device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def _model_line(cfg: Config, size: ModelSize, blocks: list[int]) -> str:
+def _model_line(cfg: Config, size: ModelSize, blocks: list[int], device: torch.device) -> str:
     m, moe = cfg.model, cfg.model.moe
     shape = f"{m.num_layers} blocks x d_model {m.d_model}, {m.num_heads} heads"
     if not blocks:
@@ -71,7 +72,8 @@ def _model_line(cfg: Config, size: ModelSize, blocks: list[int]) -> str:
         where = "every block" if len(blocks) == m.num_layers else f"blocks {','.join(map(str, blocks))}"
         capacity = "dropless" if moe.capacity_factor is None else f"capacity {moe.capacity_factor:g} per {moe.capacity_group}"
         groups = f" in {moe.num_prototypes} prototypes" if moe.num_prototypes > 1 else ""
-        ffn = f"MoE in {where}: {moe.num_experts} experts{groups}, top-{moe.top_k}, {capacity}"
+        router = router_gemm_precision(moe.router_dtype, device.type)
+        ffn = f"MoE in {where}: {moe.num_experts} experts{groups}, top-{moe.top_k}, {capacity}, router GEMM {router}"
         if moe.force_balance:
             ffn += " | !! routing FORCED balanced (model.moe.force_balance: benchmarking only)"
     return f"{shape}; {ffn} | {human_count(size.total)} params, {human_count(size.active)} active per token"
@@ -101,7 +103,7 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
     ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
     lines = [
         f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}",
-        f"model    {_model_line(cfg, facts.size, facts.moe_blocks)}",
+        f"model    {_model_line(cfg, facts.size, facts.moe_blocks, facts.device)}",
         f"parallel world {facts.world_size} = expert-parallel {facts.expert_parallel_size} x expert-data-parallel "
         f"{dp}; batch {t.global_batch_size} = micro-batch {facts.micro_batch} x accumulation {facts.accumulation} "
         f"x {facts.world_size} rank{'s' if facts.world_size > 1 else ''}; per sample {cfg.data.seq_len} text tokens + "
