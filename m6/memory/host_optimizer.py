@@ -125,10 +125,12 @@ def choose_host_optimizer(choice: str, failures: dict[int, str], log: Log) -> st
 
 
 def thread_note(local_world_size: int) -> str | None:
-    """A hint when the host update would run on one thread although the node has cores to spare
-    (torchrun sets OMP_NUM_THREADS=1 when it starts several processes per node)."""
+    """A hint when the offloaded update (the host's gradient clip and optimizer step, DeepSpeed's or
+    torch's) would run on one thread although the node has cores to spare (torchrun sets
+    OMP_NUM_THREADS=1 when it starts several processes per node)."""
     spare = (os.cpu_count() or 1) // max(1, local_world_size)
     if torch.get_num_threads() == 1 and spare > 1:
-        return (f"the host optimizer runs on 1 thread (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}); "
+        return (f"the offloaded update (host gradient clip and optimizer) runs on 1 thread "
+                f"(OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}); "
                 f"OMP_NUM_THREADS={spare} (cores per process on this node) makes the offloaded update faster")
     return None

@@ -48,6 +48,10 @@ class ParameterUpdate:
         self.expert_group = sharded.groups.expert
         # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
         self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, sharded, log) if self.offload else None
+        if self.offload:  # the host clips and updates: whichever optimizer, its threads matter
+            note = thread_note(sharded.groups.layout.local_world_size)
+            if note:
+                log(note)
         self.optimizer = build_optimizer(model, cfg.optim, self.offload.master if self.offload else None,
                                          self.host_optimizer or "torch")
         self.apply = GroupedApply(self.optimizer, replicated, experts, cfg.optim.apply_groups)
@@ -121,9 +125,4 @@ def agree_on_host_optimizer(choice: str, sharded: ShardedModel, log: Callable[[s
         mine = None if failure is None else f"host {socket.gethostname()}: {failure}"
         dist.all_gather_object(everyone, mine, group=groups.checkpoint)
         failures = {r: f for r, f in enumerate(everyone) if f is not None}
-    chosen = choose_host_optimizer(choice, failures, log)
-    if chosen == "deepspeed":
-        note = thread_note(groups.layout.local_world_size)
-        if note:
-            log(note)
-    return chosen
+    return choose_host_optimizer(choice, failures, log)

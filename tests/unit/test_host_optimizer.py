@@ -28,7 +28,9 @@ from m6.config import ConfigError, load
 from m6.memory import host_optimizer
 from m6.memory.host_optimizer import choose_host_optimizer, default_extensions_dir, extensions_dir, load_cpu_adam, \
     thread_note
+from m6.parallel import DistEnv, build_parallel
 from m6.train.loop import Trainer
+from m6.train.update import ParameterUpdate
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_offload import SMALL  # noqa: E402  (the offload tests' small fp32 MoE model)
@@ -387,3 +389,20 @@ def test_thread_note_when_one_thread_leaves_cores_idle():
         assert thread_note(local_world_size=1) is None
     finally:
         torch.set_num_threads(threads)
+
+
+def test_offloaded_update_with_torchs_adamw_says_it_runs_on_one_thread():
+    """The host also clips (and torch's AdamW also threads): the note is for any offloaded update,
+    not only DeepSpeed's Adam."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: nothing to gain from more threads")
+    cfg = load("configs/tiny.yaml", ["memory.offload=optimizer", "memory.host_optimizer=torch"])
+    threads = torch.get_num_threads()
+    lines: list[str] = []
+    try:
+        torch.set_num_threads(1)
+        sharded = build_parallel(cfg, torch.device("cpu"), DistEnv.single_process())
+        ParameterUpdate(sharded, cfg, torch.device("cpu"), log=lines.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert any("offloaded update (host gradient clip and optimizer) runs on 1 thread" in line for line in lines), lines
