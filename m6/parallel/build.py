@@ -27,7 +27,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
         model = M6Model(m)
     layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
                           env.local_world_size)
-    groups = create_process_groups(layout)
+    groups = create_process_groups(layout, cfg.parallel.timeout_s)
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
     shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Union
 
 import torch.distributed as dist
@@ -113,11 +114,13 @@ class ProcessGroups:
         return self.mesh.get_group("edp") if self.mesh is not None else None
 
 
-def create_process_groups(layout: ParallelLayout) -> ProcessGroups:
+def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = None) -> ProcessGroups:
     """Build the job's device mesh (a collective: every rank calls it at the same point).
 
     One process without torch.distributed gets no mesh; under torch.distributed, even at world
     size 1, the mesh is built on the default group's device type (cuda for NCCL, cpu for gloo).
+    ``timeout_s`` (parallel.timeout_s): how long a collective of the gloo checkpoint group waits
+    for a peer (None: torch's default for gloo, 30 minutes).
     """
     if not dist.is_initialized():
         if layout.world_size == 1:
@@ -129,5 +132,5 @@ def create_process_groups(layout: ParallelLayout) -> ProcessGroups:
     # Checkpoints coordinate over a group of their own: DCP exchanges plans and results as
     # pickled objects (host memory: gloo serves them whatever the training backend), and a save
     # running in a background thread must never interleave with the training collectives.
-    checkpoint = dist.new_group(backend="gloo")
+    checkpoint = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     return ProcessGroups(layout, mesh, checkpoint)
