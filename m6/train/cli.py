@@ -21,7 +21,7 @@ import torch.distributed as dist
 from m6.config import ConfigError, load
 from m6.config_loader import dumps_yaml
 from m6.parallel import LayoutError
-from m6.parallel.peer_check import describe_peer_failure, is_peer_failure
+from m6.parallel.peer_check import describe_peer_failure, is_peer_failure, report_once
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
 
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # A peer died or a collective timed out (parallel.timeout_s): name it instead of hanging
         # or printing the backend's traceback.
-        print(f"{where}error: {describe_peer_failure(int(rank), int(os.environ['WORLD_SIZE']))}", file=sys.stderr)
+        report_once(f"{where}error: {describe_peer_failure(int(rank), int(os.environ['WORLD_SIZE']))}")
         return 1
     finally:
         # A finished distributed worker leaves through exit_process with its groups in place

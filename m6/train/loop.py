@@ -25,6 +25,7 @@ from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
 from m6.parallel import build_parallel, join_job
+from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.banner import RunFacts, checkpoint_line, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
@@ -80,6 +81,9 @@ class Trainer:
         self.cfg = cfg
         self.env = join_job(cfg.parallel.timeout_s)
         self.rank, self.world_size = self.env.rank, self.env.world_size
+        # Names a dead or hung peer even while this rank's main thread waits inside a device sync.
+        self.peer_watch = PeerWatch.for_job(self.rank, self.world_size, cfg.parallel.timeout_s) \
+            if self.world_size > 1 else None
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg.train.device)
         if cfg.logging.wandb.enabled and self.is_main:
@@ -375,6 +379,8 @@ class Trainer:
             self._print_main(end_line(self.step - first_step, self.step, cfg.train.max_steps, final, tokens,
                                       time.perf_counter() - started, self.run_dir.resolve(),
                                       latest.resolve() if latest else None))
+            if self.peer_watch is not None:
+                self.peer_watch.stop(finished=True)  # done: this rank's silence from now on is no failure
         except BaseException:
             if self.world_size > 1:
                 # A peer's death surfaces here first: keep holding SIGTERM (the launcher sends it to
