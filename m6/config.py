@@ -245,6 +245,9 @@ class TrainConfig:
     eval_batches: int = 4
     device: Literal["auto", "cpu", "cuda"] = "auto"
     peak_tflops: Optional[float] = None  # device peak for MFU when m6 does not know the device
+    # Bitwise reproducible on CUDA too (torch's deterministic algorithms, pinned cuDNN and cuBLAS
+    # workspace; slower there). On CPU m6 is bitwise reproducible either way. See m6.train.determinism.
+    deterministic: bool = False
 
     def validate(self) -> None:
         """Check the train keys on their own."""

@@ -102,7 +102,8 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
     dp = facts.world_size // facts.expert_parallel_size
     ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
     lines = [
-        f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}",
+        f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}"
+        f"{' | deterministic' if t.deterministic else ''}",
         f"model    {_model_line(cfg, facts.size, facts.moe_blocks, facts.device)}",
         f"parallel world {facts.world_size} = expert-parallel {facts.expert_parallel_size} x expert-data-parallel "
         f"{dp}; batch {t.global_batch_size} = micro-batch {facts.micro_batch} x accumulation {facts.accumulation} "

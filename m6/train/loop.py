@@ -29,6 +29,7 @@ from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.banner import RunFacts, checkpoint_line, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
+from m6.train.determinism import use_determinism
 from m6.train.eval import evaluate_captions, rank_slice
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
@@ -86,6 +87,8 @@ class Trainer:
             if self.world_size > 1 else None
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg.train.device)
+        # Before the model's first matmul: cuBLAS reads its workspace setting when it starts.
+        self._restore_determinism = use_determinism(cfg.train.deterministic)
         if cfg.logging.wandb.enabled and self.is_main:
             resolve_wandb_mode(cfg.logging.wandb.mode)  # pre-flight: no credentials fails now, not after setup
         if cfg.logging.tensorboard.enabled:
@@ -391,6 +394,7 @@ class Trainer:
             stop.close()
             self.loader.close()
             self.logger.close()
+            self._restore_determinism()
         return self.history
 
     def _stop_with_checkpoint(self, signal_name: str) -> None:
