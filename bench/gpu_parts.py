@@ -354,7 +354,7 @@ def part_memory(args, device: torch.device, out: Path) -> tuple[dict, list[str]]
         del trainer, states
     plain = rows["plain (bf16 autocast)"]["step_time_s_median"]
     md = ["| variant | params | model states on device, peak B/param (counters) | allocator: after step / peak B/param | "
-          "README (CPU-derived, device side) | step s | vs plain |", "|---|---|---|---|---|---|---|"]
+          "docs/memory.md (CPU-derived, device side) | step s | vs plain |", "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         r["time_vs_plain"] = r["step_time_s_median"] / plain
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731

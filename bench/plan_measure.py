@@ -188,7 +188,7 @@ def probe_collectives(sizes: list[int], reps: int) -> dict:
     step pays the sum of its calls, and on a shared host a call's time has a tail (a thread
     waiting for a core) that the median (kept beside it, under "median") hides; with the median
     of back-to-back calls on reused buffers the planner under-predicted every world-2
-    expert-parallel step here by 15-18% (bench/results/plan-cpu-2core.md, README)."""
+    expert-parallel step here by 15-18% (bench/results/plan-notes.md)."""
     from m6.moe.all_to_all import all_to_all  # the worker's side; the prediction imports no process group
 
     world = dist.get_world_size()

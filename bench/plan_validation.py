@@ -25,7 +25,7 @@ runs of the same layouts on this host (CPU, gloo, torchrun at world 1, 2 and 4).
 Batches: full-length samples (bench.plan_measure.DenseSamples), an image in every row and no
 padding, dropless MoE (capacity_factor null): the densest batch the planner assumes, minus one
 label per row. Routing is forced balanced (model.moe.force_balance), the planner's assumption;
-what real routing's imbalance adds at EP > 1 is outside the model (README: Planning a layout).
+what real routing's imbalance adds at EP > 1 is outside the model (docs/planning.md: The model).
 Targets (issue): memory within 10%, step time within 15%.
 """
 

@@ -4,8 +4,9 @@
 
 The images are rendered scenes of coloured shapes (the synthetic task's renderer, without pixel
 noise so the PNGs stay small) captioned with what is where; the text file holds counting, copying
-and sentence documents for the text-only tasks. Same arguments, same files: the README's main job
-trains on them through the real loader (tar -> tokenizer -> tasks -> model) with no download.
+and sentence documents for the text-only tasks. Same arguments, same files: the main job
+(configs/tiny.yaml) trains on them through the real loader (tar -> tokenizer -> tasks -> model)
+with no download.
 """
 
 from __future__ import annotations

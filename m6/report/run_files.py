@@ -1,7 +1,7 @@
 """Read what a training run left in its directory (metrics.jsonl, summary.json, config.yaml) into a RunRecord.
 
-Only the files are read, never m6's training code: the format is the one README "Outputs and
-metrics" documents, so a report can be drawn on a machine without torch.
+Only the files are read, never m6's training code: the format is the one docs/metrics.md
+documents, so a report can be drawn on a machine without torch.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
     m6-train --config configs/tiny.yaml [key=value ...]
     m6-train --config configs/tiny.yaml model.moe.num_experts=16 train.max_steps=50
 
-Config keys: the table in the README's "Config" section (defaults and comments in m6/config.py);
-every key with the value this command line gives it: add --print-config.
+Config keys: the "Config reference" table in docs/training.md (defaults and comments in
+m6/config.py); every key with the value this command line gives it: add --print-config.
 
 Exit codes: 0 trained (or stopped cleanly on SIGTERM with a checkpoint), 1 a failure during
 training (named), 2 bad input (a config error, or a checkpoint that cannot continue the run).
@@ -74,7 +74,8 @@ def exit_process(code: int) -> None:
     """End the process with ``code``. A distributed worker skips process-group teardown and the C++
     static destructors: there, after every file was written and flushed, about one finished 2-rank
     gloo run in ten aborted ("terminate called without an active exception", no Python frame
-    left), turning a finished run into a failed job. Cause not found yet (see README, Status)."""
+    left), turning a finished run into a failed job. Cause not found yet (see docs/parallelism.md,
+    Failures)."""
     if "RANK" in os.environ:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -20,9 +20,9 @@ SMALL = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.f
          "model.moe.num_experts=4", "model.moe.capacity_factor=null", "model.max_text_len=64", "model.image_size=16",
          "data.seq_len=64", "train.global_batch_size=8", "parallel.expert_parallel_size=2",
          "model.moe.force_balance=true"]  # the planner's balanced-routing assumption
-# Each plan in fresh processes: a Trainer dropped in a process leaves part of its memory alive
-# (README Status), which would count in the next plan's measured peak. Full recompute too: its
-# first-step profiling once kept a whole forward alive for the run.
+# Each plan in fresh processes: a Trainer dropped in a process once left part of its memory alive
+# (the gradient sync's hook cycle, fixed in 8738bae), which would count in the next plan's measured
+# peak. Full recompute too: its first-step profiling once kept a whole forward alive for the run.
 PLANS = [[], ["train.micro_batch_size=2", "memory.offload=optimizer"], ["memory.activation_checkpointing=full"]]
 
 

@@ -51,7 +51,7 @@ def agents_on_nodes(args: list[str], nproc: int, nnodes: int, env: dict):
     """``nnodes`` torchrun agents of ``nproc`` workers each, as separate "nodes" on this machine.
 
     The rendezvous store lives in its own process, started before the agents and stopped after
-    them (as the README advises for multi-node runs): an agent hosting it could exit while another
+    them (as docs/parallelism.md advises for multi-node runs): an agent hosting it could exit while another
     agent still syncs, failing a job that trained to the end."""
     port = free_port()
     store = subprocess.Popen([sys.executable, "-m", "m6.parallel.rendezvous_store", "--host", "127.0.0.1",
