@@ -5,9 +5,11 @@ command is ``m6-train`` or ``python -m m6.train``).
     python train.py --config configs/tiny.yaml model.moe.num_experts=16 train.max_steps=50
 """
 
-from m6.train.cli import exit_process, main
+import sys
 
-__all__ = ["exit_process", "main"]
+from m6.train.cli import main
+
+__all__ = ["main"]
 
 if __name__ == "__main__":
-    exit_process(main())
+    sys.exit(main())

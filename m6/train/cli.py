@@ -38,14 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank = os.environ.get("RANK")
     where = f"rank {rank}: " if rank is not None else ""
-    finished = False
     try:
         cfg = load(args.config, args.overrides)
         if args.print_config:
             print(dumps_yaml(cfg), end="")
             return 0
         train(cfg)
-        finished = True
     except (ConfigError, LayoutError) as e:
         print(f"{where}config error: {e}", file=sys.stderr)
         return 2
@@ -63,26 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         report_once(f"{where}error: {describe_peer_failure(int(rank), int(os.environ['WORLD_SIZE']))}")
         return 1
     finally:
-        # A finished distributed worker leaves through exit_process with its groups in place
-        # (every rank has passed the run's last barrier; see exit_process).
-        if dist.is_initialized() and not (finished and "RANK" in os.environ):
+        # Every group torn down before the interpreter exits (a finished run's ranks have all
+        # passed its last barrier; the Trainer has finished its saves and stopped its threads).
+        if dist.is_initialized():
             dist.destroy_process_group()
     return 0
 
 
-def exit_process(code: int) -> None:
-    """End the process with ``code``. A distributed worker skips process-group teardown and the C++
-    static destructors: there, after every file was written and flushed, about one finished 2-rank
-    gloo run in ten aborted ("terminate called without an active exception", no Python frame
-    left), turning a finished run into a failed job. Cause not found yet (see docs/parallelism.md,
-    Failures)."""
-    if "RANK" in os.environ:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 def run() -> None:
     """Console-script entry point (``m6-train``): train, then leave with the exit code."""
-    exit_process(main())
+    sys.exit(main())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -30,14 +29,8 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float | None, a
     dist.init_process_group("gloo", rank=rank, world_size=world_size, **kwargs)
     try:
         fn(rank, world_size, *args)
-    except BaseException:
+    finally:
         dist.destroy_process_group()
-        raise
-    # Done: leave as train.py's workers do (see its exit_process), without tearing the process
-    # groups down or running C++ static destructors, where a finished rank sometimes aborted.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float | None = None) -> None:
