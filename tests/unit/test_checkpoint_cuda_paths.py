@@ -4,10 +4,11 @@ call are replaced by a recorder (``FakeCuda``) that keeps a current device per t
 (``OnDevice``: CPU memory, so every copy really runs). The code under test is m6's, unchanged; so
 is DCP's writer, whose CUDA stream calls the recorder sees.
 
-What only a GPU can show (bench/gpu_suite.py): that no CUDA context appears on GPU 0 for the other
-ranks of a node (nvidia-smi), that cudaHostRegister really page-locks the staging buffer and the
-device -> host copies into it run as non-blocking DMA, and that a restored CUDA generator draws
-the same numbers as the saved one.
+What only a GPU can show, not run here: that no CUDA context appears on GPU 0 for the other ranks
+of a node (nvidia-smi during a multi-GPU run), that the device -> host copies into the staging
+buffer overlap as non-blocking DMA, and, through bench/gpu_suite.py running
+tests/unit/test_checkpoint.py with --device cuda, that cudaHostRegister really page-locks the
+buffer and a restored CUDA generator draws the same numbers as the saved one.
 """
 
 from __future__ import annotations
