@@ -33,8 +33,11 @@ from m6.memory.live_bytes import LiveBytes
 
 BASE_CONFIG = "configs/tiny.yaml"
 # No eval, no checkpoints, no console: the step is all a run does. fp32 (auto on CPU is fp32).
+# Synchronous saves: the measured steps come before any save, so no checkpoint staging buffer
+# exists yet, and the planner's prediction must not count one.
 COMMON = ["data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "data.eval_samples=0",
           "train.precision=fp32", "train.eval_every=0", "train.max_steps=100000", "checkpoint.every=0",
+          "checkpoint.async_save=false",
           "logging.console=false", "logging.wandb.enabled=false", "train.device=cpu"]
 LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", dtype=np.uint8)
 

@@ -8,7 +8,8 @@ loop hands in what to save (its Stateful pieces, see ``stateful.py``) and calls 
   chunks of global tensors (reshardable), metadata read without unpickling code
 - ``state_tree.py``: nested state <-> DCP's flat keys; what ``torch.load(weights_only=True)`` accepts
 - ``reader.py``: which step directory a path names; reading its metadata and state
-- ``rng.py``: the generator states of one process
+- ``rng.py``: the generator states of one process (CUDA: its own device's only)
+- ``staging.py``: the host buffer an asynchronous save copies the state into (allocated once, reused)
 - ``resume.py``: config key checkpoint.resume -> a path, agreed by every rank
 - ``compat.py``: does a checkpoint fit this run (shapes, changed config keys)
 - ``init_from.py``: weights-only start from another run's checkpoint, dense -> MoE upcycling
@@ -22,7 +23,7 @@ PATH is a step directory, its ``.metadata`` file, or a run directory / its ``che
 directory (then the latest complete checkpoint there).
 """
 
-from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
+from m6.checkpoint.errors import CheckpointDamaged, CheckpointError, CheckpointMismatch, RunDirNotShared
 from m6.checkpoint.export import export_safetensors
 from m6.checkpoint.info import checkpoint_info
 from m6.checkpoint.init_from import init_from_checkpoint
@@ -30,6 +31,7 @@ from m6.checkpoint.manager import CheckpointManager, SavedCheckpoint
 from m6.checkpoint.reader import find_checkpoint, read_checkpoint
 from m6.checkpoint.resume import agree_on_resume, resolve_resume
 
-__all__ = ["CheckpointError", "CheckpointManager", "CheckpointMismatch", "SavedCheckpoint", "agree_on_resume",
+__all__ = ["CheckpointDamaged", "CheckpointError", "CheckpointManager", "CheckpointMismatch", "RunDirNotShared",
+           "SavedCheckpoint", "agree_on_resume",
            "checkpoint_info", "export_safetensors", "find_checkpoint", "init_from_checkpoint", "read_checkpoint",
            "resolve_resume"]

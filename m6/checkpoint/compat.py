@@ -10,7 +10,7 @@ import torch
 
 import m6.checkpoint.sharded_io as sharded_io
 from m6.checkpoint.errors import CheckpointError
-from m6.checkpoint.reader import MAX_LISTED_DIFFS
+from m6.checkpoint.reader import MAX_LISTED_DIFFS, load_metadata
 
 
 def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -31,7 +31,7 @@ def changed_keys(saved: dict, current: dict, prefixes: tuple[str, ...]) -> list[
 
 def checkpoint_keys(path: Path) -> dict[str, Any]:
     """Flat key -> global shape (tensors) or None (python values) of a checkpoint on disk."""
-    md = sharded_io.read_metadata(path)
+    md = load_metadata(path)
     return {k: (v.size if hasattr(v, "size") else None) for k, v in md.state_dict_metadata.items()}
 
 

@@ -13,9 +13,21 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointMismatch(CheckpointError):
-    """The checkpoint named cannot continue this run: not an m6 checkpoint, or saved for another
-    model, data or optimizer setup (bad input: train.py exits 2, like a config error)."""
+    """Bad input (train.py and ``python -m m6.checkpoint`` exit 2, like a config error): the checkpoint
+    named cannot continue this run (not an m6 checkpoint, saved for another model, data or optimizer
+    setup), its files are damaged (CheckpointDamaged), or run.dir cannot hold one (RunDirNotShared)."""
 
+
+class CheckpointDamaged(CheckpointMismatch):
+    """A checkpoint's files are damaged or incomplete: its metadata corrupt, truncated or not DCP's
+    (code planted in it is refused, never run), a data file missing or short, a value that is not
+    plain data, or a ``latest`` pointer holding garbage. The message names the file and what is
+    wrong; checkpoint.resume=auto skips such a checkpoint for the newest readable one."""
+
+
+class RunDirNotShared(CheckpointMismatch):
+    """A save found a rank's data file missing from the checkpoint directory as rank 0 sees it:
+    run.dir is not on a filesystem every node shares."""
 
 
 def as_checkpoint_error(e: BaseException, doing: str) -> BaseException:
@@ -29,3 +41,19 @@ def as_checkpoint_error(e: BaseException, doing: str) -> BaseException:
 
 def rank_label() -> str:
     return f"{os.environ.get('RANK', '0')} (host {socket.gethostname()})"
+
+
+def dcp_cause(e: BaseException) -> BaseException:
+    """The first failing rank's own exception inside DCP's CheckpointException (whose message names
+    only the ranks, e.g. "CheckpointException ranks:dict_keys([0])"); ``e`` itself otherwise."""
+    failures = getattr(e, "failures", None)
+    if not failures:
+        return e
+    first = failures[min(failures)]
+    return dcp_cause(first[0] if isinstance(first, tuple) else first)
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message`` (a one-line error keeps one line)."""
+    text = (str(e).strip().splitlines() or [""])[0][:limit]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import CheckpointException
 from m6.checkpoint.info import MODEL, read_values
 import m6.checkpoint.sharded_io as sharded_io
 from m6.checkpoint.errors import CheckpointError
-from m6.checkpoint.reader import find_checkpoint, load_metadata
+from m6.checkpoint.reader import find_checkpoint, load_metadata, raise_read_failure
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -97,7 +97,5 @@ def _read_tensor(ckpt: Path, key: str, md) -> torch.Tensor:
     try:
         sharded_io.read(ckpt, {key: t}, {})
     except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"cannot read {key} from checkpoint {ckpt}: it is corrupt or truncated "
-                              f"({type(e).__name__}: {reason})") from e
+        raise_read_failure(ckpt, e)
     return t

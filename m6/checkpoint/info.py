@@ -11,8 +11,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 import m6.checkpoint.sharded_io as sharded_io
-from m6.checkpoint.errors import CheckpointError
-from m6.checkpoint.reader import find_checkpoint, load_metadata
+from m6.checkpoint.reader import find_checkpoint, load_metadata, raise_read_failure
 from m6.checkpoint.state_tree import unflatten
 
 MODEL = "model/"
@@ -26,9 +25,7 @@ def read_values(ckpt: Path, metadata: Metadata, prefixes: Iterable[str]) -> dict
     try:
         sharded_io.read(ckpt, wanted, {})
     except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"cannot read checkpoint {ckpt}: it is corrupt, truncated or not an m6 checkpoint "
-                              f"({type(e).__name__}: {reason})") from e
+        raise_read_failure(ckpt, e)
     return unflatten(wanted)
 
 

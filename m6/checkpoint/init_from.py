@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import CheckpointException
 import m6.checkpoint.sharded_io as sharded_io
 from m6.checkpoint.compat import shape_differences
 from m6.checkpoint.errors import CheckpointError
-from m6.checkpoint.reader import find_checkpoint, load_metadata
+from m6.checkpoint.reader import find_checkpoint, load_metadata, read_failure
 from m6.checkpoint.stateful import ModelTensors
 
 _PREFIX = "model/"
@@ -117,9 +117,10 @@ def init_from_checkpoint(path: str | Path, model: ModelTensors, group=None,
     try:
         sharded_io.read(ckpt, targets, model.shards(_PREFIX), group)
     except (Exception, CheckpointException) as e:  # DCP's own error is a BaseException
-        reason = (str(e).strip().splitlines() or [""])[0][:200]
-        raise CheckpointError(f"checkpoint.init_from={path}: cannot read {ckpt}: it is corrupt, truncated or not an "
-                              f"m6 checkpoint ({type(e).__name__}: {reason})") from e
+        error = read_failure(ckpt, e)
+        if error is e:
+            raise
+        raise type(error)(f"checkpoint.init_from={path}: {error}") from e
     with torch.no_grad():
         for ffn in plan.upcycled:
             # Every expert is the dense FFN: y = gelu(x @ fc_in.weight.T) @ fc_out.weight.T (no biases).

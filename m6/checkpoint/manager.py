@@ -4,7 +4,8 @@ atomic step directories, the ``latest`` pointer, retention and discovery.
 Every rank writes its own part into ``.tmp-step_00000010`` in parallel; once all have written (the
 metadata is the coordinator's last write) rank 0 renames it to ``step_00000010``, so a step
 directory is complete by construction. A save can run in the background after the state is copied
-to host memory (``asynchronous``); the next save, or ``wait``, finishes it first.
+to host memory (``asynchronous``: into the manager's staging buffer, allocated at the first such
+save and reused); the next save, or ``wait``, finishes it first.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 
 import m6.checkpoint.sharded_io as sharded_io
-from m6.checkpoint.errors import CheckpointError, CheckpointMismatch, as_checkpoint_error, rank_label
+from m6.checkpoint.errors import CheckpointError, CheckpointMismatch, RunDirNotShared, as_checkpoint_error, rank_label
 from m6.checkpoint.reader import checkpoint_dir, read_checkpoint
 from m6.checkpoint.sharded_io import Shards
+from m6.checkpoint.staging import StagingBuffer
 from m6.checkpoint.state_tree import check_loadable, flatten
 from m6.checkpoint.step_dirs import (POINTER_FILE, TMP_PREFIX, complete_step_dirs, fsync_dir, latest_step_dir,
                                      step_dir_name)
@@ -72,6 +74,7 @@ class CheckpointManager:
         self.dir = Path(run_dir) / "checkpoints"
         self.keep, self.rank, self.group = keep, rank, group
         self.pending: Optional[PendingSave] = None
+        self.staging = StagingBuffer()  # host copy of this rank's state for asynchronous saves
         self.last_wait_s = 0.0  # how long the last save waited for the one before it
         self.on_saved: Optional[Callable[[SavedCheckpoint], None]] = None  # rank 0, each save in place
 
@@ -93,7 +96,7 @@ class CheckpointManager:
         tmp = self.dir / f"{TMP_PREFIX}{final.name}"  # the same on every rank: they write one directory
         nbytes = sum(v.numel() * v.element_size() for v in flat.values() if isinstance(v, torch.Tensor))
         try:
-            write = sharded_io.write(tmp, flat, shards or {}, self.group, asynchronous)
+            write = sharded_io.write(tmp, flat, shards or {}, self.group, self.staging if asynchronous else None)
         except BaseException as e:
             error = self._write_failed(e, step, tmp, final, nbytes)
             if error is e:
@@ -140,6 +143,12 @@ class CheckpointManager:
             free = None
         if self.rank == 0:  # a failed write must not leave gigabytes behind
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, RunDirNotShared):
+            shutil.rmtree(tmp, ignore_errors=True)  # every rank: each sees its own partial directory
+            return RunDirNotShared(
+                f"checkpoint of step {step} not saved: {e}: run.dir ({self.dir.parent}) is not on a filesystem every "
+                f"node shares. Set run.dir to a directory every node mounts: every rank writes its own part of each "
+                f"checkpoint there")
         error = as_checkpoint_error(e, f"writing checkpoint {final}")
         if not isinstance(error, CheckpointError) or isinstance(error, CheckpointMismatch):
             return error
@@ -161,6 +170,7 @@ class CheckpointManager:
         self.wait()
         if self.group is not None:
             dist.barrier(group=self.group)
+        self.staging.release()
 
     def _wait_timed(self) -> float:
         if self.pending is None:

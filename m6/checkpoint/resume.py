@@ -6,22 +6,31 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Callable
 
 import torch.distributed as dist
 
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.checkpoint.manager import CheckpointManager
-from m6.checkpoint.reader import not_a_step_directory
+from m6.checkpoint.reader import newest_readable, not_a_step_directory
 from m6.checkpoint.sharded_io import METADATA_FILE
 
 
-def resolve_resume(resume: str | os.PathLike | None, manager: CheckpointManager) -> Path | None:
-    """Turn config key checkpoint.resume (None/"none"/"", "auto", or a path) into a checkpoint path."""
+def resolve_resume(resume: str | os.PathLike | None, manager: CheckpointManager,
+                   log: Callable[[str], None] = print) -> Path | None:
+    """Turn config key checkpoint.resume (None/"none"/"", "auto", or a path) into a checkpoint path.
+    "auto": the latest readable checkpoint of the run dir (``log`` says what it skipped and why),
+    None when there is none (a fresh start, which is what "auto" promises)."""
     resume = None if resume is None else os.fspath(resume)
     if resume is None or resume.strip().lower() in ("", "none"):
         return None
     if resume.strip().lower() == "auto":
-        return manager.latest()  # None means a fresh start, which is what "auto" promises
+        path, notes = newest_readable(manager.dir)
+        for note in notes:
+            log(f"checkpoint.resume=auto: {note}")
+        if notes and path is not None:
+            log(f"checkpoint.resume=auto: resuming from {path}, the newest readable checkpoint")
+        return path
     path = Path(resume).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint.resume={resume!r}: {path} does not exist")

@@ -1,4 +1,11 @@
-"""Random generator state of one process (python, numpy, torch CPU, CUDA), as a checkpoint holds it."""
+"""Random generator state of one process (python, numpy, torch CPU, CUDA), as a checkpoint holds it.
+
+CUDA: the generator of this process's own device only (the current device, which m6.parallel sets
+to the rank's local device at start-up). A rank's stream is its own: resumed at another split of
+GPUs per node the rank's device index changes, and its stream goes onto its new device; the
+generators of other devices this process can see are never saved nor restored (with all of them
+saved per rank, a resume restored another device's stream onto this rank's device).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,15 @@ import numpy as np
 import torch
 
 
+def _cuda_device() -> int | None:
+    """This process's CUDA device, or None when it does not use CUDA (never initialised it)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+
 def rng_state() -> dict:
-    """Capture the python, numpy, torch CPU and (when available) all CUDA generator states."""
+    """Capture the python, numpy, torch CPU and (when this process uses CUDA) its own device's
+    CUDA generator states."""
+    device = _cuda_device()
     np_state = np.random.get_state(legacy=False)
     return {
         "python": random.getstate(),
@@ -23,7 +37,7 @@ def rng_state() -> dict:
             "gauss": float(np_state["gauss"]),
         },
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "cuda": torch.cuda.get_rng_state(device) if device is not None else None,
     }
 
 
@@ -48,18 +62,18 @@ def set_rng_state(state: dict) -> None:
     _set_cuda_rng_state(state["cuda"])
 
 
-def _set_cuda_rng_state(saved: list[torch.Tensor] | None) -> None:
-    """Restore CUDA generators for the devices present both now and at save time."""
-    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if saved is None:
-        if available:
-            warnings.warn("checkpoint has no CUDA rng state (saved without CUDA); CUDA draws will differ")
+def _set_cuda_rng_state(saved: torch.Tensor | list | None) -> None:
+    """Restore this rank's CUDA stream onto this process's device (see the module docstring)."""
+    device = _cuda_device()
+    if device is None:
         return
-    # Resuming on a machine with a different GPU count is legitimate, so warn rather than refuse.
-    if len(saved) != available:
-        warnings.warn(
-            f"checkpoint has CUDA rng state for {len(saved)} device(s) but {available} are visible; "
-            f"restoring the first {min(len(saved), available)}"
-        )
-    for device, device_state in enumerate(saved[:available]):
-        torch.cuda.set_rng_state(device_state.cpu(), device)
+    if saved is None:
+        warnings.warn("checkpoint has no CUDA rng state (saved without CUDA); CUDA draws restart from the run seed")
+        return
+    if isinstance(saved, (list, tuple)):
+        # Older m6 saved every visible device's generator per rank without saying which was the
+        # rank's own; restoring a guess could put another device's stream here.
+        warnings.warn(f"checkpoint holds the CUDA rng state of {len(saved)} device(s) without naming this rank's "
+                      f"own (saved by an older m6); CUDA draws restart from the run seed")
+        return
+    torch.cuda.set_rng_state(saved.cpu(), device)

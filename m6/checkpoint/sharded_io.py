@@ -12,15 +12,23 @@ independent python state) are written once, spread over the ranks (DCP's de-dupl
 Reading never unpickles code: python values are loaded with ``torch.load(weights_only=True)``
 and the metadata file with an unpickler that accepts only DCP's metadata classes and torch's
 dtype/layout/size types (DCP itself uses plain pickle for both).
+
+The background writer thread runs on the saving thread's CUDA device (a new thread's current
+device is 0: every rank of a node would otherwise create a CUDA context on GPU 0). Before the
+coordinator completes a save it checks that every rank's data file is there as it sees the
+directory: a run.dir local to each node would otherwise give a "complete" checkpoint whose other
+ranks' shards sit on other nodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import copy
+import os
 import pickle
+import socket
 import threading
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +43,9 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    MetadataIndex, TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_read_items, create_read_items_for_chunk_list
+
+from m6.checkpoint.errors import CheckpointDamaged, RunDirNotShared, first_line
+from m6.checkpoint.staging import StagingBuffer
 
 METADATA_FILE = ".metadata"  # written by the coordinator once every rank has written: marks a complete save
 Shards = dict[str, tuple[torch.Size, int]]  # key -> (global shape, first row of this rank's shard)
@@ -95,10 +106,31 @@ class _LoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        key = read_item.dest_index.fqn
+        try:
+            self.state_dict[key] = torch.load(value, weights_only=True)
+        except Exception as e:
+            error = CheckpointDamaged(f"the value {key} cannot be read as plain data ({_weights_only_reason(e)}); "
+                                      f"refused, nothing in it was run")
+            error.file = self.metadata.storage_data[read_item.storage_index].relative_path  # the reader names it
+            raise error from e
+
+
+def _weights_only_reason(e: Exception) -> str:
+    """The line of torch.load(weights_only=True)'s long refusal that says what it refused."""
+    for line in str(e).splitlines():
+        if "WeightsUnpickler error:" in line:
+            return line.split("WeightsUnpickler error:", 1)[1].strip().split(". ")[0]
+        if "GLOBAL" in line:
+            return line.strip().rstrip(".")
+    return first_line(e)
 
 
 _METADATA_TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class ForbiddenPickle(pickle.UnpicklingError):
+    """Metadata whose pickle asks for something other than DCP's metadata types (refused unrun)."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -111,7 +143,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), _METADATA_TORCH_TYPES):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+        raise ForbiddenPickle(f"{module}.{name}")
 
 
 class _SafeReader(FileSystemReader):
@@ -170,8 +202,8 @@ def _scatter(objs: Optional[list], group) -> Any:
 
 class ShardedWrite:
     """One save: planned together (collectives), written by each rank on its own (plain file I/O,
-    on a background thread if asked), committed together (collectives: the coordinator writes
-    the metadata once every rank's files are written).
+    on a background thread if asked), committed together (collectives: the coordinator checks that
+    every rank's files are there, then writes the metadata).
 
     Every collective runs on the thread that calls ``__init__`` / ``all_written`` / ``commit``:
     a background thread does file I/O only. (Collectives issued from a second thread made the
@@ -183,7 +215,14 @@ class ShardedWrite:
         self.group = group
         rank, _ = _group_rank(group)
         self.is_coordinator = rank == 0
-        self.writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True)
+        # The saving thread's device, for the writer thread (DCP's writer calls CUDA stream APIs
+        # whenever CUDA is available); None when this process does not use CUDA.
+        self.device: Optional[int] = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+        on_device = any(torch.is_tensor(v) and v.device.type != "cpu" for v in state.values())
+        # Host tensors (a staged state): nothing to copy ahead from a device, so DCP's serial
+        # loader, which touches no CUDA stream.
+        self.writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True,
+                                       per_thread_copy_ahead=10_000_000 if on_device else 0)
         self.planner = _SavePlanner(shards)
         self.planner.set_up_planner(state_dict=state, storage_meta=self.writer.storage_meta(),
                                     is_coordinator=self.is_coordinator)
@@ -206,6 +245,8 @@ class ShardedWrite:
 
     def _write(self) -> None:
         try:
+            if self.device is not None:
+                torch.cuda.set_device(self.device)  # this thread's CUDA calls: the rank's own device
             future = self.writer.write_data(self.plan, self.planner)
             future.wait()
             self.results = future.value()
@@ -226,53 +267,79 @@ class ShardedWrite:
         return bool(flag.item())
 
     def commit(self) -> None:
-        """Wait for this rank's files, then (a collective) the coordinator writes the metadata that
-        makes the checkpoint complete. Raises on every rank if any rank's write failed."""
+        """Wait for this rank's files, then (a collective) the coordinator checks that it sees every
+        rank's files and writes the metadata that makes the checkpoint complete. Raises on every
+        rank if any rank's write failed (RunDirNotShared if a rank's file is not there)."""
         if self.thread is not None:
             self.thread.join()
         failures = _gather(None if self.error is None else f"{type(self.error).__name__}: {self.error}", self.group)
-        results = _gather(self.results, self.group)
+        results = _gather((socket.gethostname(), self.results), self.group)
         failed = None
         if self.is_coordinator:
             bad = [f"rank {r}: {msg}" for r, msg in enumerate(failures) if msg is not None]
-            failed = "; ".join(bad) or None
+            failed = ("write", "; ".join(bad)) if bad else None
             if failed is None:
-                self.writer.finish(metadata=self.metadata, results=results)
+                unseen = _unseen_files(Path(str(self.writer.path)), results)
+                if unseen:
+                    failed = ("unshared", unseen)
+                else:
+                    self.writer.finish(metadata=self.metadata, results=[r for _, r in results])
         rank, size = _group_rank(self.group)
         if size > 1:
             box = [failed]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
             failed = box[0]
         if failed is not None:
-            raise RuntimeError(f"writing the checkpoint failed: {failed}")
+            kind, message = failed
+            raise (RunDirNotShared if kind == "unshared" else RuntimeError)(
+                message if kind == "unshared" else f"writing the checkpoint failed: {message}")
 
 
-def stage(state: dict[str, Any]) -> dict[str, Any]:
-    """A host-memory copy of ``state`` that training may not change under a background write:
-    tensors copied (device -> pinned host memory, one synchronisation), python values deep-copied."""
-    staged, cuda = {}, False
-    for key, value in state.items():
-        if torch.is_tensor(value):
-            pin = value.is_cuda
-            out = torch.empty(value.shape, dtype=value.dtype, pin_memory=pin)
-            out.copy_(value.detach(), non_blocking=pin)
-            cuda |= pin
-            staged[key] = out
-        else:
-            staged[key] = copy.deepcopy(value)
-    if cuda:
-        torch.cuda.synchronize()
-    return staged
+# A file another node has just closed can take a moment to appear on a network filesystem.
+_VISIBLE_WITHIN_S = 3.0
+
+
+def _unseen_files(directory: Path, results: list[tuple[str, list]]) -> Optional[str]:
+    """None when every rank's data file is in ``directory`` (as this process sees it) with the bytes
+    its write reported; else what is missing, naming the rank, its host and the file."""
+    needed: dict[str, tuple[int, int, str]] = {}  # file -> (bytes needed, rank, host)
+    for rank, (host, written) in enumerate(results):
+        for result in written or []:
+            info = result.storage_data
+            end = info.offset + info.length
+            if end > needed.get(info.relative_path, (0,))[0]:
+                needed[info.relative_path] = (end, rank, host)
+    deadline = time.monotonic() + _VISIBLE_WITHIN_S
+    while True:
+        short = []
+        for name, (end, rank, host) in sorted(needed.items()):
+            try:
+                size = os.stat(directory / name).st_size
+            except FileNotFoundError:
+                size = None
+            if size is None or size < end:
+                short.append((name, rank, host, size, end))
+        if not short or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    if not short:
+        return None
+    name, rank, host, size, end = short[0]
+    seen = "does not see it there" if size is None else f"sees only {size:,} of its {end:,} bytes there"
+    more = f" ({len(short)} of the {len(needed)} data files likewise)" if len(short) > 1 else ""
+    return (f"rank {rank} (host {host}) wrote {name} into {directory}, but rank 0 (host {socket.gethostname()}) "
+            f"{seen}{more}")
 
 
 def write(path: str | Path, state: dict[str, Any], shards: Shards, group=None,
-          asynchronous: bool = False) -> ShardedWrite:
+          staging: Optional[StagingBuffer] = None) -> ShardedWrite:
     """Start writing ``state`` (this rank's part) into the directory ``path``; a collective over
-    ``group`` (None with one process). Synchronous: the files are written on return, ``commit()``
-    still makes them a checkpoint. Asynchronous: returns once the state is staged in host memory;
-    the files are written behind training."""
-    staged = stage(state) if asynchronous else state
-    return ShardedWrite(path, staged, shards, group, background=asynchronous)
+    ``group`` (None with one process). ``staging`` None: the files are written on return,
+    ``commit()`` still makes them a checkpoint. With a staging buffer (an asynchronous save):
+    returns once the state is copied into it; the files are written behind training."""
+    if staging is None:
+        return ShardedWrite(path, state, shards, group, background=False)
+    return ShardedWrite(path, staging.stage(state), shards, group, background=True)
 
 
 def read(path: str | Path, targets: dict[str, Any], shards: Shards, group=None) -> dict[str, Any]:

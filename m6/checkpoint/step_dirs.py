@@ -43,14 +43,33 @@ def complete_step_dirs(checkpoints: Path) -> list[Path]:
     return sorted(found, key=step_of)
 
 
+def read_pointer(checkpoints: Path) -> tuple[str | None, str | None]:
+    """(the step directory name the ``latest`` pointer holds, None) or, when it holds anything
+    else, (None, what is wrong with it); (None, None) when there is no pointer."""
+    pointer = checkpoints / POINTER_FILE
+    try:
+        raw = pointer.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"{pointer} cannot be read ({e.strerror or e})"
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and _STEP_DIR.match(text):
+        return text, None
+    held = (f"{text[:40]!r}" if text is not None and text.isprintable() else f"{len(raw):,} bytes of binary data") \
+        if raw.strip() else "nothing"
+    return None, f"{pointer} holds {held}, not a step directory name (step_NNNNNNNN): the pointer is corrupt"
+
+
 def latest_step_dir(checkpoints: Path) -> Path | None:
     """The checkpoint the pointer names, else the highest complete step, else None."""
-    try:
-        name = (checkpoints / POINTER_FILE).read_text().strip()
-    except OSError:
-        name = ""
-    # A pointer can be missing (crash before its first write) or stale (its dir deleted by hand).
-    if _STEP_DIR.match(name) and is_complete(checkpoints / name):
+    name, _ = read_pointer(checkpoints)
+    # A pointer can be missing (crash before its first write), stale (its dir deleted by hand) or
+    # corrupt (reader.newest_readable and find_checkpoint say so; here it is only passed over).
+    if name is not None and is_complete(checkpoints / name):
         return checkpoints / name
     complete = complete_step_dirs(checkpoints)
     return complete[-1] if complete else None

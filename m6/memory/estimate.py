@@ -24,6 +24,10 @@ and optimizer state when it stays on the device):
   update     every gradient + the step's temporaries (on the host when offloaded).
 DeepSpeed's CPU Adam (memory.host_optimizer=deepspeed) updates in place: no temporaries; auto
 counts torch's, as it falls back to torch where DeepSpeed's op does not build.
+
+Host memory also holds, with checkpoint.async_save, the checkpoint staging buffer: one copy of
+every weight and optimizer tensor of this rank, allocated at the first save and kept for the run
+(m6.checkpoint.staging), page-locked where the tensor lives on the device.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ from m6.memory.grouped_apply import split_apply_groups
 
 
 COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)",
-              "all-to-all buffers", "backward transients", "gradient-sync buckets")
+              "all-to-all buffers", "backward transients", "gradient-sync buckets", "checkpoint staging")
 MAX_BUCKETS_IN_FLIGHT = 2  # m6.parallel.grad_sync.GradientSync.max_in_flight
+STAGING_ALIGN = 64  # m6.checkpoint.staging.ALIGN: every staged tensor starts on a 64-byte boundary
 
 
 @dataclass
@@ -110,6 +115,18 @@ def kept_activations(cfg: Config, acts: ActivationBytes) -> tuple[float, float]:
     """(bytes kept for backward, the largest recomputed part's bytes re-made in backward)."""
     chosen = recomputed_parts(cfg, acts)
     return acts.kept(chosen), max((acts.parts[n][0] for n in chosen), default=0.0)
+
+
+def staging_bytes(cfg: Config, model: nn.Module, params: list[nn.Parameter]) -> float:
+    """Host bytes of the buffer an asynchronous checkpoint save copies this rank's model and
+    optimizer tensors into (m6.checkpoint.staging.StagingBuffer): its weights, and per trained
+    parameter the two fp32 AdamW moments and the step count, each padded to STAGING_ALIGN (the
+    RNG states, ~10 KB, not counted). 0 with checkpoint.async_save false."""
+    if not cfg.checkpoint.async_save:
+        return 0.0
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    sizes += [n for p in params for n in (4 * p.numel(), 4 * p.numel(), 4)]
+    return float(sum(-(-n // STAGING_ALIGN) * STAGING_ALIGN for n in sizes))
 
 
 def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int = 1,
@@ -181,6 +198,9 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)),
                                                     grads_made=accum == 1 and (mode == "none" or keeps_grads),
                                                     offloaded=mode != "none")
+    staging = staging_bytes(cfg, model, params)
+    if staging:
+        host["checkpoint staging"] = staging  # from the first save on, for the rest of the run
     phases_device = max(backward, grads_end + buckets, update_device)
     host_resident = sum(v for k, v in host.items() if k != "optimizer step temporaries")
     return MemoryReport(

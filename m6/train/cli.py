@@ -7,7 +7,8 @@ Config keys: the "Config reference" table in docs/training.md (defaults and comm
 m6/config.py); every key with the value this command line gives it: add --print-config.
 
 Exit codes: 0 trained (or stopped cleanly on SIGTERM with a checkpoint), 1 a failure during
-training (named), 2 bad input (a config error, or a checkpoint that cannot continue the run).
+training (named), 2 bad input (a config error; a checkpoint that cannot continue the run or whose
+files are damaged; a run.dir the nodes do not share, found at the first save).
 """
 
 from __future__ import annotations

@@ -143,8 +143,8 @@ class Trainer:
         self.checkpoints.on_saved = self._say_saved
         self.checkpoints.sweep_temporaries()  # rank 0, before any rank writes (the first save follows a step)
         self.start = "fresh start"
-        resume_from = agree_on_resume(resolve_resume(cfg.checkpoint.resume, self.checkpoints), self.rank,
-                                      self.world_size, self.sharded.groups.checkpoint)
+        resume_from = agree_on_resume(resolve_resume(cfg.checkpoint.resume, self.checkpoints, self._print_main),
+                                      self.rank, self.world_size, self.sharded.groups.checkpoint)
         if resume_from is not None:
             self._restore(resume_from)
         elif self.checkpoints.latest() is not None:

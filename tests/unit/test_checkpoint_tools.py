@@ -99,7 +99,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / ".metadata").write_bytes(b"not a pickle")
     cases = {tmp_path / "nowhere": "does not exist", tmp_path / "empty": "has no .metadata",
-             tmp_path / "run": "holds no complete checkpoint", tmp_path / "bad": "is corrupt, truncated"}
+             tmp_path / "run": "holds no complete checkpoint", tmp_path / "bad": ".metadata is corrupt"}
     for path, message in cases.items():
         for argv in (["info", str(path)], ["export", str(path), str(tmp_path / "out.safetensors")]):
             assert main(argv) == 2, argv

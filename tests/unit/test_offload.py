@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from m6.config import load
+from m6.checkpoint.staging import aligned
 from m6.memory.estimate import estimate_memory
 from m6.train.loop import Trainer
 from m6.train.optim import no_decay_ids
@@ -183,7 +184,15 @@ def test_memory_report_matches_the_tensors_of_a_step(tmp_path):
     assert counter.peak >= est.host["optimizer step temporaries"]
     plain = estimate_memory(load(None, [*SMALL, f"run.dir={tmp_path}"]), model, no_decay_ids(model))
     assert est.host["optimizer step temporaries"] < 0.5 * plain.device["optimizer step temporaries"]
-    assert "optimizer state" not in est.device and plain.host == {}
+    assert "optimizer state" not in est.device and set(plain.host) == {"checkpoint staging"}
+    # The checkpoint staging buffer (async save): one copy of every weight and optimizer tensor,
+    # device-resident ones and offloaded host ones alike (the RNG states aside).
+    tr.save_checkpoint(wait=True)
+    staging = tr.checkpoints.staging
+    staged = sum(aligned(s.shape.numel() * s.dtype.itemsize) for k, s in staging.slots.items()
+                 if k.startswith(("model/", "optimizer/state/")))
+    assert est.host["checkpoint staging"] == plain.host["checkpoint staging"] == staged > 0
+    assert staging.nbytes - staged < 16 * 1024  # the rest: this rank's RNG states
 
 
 def test_inspect_prints_device_and_host_bytes(capsys):

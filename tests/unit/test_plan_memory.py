@@ -135,3 +135,25 @@ def test_step_time_counts_one_latency_per_scalar_all_reduce():
     # targets, the sync's reach check, loss/metric sums, stop flag, expert norm (EP 2), routing stats
     assert t.small_collectives == pytest.approx((4 + 1 + layers * accum) * hw.latency_s)
     assert t.total == pytest.approx(t.compute + t.all_to_all + t.grad_sync + t.small_collectives + t.offload + t.update)
+
+
+def test_the_planner_counts_the_checkpoint_staging_buffer_in_host_memory():
+    """An asynchronous save's staging buffer (one host copy of the rank's weights and Adam moments,
+    kept from the first save on) is in the host peak m6.plan checks per node: a node whose host
+    memory holds the synchronous plans but not the staging buffers rules the asynchronous ones out."""
+    from m6.plan.memory import RankMemory
+    from m6.plan.search import search
+    from m6.plan.timing import GPUS, HostProfile
+
+    tiny = CONFIGS / "tiny.yaml"
+    cfgs = {mode: m6config.load(tiny, SMALL + [f"checkpoint.async_save={mode}"]) for mode in ("true", "false")}
+    rank = RankMemory(cfgs["true"], 2, 2, "cuda")
+    asynchronous, synchronous = rank.report(cfgs["true"]), rank.report(cfgs["false"])
+    staged = asynchronous.host["checkpoint staging"]
+    states = asynchronous.device["params"] + asynchronous.device["optimizer state"]
+    assert states <= staged < states + 64 * 4 * sum(1 for _ in rank.model.parameters())  # + 64-byte padding
+    assert "checkpoint staging" not in synchronous.host and asynchronous.peak_host - synchronous.peak_host == staged
+    host_gib = 2 * (synchronous.peak_host + staged / 2) / 2**30  # two ranks per node
+    only = dict(eps=[2], recompute=("none",), offload=("none",), apply_groups=(1,), a2a=(None,), micro_batches=[1])
+    found = {mode: search(cfg, 2, 2, GPUS["h100"], HostProfile(1), host_gib, **only) for mode, cfg in cfgs.items()}
+    assert found["false"].feasible and not found["true"].feasible
