@@ -289,17 +289,26 @@ class Trainer:
         return out
 
     # ---- evaluation -----------------------------------------------------------------------------
-    def held_out_batch(self, indices: list[int]) -> MultimodalBatch:
-        """Held-out samples ``indices`` (of the eval set), collated on the device."""
-        return self.data.collator([LoadedItem(self.eval_set[i]) for i in indices]).batch.to(self.device)
+    def held_out_batch(self, indices: list[int], on_device: bool = True) -> MultimodalBatch:
+        """Held-out samples ``indices`` (of the eval set), collated on the host and moved to the
+        device unless ``on_device`` is False."""
+        batch = self.data.collator([LoadedItem(self.eval_set[i]) for i in indices]).batch
+        return self.to_device(batch) if on_device else batch
+
+    def to_device(self, batch: MultimodalBatch) -> MultimodalBatch:
+        """A host batch on the compute device; on CUDA copied from pinned memory asynchronously (a
+        copy from pageable memory, or a blocking one, would make the host wait for the device)."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
 
     def evaluate(self) -> dict:
         """Caption loss on held-out image samples with their true and with shuffled images."""
         self.model.eval()
         try:
             return evaluate_captions(
-                loss_sum=lambda batch: self.forward_loss(batch)[0],
-                eval_batch=self.held_out_batch,
+                loss_sum=lambda batch: self.forward_loss(self.to_device(batch))[0],
+                eval_batch=lambda indices: self.held_out_batch(indices, on_device=False),
                 num_samples=len(self.eval_set), global_batch_size=self.cfg.train.global_batch_size,
                 num_batches=self.cfg.train.eval_batches, micro_batch_size=self.micro_batch,
                 rank_slice=lambda idx: rank_slice(idx, self.rank, self.world_size),
