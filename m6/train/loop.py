@@ -207,7 +207,7 @@ class Trainer:
         parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
         for i, batch in enumerate(batches):
             self.update.begin_micro_batch(last=i == len(batches) - 1)
-            with self.activations.micro_batch(batch.num_target_tokens):
+            with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
                 lm_sum, aux = self.forward_loss(batch)
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
@@ -255,6 +255,10 @@ class Trainer:
         densest = batch.densest()
         self.activations.ensure_plan(lambda: self.forward_loss(densest), forward_backward,
                                      densest.num_target_tokens, dist.group.WORLD if self.world_size > 1 else None)
+
+    def is_logging_step(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) logs its metrics: every logging.every, and the last."""
+        return step % self.cfg.logging.every == 0 or step == self.cfg.train.max_steps
 
     def _count_step(self, finite: bool) -> None:
         """Advance the counters; stop after train.max_bad_steps consecutive non-finite steps."""
@@ -362,7 +366,7 @@ class Trainer:
                 metrics = self.train_step()
                 self.history.append({"step": self.step, **metrics})
                 last = self.step == cfg.train.max_steps
-                if self.step % cfg.logging.every == 0 or last:
+                if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
                     self.logger.log(self.step, {**metrics, **load_scalars}, expert_tokens=load_counts)
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
