@@ -62,8 +62,9 @@ class MoEConfig:
     # before the loss is formed, so the loss does not depend on how the batch is split.
     aux_loss_scope: Literal["global", "local"] = "global"
     a2a_dtype: Optional[Literal["bf16"]] = None  # expert-parallel all-to-all payload precision
-    # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product;
-    # auto = grouped_mm on CUDA bf16 (compute capability >= 9.0, d_model/ffn_dim multiples of 8), else loop.
+    # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product
+    # (on CUDA only in bf16 on compute capability 9.x/10.x, where torch has a fused kernel);
+    # auto = grouped_mm on CUDA bf16 there (d_model/ffn_dim multiples of 8), else loop.
     expert_kernel: Literal["auto", "loop", "grouped_mm"] = "auto"
     # The router GEMM's precision (weight and logits stay fp32): fp32 exact; tf32 = fp32 inputs on
     # TF32 tensor cores; bf16 = inputs cast to bf16 (Megatron-Core's default); auto = tf32 on CUDA,
@@ -436,6 +437,12 @@ def _check_cross_section(cfg: Config) -> None:
     if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
         raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
                           f"model.image_channels ({m.image_channels}) values each, std > 0")
+    if m.moe.expert_kernel == "grouped_mm" and cfg.train.device == "cuda" and cfg.train.precision == "fp32":
+        # On CUDA torch fuses the grouped GEMM only in bf16 (m6.moe.expert_gemm); with train.device=auto
+        # the device is known only at start-up, and the first MoE forward refuses it there.
+        raise ConfigError("model.moe.expert_kernel=grouped_mm with train.precision=fp32 on train.device=cuda: torch's "
+                          "CUDA grouped GEMM is fused only in bf16, in fp32 it loops over experts with a host sync "
+                          "per GEMM; use train.precision=bf16 (or bf16-autocast), or model.moe.expert_kernel=auto or loop")
 
 def expert_ffn_dim(model: ModelConfig) -> int:
     """Hidden size of each expert FFN."""

@@ -3,12 +3,17 @@ per-micro-batch metering, and the budget guard's end-of-step accounting.
 
     memory = ActivationMemory(model, cfg.memory, device, compute_dtype, log=print)
     memory.ensure_plan(batch, forward, forward_backward, group)   # first step only
-    with memory.micro_batch(batch.num_target_tokens):
+    with memory.micro_batch(batch.num_target_tokens, measure=logging_step):
         loss = forward(batch)
     ...
     metrics.update(memory.end_step())
 
 ``mode="none"`` is the same object doing nothing: no plan, no meter, no metrics.
+
+Metering costs host time on every tensor the forward saves (saved-tensor hooks), so it runs only
+where something needs it: with ``full`` only on the steps whose metrics are shown (``measure``);
+with ``auto`` on every micro-batch, because the budget guard decides from the meter, as each part
+starts, whether to recompute it too (the price of holding a budget on batches it was not profiled on).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ class ActivationMemory:
         self.recompute = RecomputeParts(model) if memory.activation_checkpointing != "none" else None
         self.plan: Optional[RecomputePlan] = None
         self.guard: Optional[ActivationBudgetGuard] = None  # activation_checkpointing=auto
-        self._step_saved_bytes = 0
+        self._step_saved_bytes: int | None = None  # most bytes a metered micro-batch of this step kept
 
     @property
     def enabled(self) -> bool:
@@ -75,23 +80,25 @@ class ActivationMemory:
                  f"of its shape)")
 
     @contextmanager
-    def micro_batch(self, num_targets: int = 0) -> Iterator[None]:
-        """Meter one training forward (enter before it, leave before its backward)."""
-        if self.recompute is None:
+    def micro_batch(self, num_targets: int = 0, measure: bool = True) -> Iterator[None]:
+        """Around one training forward (enter before it, leave before its backward): the budget
+        guard's metering with ``auto``; with ``full`` a meter only when ``measure`` (the step's
+        activation_saved_mb is wanted)."""
+        if self.recompute is None or (self.guard is None and not measure):
             with nullcontext():
                 yield
             return
         meter = self.guard.micro_batch(num_targets) if self.guard else SavedActivationMeter(self.model.parameters())
         with meter as metered:
             yield
-        self._step_saved_bytes = max(self._step_saved_bytes, metered.held_bytes())
+        self._step_saved_bytes = max(self._step_saved_bytes or 0, metered.held_bytes())
 
     def end_step(self, step: int) -> dict[str, float]:
         """The step's activation metrics; re-plans when the guard asks (``step``: for the log line)."""
         if self.recompute is None:
             return {}
-        metrics = {"activation_saved_mb": self._step_saved_bytes / 2**20}
-        self._step_saved_bytes = 0
+        metrics = {} if self._step_saved_bytes is None else {"activation_saved_mb": self._step_saved_bytes / 2**20}
+        self._step_saved_bytes = None
         if self.guard:
             metrics["activation_extra_recomputes"] = self.guard.step_extras
             new_plan = self.guard.end_step()

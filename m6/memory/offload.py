@@ -197,7 +197,9 @@ class HostOffload:
                 self.masters[id(p)] = _host_copy(p, pin)
                 self.resident.append((p, self.masters[id(p)]))
         self._grad_buffers = {id(p): torch.empty(p.shape, dtype=torch.float32, pin_memory=pin) for p in self.params}
-        self._grad_ready: dict[int, torch.cuda.Event] = {}
+        # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
+        # this one is done all are, and the step waits once, not once per parameter.
+        self._grads_copied: torch.cuda.Event | None = None
 
     def master(self, p: nn.Parameter) -> torch.Tensor:
         return self.masters[id(p)]
@@ -223,9 +225,8 @@ class HostOffload:
             with torch.cuda.stream(self.copy_stream):
                 buf.copy_(grad, non_blocking=True)
                 grad.record_stream(self.copy_stream)  # the allocator keeps it until the copy is done
-                event = torch.cuda.Event()
-                event.record()
-            self._grad_ready[id(p)] = event
+                self._grads_copied = torch.cuda.Event()
+                self._grads_copied.record()
         else:
             buf.copy_(grad)
         self.masters[id(p)].grad = buf
@@ -236,15 +237,15 @@ class HostOffload:
         """After the step's last backward (and gradient sync): every gradient is on the host.
 
         Streams what is still on the device (a param whose hook did not fire) and waits for the
-        copies. Clipping needs the global norm before any group updates, hence a full wait here;
-        the copies themselves overlapped the backward.
+        copies. Clipping needs the global norm before any group updates, hence a full wait here
+        (one host sync per step); the copies themselves overlapped the backward.
         """
         for p in self.params:
             if p.grad is not None:
                 self._stream_grad(p)
-        for event in self._grad_ready.values():
-            event.synchronize()
-        self._grad_ready.clear()
+        if self._grads_copied is not None:
+            self._grads_copied.synchronize()
+            self._grads_copied = None
 
     def _copy_back(self, masters: Sequence[torch.Tensor]) -> None:
         ids = {id(m) for m in masters}
@@ -272,7 +273,7 @@ class HostOffload:
         for p in self.params:
             self.masters[id(p)].grad = None
             p.grad = None
-        self._grad_ready.clear()
+        self._grads_copied = None
 
     def pull_masters(self) -> None:
         """After loading weights into the model (resume): refresh the host masters from them."""

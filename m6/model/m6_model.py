@@ -133,16 +133,29 @@ class M6Model(nn.Module):
         # is what cast-on-use avoids most.
         return linear(hidden, weight, None, self.cast_on_use)
 
-    def target_loss_sum(self, hidden_BLD: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+    def target_loss_sum(self, hidden_BLD: torch.Tensor, labels_BL: torch.Tensor,
+                        num_targets: int | None = None) -> torch.Tensor:
         """Sum of cross-entropy over positions with a label; the caller divides by the (global) count.
 
         Only loss-bearing positions go through the LM head: with a large vocabulary the [B, L, V]
         logits of prefix positions would be most of the memory and all of it wasted.
+        ``num_targets``: how many labels are not IGNORE_INDEX, when the caller knows it on the host
+        (MultimodalBatch.num_target_tokens): the positions are then gathered without a host sync.
+        Without it, selecting them needs the count, read back from the device (a sync on a GPU).
         """
-        keep = labels_BL != IGNORE_INDEX
-        logits = self.logits(hidden_BLD[keep])
+        keep_BL = labels_BL != IGNORE_INDEX
+        if num_targets is None:
+            hidden_TD, labels_T = hidden_BLD[keep_BL], labels_BL[keep_BL]
+        else:
+            # The same positions in the same (row-major) order as boolean indexing, sized from the
+            # host: nonzero_static pads or truncates to num_targets, so a wrong count must not pass.
+            torch._assert_async(keep_BL.sum() == num_targets, "target_loss_sum: num_targets is not the number of labels")
+            rows_T = torch.nonzero_static(keep_BL.reshape(-1), size=num_targets).squeeze(1)
+            hidden_TD = hidden_BLD.reshape(-1, hidden_BLD.shape[-1]).index_select(0, rows_T)
+            labels_T = labels_BL.reshape(-1).index_select(0, rows_T)
+        logits = self.logits(hidden_TD)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return F.cross_entropy(logits, labels_BL[keep], reduction="sum")
+        return F.cross_entropy(logits, labels_T, reduction="sum")
 
 
 def build_meta_model(cfg: ModelConfig) -> M6Model:

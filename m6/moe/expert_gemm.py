@@ -22,6 +22,8 @@ from typing import Callable, Literal, Optional, Sequence
 import numpy as np
 import torch
 
+from m6.config import ConfigError
+
 ExpertKernel = Literal["auto", "loop", "grouped_mm"]
 EXPERT_KERNELS = ("auto", "loop", "grouped_mm")
 
@@ -45,18 +47,34 @@ def grouped_mm_fits(x_NK: torch.Tensor, weights: Sequence[Optional[torch.Tensor]
     return x_NK.data_ptr() % 16 == 0
 
 
+# Compute capabilities (major) with torch's fused grouped GEMM (CUTLASS, bf16): Hopper sm90 and
+# datacenter Blackwell sm100. On any other GPU, and for any dtype but bf16 on these, torch's CUDA
+# grouped_mm falls back to a loop over the groups that first copies ``offs`` to the host: a host
+# sync in every GEMM, three per expert FFN forward and four in its backward.
+FUSED_GROUPED_MM_MAJORS = (9, 10)
+
+
+def fused_grouped_mm_on(device: torch.device) -> bool:
+    """Whether torch runs grouped_mm on ``device`` (a CUDA device) as one fused kernel for bf16."""
+    return torch.cuda.get_device_capability(device)[0] in FUSED_GROUPED_MM_MAJORS
+
+
 def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Optional[torch.Tensor]]) -> str:
     """'loop' or 'grouped_mm' for one layer call, from the configured choice, the device, dtype and shapes.
 
     ``auto`` takes the grouped kernel only where torch has a fused one: CUDA, bf16, compute
-    capability 9.0 or newer (CUTLASS grouped GEMM on Hopper and Blackwell), aligned shapes, and at
-    least one row. Elsewhere (CPU, fp32, older GPUs) it keeps the loop, which is what m6 ran before.
+    capability 9.x or 10.x (CUTLASS grouped GEMM on Hopper and datacenter Blackwell), aligned
+    shapes, and at least one row. Elsewhere (CPU, fp32, other GPUs) it keeps the loop, which is what
+    m6 ran before. An explicit ``grouped_mm`` on CUDA where there is no fused kernel is refused: it
+    would run torch's fallback, a host sync per GEMM (on CPU, grouped_mm runs in fp32 and bf16).
     """
     if kernel == "loop":
         return "loop"
     if kernel == "grouped_mm":
         if grouped_mm_op() is None:
             raise ValueError(f"model.moe.expert_kernel=grouped_mm but torch {torch.__version__} has no grouped_mm")
+        if x_NK.device.type == "cuda":
+            _check_fused_grouped_mm(x_NK)
         if not grouped_mm_fits(x_NK, weights, x_NK.dtype):
             dims = [x_NK.shape[1]] + [d for w in weights if w is not None for d in w.shape[1:]]
             raise ValueError(f"model.moe.expert_kernel=grouped_mm: torch's grouped GEMM needs 16-byte strides, but "
@@ -67,9 +85,23 @@ def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Op
         raise ValueError(f"model.moe.expert_kernel must be one of {EXPERT_KERNELS}, got {kernel!r}")
     if grouped_mm_op() is None or x_NK.device.type != "cuda" or x_NK.dtype != torch.bfloat16 or x_NK.shape[0] == 0:
         return "loop"
-    if torch.cuda.get_device_capability(x_NK.device)[0] < 9:
+    if not fused_grouped_mm_on(x_NK.device):
         return "loop"
     return "grouped_mm" if grouped_mm_fits(x_NK, weights, x_NK.dtype) else "loop"
+
+
+def _check_fused_grouped_mm(x_NK: torch.Tensor) -> None:
+    """Refuse an explicit grouped_mm on CUDA where torch would run its per-group fallback."""
+    if x_NK.dtype != torch.bfloat16:
+        raise ConfigError(f"model.moe.expert_kernel=grouped_mm needs bf16 expert inputs on CUDA (train.precision "
+                          f"bf16 or bf16-autocast), got {x_NK.dtype}: torch fuses the grouped GEMM only in bf16 and "
+                          f"otherwise loops over experts with a host sync per GEMM; use model.moe.expert_kernel=auto "
+                          f"or loop")
+    if not fused_grouped_mm_on(x_NK.device):
+        major, minor = torch.cuda.get_device_capability(x_NK.device)
+        raise ConfigError(f"model.moe.expert_kernel=grouped_mm: torch has a fused grouped GEMM only for compute "
+                          f"capability 9.x and 10.x (Hopper, datacenter Blackwell); this GPU is {major}.{minor}, where "
+                          f"it loops over experts with a host sync per GEMM; use model.moe.expert_kernel=auto or loop")
 
 
 def _segments(splits: Sequence[int]) -> list[tuple[int, int, int]]:

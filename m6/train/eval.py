@@ -3,6 +3,7 @@ samples. A model that uses the image has a clearly lower loss with the true ones
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import torch
@@ -21,28 +22,40 @@ def evaluate_captions(loss_sum: LossSum, eval_batch: Callable[[list[int]], Multi
                       seed: int) -> dict[str, float]:
     """Mean caption loss over ``num_batches`` global batches of held-out samples (true and shuffled
     images) and their gap. Every rank runs every eval batch (the expert all-to-all needs all of
-    them), each on its ``rank_slice`` of the global batch; ``eval_batch(indices)`` collates
-    held-out samples on the device."""
+    them), each on its ``rank_slice`` of the global batch. ``eval_batch(indices)`` collates
+    held-out samples on the host, where the caption-only labels, their count and the shuffled
+    images are made without touching the device; ``loss_sum`` moves a batch to the device. The
+    losses stay there until the end: one host sync per evaluation, not one per batch."""
     if not num_samples:
         return {}
     gb = global_batch_size
     n = min(num_samples, gb * num_batches) // gb * gb or gb
     gen = torch.Generator().manual_seed(seed)
-    true_sum = shuffled_sum = 0.0
+    losses = []  # per micro-batch: [true, shuffled] summed caption losses, on the device
     count = 0
     for start in range(0, n, gb):
         mine = rank_slice([i % num_samples for i in range(start, start + gb)])
         for i in range(0, len(mine), micro_batch_size):
-            batch = eval_batch(mine[i:i + micro_batch_size])
-            batch.labels[~batch.has_image] = IGNORE_INDEX  # caption loss: image samples only
-            true_sum += loss_sum(batch).item()
+            batch = captions_only(eval_batch(mine[i:i + micro_batch_size]))
             shuffled = shuffled_images(batch, gen) if int(batch.has_image.sum()) > 1 else batch
-            shuffled_sum += loss_sum(shuffled).item()
-            count += int((batch.labels != IGNORE_INDEX).sum())
+            losses.append(torch.stack([loss_sum(batch), loss_sum(shuffled)]))
+            count += batch.num_target_tokens
+    true_sum = shuffled_sum = 0.0
+    for true, shuffled in (torch.stack(losses).tolist() if losses else []):
+        true_sum += true
+        shuffled_sum += shuffled
     true_sum, shuffled_sum, count = reduce_sum([true_sum, shuffled_sum, float(count)])
     out = {"caption_loss": true_sum / max(count, 1), "caption_loss_shuffled_images": shuffled_sum / max(count, 1)}
     out["image_gap"] = out["caption_loss_shuffled_images"] - out["caption_loss"]
     return out
+
+
+def captions_only(batch: MultimodalBatch) -> MultimodalBatch:
+    """``batch`` (on the host) with the labels of samples without an image ignored, and its target
+    count taken again: the caption loss is over image samples only."""
+    labels = batch.labels.clone()
+    labels[~batch.has_image] = IGNORE_INDEX
+    return dataclasses.replace(batch, labels=labels, num_target_tokens=-1)
 
 
 def rank_slice(indices: Sequence[int], rank: int, world_size: int) -> list[int]:

@@ -214,7 +214,7 @@ class Trainer:
         parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
         for i, batch in enumerate(batches):
             self.update.begin_micro_batch(last=i == len(batches) - 1)
-            with self.activations.micro_batch(batch.num_target_tokens):
+            with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
                 lm_sum, aux = self.forward_loss(batch)
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
@@ -263,6 +263,10 @@ class Trainer:
         self.activations.ensure_plan(lambda: self.forward_loss(densest), forward_backward,
                                      densest.num_target_tokens, dist.group.WORLD if self.world_size > 1 else None)
 
+    def is_logging_step(self, step: int) -> bool:
+        """Whether step ``step`` (counted from 1) logs its metrics: every logging.every, and the last."""
+        return step % self.cfg.logging.every == 0 or step == self.cfg.train.max_steps
+
     def _count_step(self, finite: bool) -> None:
         """Advance the counters; stop after train.max_bad_steps consecutive non-finite steps."""
         c = self.counters
@@ -296,17 +300,26 @@ class Trainer:
         return out
 
     # ---- evaluation -----------------------------------------------------------------------------
-    def held_out_batch(self, indices: list[int]) -> MultimodalBatch:
-        """Held-out samples ``indices`` (of the eval set), collated on the device."""
-        return self.data.collator([LoadedItem(self.eval_set[i]) for i in indices]).batch.to(self.device)
+    def held_out_batch(self, indices: list[int], on_device: bool = True) -> MultimodalBatch:
+        """Held-out samples ``indices`` (of the eval set), collated on the host and moved to the
+        device unless ``on_device`` is False."""
+        batch = self.data.collator([LoadedItem(self.eval_set[i]) for i in indices]).batch
+        return self.to_device(batch) if on_device else batch
+
+    def to_device(self, batch: MultimodalBatch) -> MultimodalBatch:
+        """A host batch on the compute device; on CUDA copied from pinned memory asynchronously (a
+        copy from pageable memory, or a blocking one, would make the host wait for the device)."""
+        if self.device.type != "cuda":
+            return batch.to(self.device)
+        return batch.pin_memory().to(self.device, non_blocking=True)
 
     def evaluate(self) -> dict:
         """Caption loss on held-out image samples with their true and with shuffled images."""
         self.model.eval()
         try:
             return evaluate_captions(
-                loss_sum=lambda batch: self.forward_loss(batch)[0],
-                eval_batch=self.held_out_batch,
+                loss_sum=lambda batch: self.forward_loss(self.to_device(batch))[0],
+                eval_batch=lambda indices: self.held_out_batch(indices, on_device=False),
                 num_samples=len(self.eval_set), global_batch_size=self.cfg.train.global_batch_size,
                 num_batches=self.cfg.train.eval_batches, micro_batch_size=self.micro_batch,
                 rank_slice=lambda idx: rank_slice(idx, self.rank, self.world_size),
@@ -360,7 +373,7 @@ class Trainer:
                 metrics = self.train_step()
                 self.history.append({"step": self.step, **metrics})
                 last = self.step == cfg.train.max_steps
-                if self.step % cfg.logging.every == 0 or last:
+                if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
                     self.logger.log(self.step, {**metrics, **load_scalars}, expert_tokens=load_counts)
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):

@@ -23,7 +23,7 @@ def forward_loss_sums(model: M6Model, batch: MultimodalBatch,
     """(sum of target-token cross-entropy, summed MoE aux loss) for one micro-batch."""
     with autocast:
         hidden, aux = model(batch.images, batch.has_image, batch.text_ids, batch.segment_ids)
-        return model.target_loss_sum(hidden, batch.labels), aux
+        return model.target_loss_sum(hidden, batch.labels, batch.num_target_tokens), aux
 
 
 def aux_loss_ranks(aux_loss_scope: str, world_size: int) -> int:

@@ -80,20 +80,32 @@ def peak_memory_gb(device: torch.device) -> float:
 def expert_load(moe_layers: dict[str, nn.Module]) -> tuple[dict[str, float], dict[str, list[int]]]:
     """Scalar load metrics per MoE layer and the raw per-expert token counts, from layer.stats.
 
-    This is the one place routing statistics are copied to the host: at logging time only.
+    This is the one place routing statistics are copied to the host: at logging time only, all
+    layers' in one transfer (one host sync per logging step). The scalars are computed on the device
+    as they always were (float32 mean and max of the counts) and travel in float64, which holds
+    every float32 value and every count below 2**53 exactly.
     """
+    layers = {name: layer.stats for name, layer in moe_layers.items() if layer.stats is not None}
+    if not layers:
+        return {}, {}
+    packed = []
+    for stats in layers.values():
+        tokens = stats.tokens_per_expert.float()
+        packed.append(torch.cat([torch.stack([tokens.mean(), tokens.max(), stats.dropped_fraction.float(),
+                                              stats.router_entropy.float()]).double(),
+                                 stats.tokens_per_expert.double()]))
+    values = torch.cat(packed).tolist()
     scalars: dict[str, float] = {}
     counts: dict[str, list[int]] = {}
-    for name, layer in moe_layers.items():
-        stats = layer.stats
-        if stats is None:
-            continue
-        tokens = stats.tokens_per_expert.float()
-        mean = tokens.mean().item()
-        scalars[f"moe/{name}/max_tokens"] = tokens.max().item()
+    start = 0
+    for name, stats in layers.items():
+        mean, top, dropped, entropy = values[start:start + 4]
+        num_experts = stats.tokens_per_expert.numel()
+        scalars[f"moe/{name}/max_tokens"] = top
         scalars[f"moe/{name}/mean_tokens"] = mean
-        scalars[f"moe/{name}/max_over_mean"] = tokens.max().item() / mean if mean > 0 else 0.0
-        scalars[f"moe/{name}/dropped_fraction"] = stats.dropped_fraction.item()
-        scalars[f"moe/{name}/router_entropy"] = stats.router_entropy.item()
-        counts[name] = stats.tokens_per_expert.tolist()
+        scalars[f"moe/{name}/max_over_mean"] = top / mean if mean > 0 else 0.0
+        scalars[f"moe/{name}/dropped_fraction"] = dropped
+        scalars[f"moe/{name}/router_entropy"] = entropy
+        counts[name] = [int(n) for n in values[start + 4:start + 4 + num_experts]]
+        start += 4 + num_experts
     return scalars, counts

@@ -221,6 +221,25 @@ def test_full_and_auto_train_exactly_like_no_checkpointing(tmp_path, capsys):
     assert "activation_saved_mb" not in plain.history[0]
 
 
+def test_full_recompute_meters_only_the_steps_it_logs(tmp_path, monkeypatch):
+    """The saved-tensor meter costs host time on every tensor a forward saves: with full recompute
+    it runs only on the steps whose metrics are logged (and the plan's profiling), not on every
+    micro-batch; activation_saved_mb is reported on those steps."""
+    trainer = Trainer(load(None, [*TRAIN, f"train.device={_DEVICE[0]}", f"run.dir={tmp_path / 'run'}",
+                                  "memory.activation_checkpointing=full", "logging.every=2"]))
+    packed = []
+    real_pack = SavedActivationMeter._pack
+    monkeypatch.setattr(SavedActivationMeter, "_pack", lambda self, t: packed.append(1) or real_pack(self, t))
+    metered, reported = [], []
+    for _ in range(5):  # logging steps: 2, 4 and the last, 5
+        before = len(packed)
+        metrics = trainer.train_step()
+        metered.append(len(packed) > before)
+        reported.append("activation_saved_mb" in metrics)
+    assert metered[1:] == [True, False, True, True]  # step 1 profiles the plan (its own meters)
+    assert reported == [False, True, False, True, True]
+
+
 def test_check_mode_passes_on_a_correct_recompute_and_fails_on_a_broken_one(tmp_path, monkeypatch, capsys):
     _fit(tmp_path, "ok", "memory.activation_checkpointing=auto", "memory.check_checkpointing=true",
          "train.max_steps=1")

@@ -204,3 +204,27 @@ def test_device_peak_follows_the_tf32_setting(monkeypatch, restore_tf32):
     assert device_peak_tflops(cuda, torch.float32, None) == 494.7
     assert device_peak_tflops(cuda, torch.float32, 123.0) == 123.0  # train.peak_tflops wins
     assert device_peak_tflops(torch.device("cpu"), torch.float32, None) is None
+
+
+def test_expert_load_gives_the_per_layer_values_from_one_read():
+    """expert_load reads every layer's statistics in one transfer; the values are those of reading
+    each statistic on its own (float32 mean and max on the device, as before)."""
+    from m6.moe import MoELayer
+    from m6.train.metrics import expert_load
+
+    torch.manual_seed(0)
+    layers = {"block1": MoELayer(16, 32, 8, top_k=2, capacity_factor=1.0), "block3": MoELayer(16, 32, 4, top_k=1)}
+    for layer in layers.values():
+        layer(torch.randn(3, 7, 16))
+    scalars, counts = expert_load({**layers, "idle": MoELayer(16, 32, 4)})  # no stats yet: left out
+    expected = {}
+    for name, layer in layers.items():
+        tokens = layer.stats.tokens_per_expert.float()
+        mean = tokens.mean().item()
+        expected.update({f"moe/{name}/max_tokens": tokens.max().item(), f"moe/{name}/mean_tokens": mean,
+                         f"moe/{name}/max_over_mean": tokens.max().item() / mean,
+                         f"moe/{name}/dropped_fraction": layer.stats.dropped_fraction.item(),
+                         f"moe/{name}/router_entropy": layer.stats.router_entropy.item()})
+        assert counts[name] == layer.stats.tokens_per_expert.tolist()
+    assert scalars == expected and set(counts) == set(layers)
+    assert scalars["moe/block1/dropped_fraction"] > 0  # capacity 1.0 drops some: a real value, not zeros

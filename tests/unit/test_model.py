@@ -268,6 +268,33 @@ def test_target_loss_sum_equals_manual_cross_entropy(model64):
     assert float(got) == pytest.approx(expected, rel=1e-5)
 
 
+def test_target_loss_sum_with_the_host_count_is_the_boolean_selection_bitwise():
+    """Given the number of targets (the batch knows it on the host), the loss gathers the target
+    positions without a host sync: the same positions in the same order, so the same loss and
+    gradients bit for bit; a wrong count is refused, never silently padded or cut."""
+    torch.manual_seed(0)
+    model = M6Model(small_cfg()).train()
+    images, has_image, ids, segments = make_inputs(model.cfg)
+    labels = torch.randint(0, 256, ids.shape)
+    labels[segments != TGT] = IGNORE
+    count = int((labels != IGNORE).sum())
+    results = []
+    for num_targets in (None, count):
+        model.zero_grad(set_to_none=True)
+        hidden, _ = model(images.float(), has_image, ids, segments)
+        loss = model.target_loss_sum(hidden, labels, num_targets)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_mask, grads_mask), (loss_count, grads_count) = results
+    assert torch.equal(loss_mask, loss_count)
+    assert grads_mask.keys() == grads_count.keys() and all(torch.equal(grads_mask[n], grads_count[n]) for n in grads_mask)
+    with torch.no_grad():
+        hidden, _ = model(images.float(), has_image, ids, segments)
+        for wrong in (count - 1, count + 1):
+            with pytest.raises(RuntimeError, match="num_targets is not the number of labels"):
+                model.target_loss_sum(hidden, labels, wrong)
+
+
 def test_initial_loss_per_token_is_about_ln_vocab():
     torch.manual_seed(0)
     cfg = small_cfg()

@@ -1,0 +1,144 @@
+"""The documented host syncs of m6 on CUDA: where each may happen, how many per event, and why.
+
+A host sync stalls the training thread until the device has finished everything queued before it
+(the device then idles while the host catches up). Each entry allows at most ``count`` syncs at
+``site`` (the innermost m6 frame, "file:function") per event of ``phase`` (tests/simcuda/run_phases.py:
+per MoE layer forward, per training step, per logging step, per save, per evaluation; once per
+recompute plan, per resume and per run for start-up work). Everything else a simulated run finds
+is a failure.
+
+Counts of the start-up phases (run, recompute plan), and those that scale with the number of tensors
+(save, resume), are those of configs/tiny.yaml (2 MoE layers of 8 experts) at world size 1; the
+others do not depend on the config. Entries that wait for a fix on
+another branch name the issue item: tighten them after merging. docs/simulated-cuda.md shows this
+table and the counts a test measured.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Allowed:
+    site: str
+    phase: str
+    count: int
+    why: str
+
+
+ALLOW_LIST = (
+    # ---- per MoE layer forward ------------------------------------------------------------------
+    Allowed("m6/moe/dispatch.py:host_ints", "moe_forward", 1,
+            "the split sizes (rows per expert, and per rank under expert parallelism) in one read: the "
+            "expert GEMMs and the all-to-all take them as host ints"),
+    # ---- per training step ----------------------------------------------------------------------
+    Allowed("m6/train/loop.py:train_step", "step", 2,
+            "the step's loss terms and kept assignments in one read; torch.cuda.synchronize before "
+            "reading the clock for step_time_s"),
+    Allowed("m6/parallel/grad_sync.py:clip_grad_norm", "step", 1,
+            "the global gradient norm read on the host to clip (issue #26 item 'host clip norm', fixed on "
+            "another branch: tighten after merging)"),
+    Allowed("m6/memory/offload.py:finish_backward", "step", 1,
+            "memory.offload: the host update needs every gradient on the host; one wait for the last copy "
+            "(the copy stream runs them in order)"),
+    Allowed("m6/parallel/grad_sync.py:prepare", "step", 2,
+            "world > 1: whether every rank's graph reaches the same parameters (a small all-reduce, its "
+            "input copied in and its result read)"),
+    Allowed("m6/train/loop.py:all_reduce_sum", "step", 4,
+            "world > 1: host scalars summed over ranks on the device for NCCL (the step's target count; "
+            "its loss, FLOPs, tokens and skips): each a copy in and a read back"),
+    # ---- per logging step -----------------------------------------------------------------------
+    Allowed("m6/train/metrics.py:expert_load", "logging_step", 1,
+            "every MoE layer's routing statistics in one read"),
+    # ---- per evaluation -------------------------------------------------------------------------
+    Allowed("m6/train/eval.py:evaluate_captions", "eval", 1, "the evaluation's losses in one read"),
+    Allowed("m6/train/loop.py:all_reduce_sum", "eval", 2, "world > 1: the losses and count summed over ranks"),
+    # ---- per save -------------------------------------------------------------------------------
+    Allowed("m6/checkpoint/sharded_io.py:stage", "save", 1,
+            "the device-to-host staging copies waited for once (issue #26 item 'pinned staging' reworks "
+            "staging on another branch)"),
+    Allowed("m6/checkpoint/sharded_io.py:_write", "save", 8,
+            "on the checkpoint writer thread, not the training thread: DCP's file writer (its overlapping "
+            "loader, used whenever CUDA is present) synchronizes a stream per ~1 MB in flight and at the "
+            "end, host tensors included (8 for the tiny config at world 1)"),
+    Allowed("m6/train/loop.py:all_reduce_sum", "save", 2, "world > 1: skipped-record counts summed over ranks"),
+    # ---- per resume -----------------------------------------------------------------------------
+    Allowed("m6/checkpoint/sharded_io.py:read", "resume", 165,
+            "DCP's load copies each tensor read from the files into its device target with a blocking "
+            "copy (tiny config, fp32: 55 parameters and 110 AdamW moments); once per resume"),
+    # ---- once: start-up, the end of fit, the recompute plan ---------------------------------------
+    Allowed("m6/moe/experts.py:reset_parameters", "run", 32,
+            "initialisation: each expert's weights are drawn on the host from its own generator (the same "
+            "at any layout) and copied in: 2 weights x 8 experts x 2 layers"),
+    Allowed("m6/memory/offload.py:_host_copy", "run", 55, "memory.offload: the host master of each parameter"),
+    Allowed("m6/memory/offload.py:__init__", "run", 9,
+            "memory.offload=optimizer+params: the parameters that are not streamed move to the device"),
+    Allowed("m6/train/loop.py:all_reduce_sum", "run", 2, "world > 1: the run summary's skipped records by reason"),
+    Allowed("m6/memory/recompute_plan.py:_sync", "recompute_plan", 32,
+            "memory.activation_checkpointing: profiling times each recomputable part on the device (tiny: "
+            "8 parts, 4 syncs each)"),
+    Allowed("m6/moe/dispatch.py:host_ints", "recompute_plan", 2, "the profiled forward's MoE layers"),
+)
+
+
+def sync_totals(findings: dict) -> Counter:
+    """(site, phase) -> host syncs of one run (a scenario's ``findings`` as the report has them)."""
+    totals: Counter = Counter()
+    for sync in findings["syncs"]:
+        totals[(sync["site"], sync["phase"])] += sync["count"]
+    return totals
+
+
+def violations(findings: dict, events: dict, allow_list=ALLOW_LIST) -> list[str]:
+    """Every (site, phase) whose syncs the allow-list does not cover, for one run with these ``events``."""
+    allowed: Counter = Counter()
+    for entry in allow_list:
+        allowed[(entry.site, entry.phase)] += entry.count * events.get(entry.phase, 0)
+    out = []
+    for (site, phase), n in sorted(sync_totals(findings).items()):
+        if n > allowed[(site, phase)]:
+            chains = sorted({s["chain"] for s in findings["syncs"] if (s["site"], s["phase"]) == (site, phase)})
+            whats = sorted({s["what"] for s in findings["syncs"] if (s["site"], s["phase"]) == (site, phase)})
+            out.append(f"{n} host syncs at {site} in phase {phase} ({events.get(phase, 0)} events), "
+                       f"{allowed[(site, phase)]} allowed: {'; '.join(whats)} [{' | '.join(chains)}]")
+    return out
+
+
+def unused(runs: list[dict], allow_list=ALLOW_LIST) -> list[Allowed]:
+    """Entries no run needed: stale, to be removed (or a scenario is missing)."""
+    seen = set()
+    for run in runs:
+        seen |= {key for key, n in sync_totals(run["findings"]).items() if n}
+    return [entry for entry in allow_list if (entry.site, entry.phase) not in seen]
+
+
+def per_event_table(runs: dict[str, dict]) -> str:
+    """A markdown table: per variant, the host syncs per event of each phase, as measured."""
+    phases = [("moe_forward", "per MoE layer forward"), ("step", "per step (besides its MoE forwards)"),
+              ("logging_step", "per logging step"), ("eval", "per evaluation"), ("save", "per save"),
+              ("resume", "per resume"), ("run", "per run (start-up and end)"), ("recompute_plan", "recompute plan")]
+    lines = ["| run | MoE forwards per step | " + " | ".join(title for _, title in phases) + " |",
+             "|---" * (len(phases) + 2) + "|"]
+    for name, run in runs.items():
+        events = run["events"]
+        totals: Counter = Counter()
+        for (_, phase), n in sync_totals(run["findings"]).items():
+            totals[phase] += n
+        writer: Counter = Counter()  # syncs on the checkpoint writer thread, not the training thread
+        for sync in run["findings"]["syncs"]:
+            if "[thread " in sync["what"]:
+                writer[sync["phase"]] += sync["count"]
+        cells = []
+        for phase, _ in phases:
+            if not events.get(phase):
+                cells.append("-")
+                continue
+            cell = f"{(totals[phase] - writer[phase]) / events[phase]:g}"
+            if writer[phase]:
+                cell += f" (+{writer[phase] / events[phase]:g} writer thread)"
+            cells.append(cell)
+        moe_per_step = events.get("moe_forward in step", 0) / max(events.get("step", 1), 1)
+        lines.append(f"| {name} | {moe_per_step:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,94 @@
+"""Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
+evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
+and of optimizer+params, full recompute, and expert parallelism at world 2 and 4 in a mirror world.
+Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
+rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from host_sync_allow_list import per_event_table, sync_totals, unused, violations
+from preload import scenario_result
+
+GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast"],
+          "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full"],
+          "expert_parallel": ["ep-world2", "ep-world4"]}
+RUNS = [(group, name) for group, names in GROUPS.items() for name in names]
+pytestmark = [pytest.mark.simcuda_group(group) for group in GROUPS]
+
+
+def _run(simcuda, group: str, name: str) -> dict:
+    return scenario_result(simcuda(group), name)
+
+
+@pytest.mark.parametrize("group, name", RUNS, ids=[name for _, name in RUNS])
+def test_trainer_run_is_clean_on_simulated_cuda(simcuda, group, name):
+    run = _run(simcuda, group, name)
+    facts, findings, events = run["facts"], run["findings"], run["events"]
+    assert findings["problems"] == [], findings["problems"]
+    assert findings["unchecked_ops"] == {}, findings["unchecked_ops"]  # every op was replayed on fake tensors
+    assert violations(findings, events) == []
+    assert len(facts["losses"]) == 2 and all(math.isfinite(loss) for loss in facts["losses"]), facts
+    if name == "fp32":  # resumed from its checkpoint for a third step
+        assert len(facts["resumed_losses"]) == 1 and math.isfinite(facts["resumed_losses"][0]), facts
+        assert facts["checkpoints"] == ["step_00000002", "step_00000003"]
+        counts = (3, 2, 2, 2, 1, 2)
+    else:
+        assert facts["checkpoints"] == ["step_00000002"]
+        counts = (2, 1, 1, 1, 0, 1)
+    assert tuple(events.get(phase, 0) for phase in ("step", "logging_step", "eval", "save", "resume", "run")) == counts
+    # optimizer+params keeps the blocks' weights on the host between their uses.
+    assert facts["params_on_device"] == (9 if name == "offload-optimizer+params" else facts["params"]), facts
+
+
+def test_simulated_run_computes_what_the_cpu_computes(simcuda):
+    """The simulation runs the real math on the data. Not bitwise: on a cuda tensor torch's
+    scaled_dot_product_attention takes its math decomposition, on the CPU its fused CPU kernel
+    (float32 rounding apart, ~1e-7)."""
+    report = simcuda("trainer_precision")
+    simulated = scenario_result(report, "fp32")["facts"]["losses"]
+    assert simulated == pytest.approx(scenario_result(report, "fp32-cpu")["facts"]["losses"], rel=1e-6, abs=0)
+
+
+def test_offload_waits_for_the_gradients_once_per_step(simcuda):
+    """The gradient copies to the host run in order on one stream: the step waits for the last one,
+    not for each parameter's (55 waits per step before)."""
+    for name in ("offload-optimizer", "offload-optimizer+params"):
+        run = _run(simcuda, "trainer_memory", name)
+        totals = sync_totals(run["findings"])
+        assert totals[("m6/memory/offload.py:finish_backward", "step")] == run["events"]["step"], (name, totals)
+
+
+def test_logging_step_reads_routing_statistics_once(simcuda):
+    """Every MoE layer's statistics in one transfer (six reads per MoE layer before)."""
+    for group, name in RUNS:
+        run = _run(simcuda, group, name)
+        logging = {site: n for (site, phase), n in sync_totals(run["findings"]).items() if phase == "logging_step"}
+        assert logging == {"m6/train/metrics.py:expert_load": run["events"]["logging_step"]}, (name, logging)
+
+
+def test_expert_parallel_collectives_run_on_the_groups_they_should(simcuda):
+    """The all-to-all and the gradient all-reduce on NCCL (device tensors: the problems above are
+    empty), checkpoint coordination on the gloo group; backward's all-to-all on autograd's thread."""
+    for name in ("ep-world2", "ep-world4"):
+        calls = _run(simcuda, "expert_parallel", name)["facts"]["collectives"]
+        assert calls.get("MainThread nccl all_to_all_single", 0) > 0 and calls.get("MainThread nccl all_reduce", 0) > 0
+        assert any(key.endswith("nccl all_to_all_single") and not key.startswith("MainThread") for key in calls), calls
+        assert calls.get("MainThread gloo gather_object", 0) > 0 and not any(
+            key.split()[1] == "nccl" and "object" in key.split()[2] and "all_gather" not in key for key in calls), calls
+
+
+def test_allow_list_entries_are_all_needed(simcuda):
+    runs = [_run(simcuda, group, name) for group, name in RUNS]
+    assert unused(runs) == []
+
+
+def test_host_sync_counts_per_event(simcuda, capsys):
+    """The table docs/simulated-cuda.md shows (run with -s to see it)."""
+    table = per_event_table({name: _run(simcuda, group, name) for group, name in RUNS})
+    with capsys.disabled():
+        print("\nhost syncs per event, measured on simulated CUDA (configs/tiny.yaml):\n" + table)
+    assert "| fp32 | 2 | 1 |" in table  # two MoE forwards per step, one host sync each
