@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from sim_tensor import RECORD, SimCudaMode, SimTensor
+from sim_tensor import PINNED, RECORD, SimCudaMode, SimTensor
 
 # What a device reports; a scenario may change the capability (e.g. (12, 0) for a Blackwell
 # workstation part, (8, 0) for an A100) to exercise code that branches on it.
@@ -117,6 +117,20 @@ def _set_rng_state_all(states) -> None:
         _set_rng_state(s)
 
 
+class FakeCudart:
+    """The two runtime calls m6 makes directly (checkpoint staging page-locks its buffer once)."""
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
+        PINNED.register(ptr, size)
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        return 0 if PINNED.unregister(ptr) else 1  # cudaErrorInvalidValue: never registered
+
+
+_CUDART = FakeCudart()
+
+
 def _capability(device=None) -> tuple[int, int]:
     return DEVICE.major, DEVICE.minor
 
@@ -135,7 +149,7 @@ _PATCHES = dict(
     get_rng_state=_get_rng_state, get_rng_state_all=lambda: [_get_rng_state()], set_rng_state=_set_rng_state,
     set_rng_state_all=_set_rng_state_all, manual_seed=lambda seed: None, manual_seed_all=lambda seed: None,
     seed=lambda: None, seed_all=lambda: None, initial_seed=lambda: 0,
-    set_sync_debug_mode=lambda mode: None, get_sync_debug_mode=lambda: 0,
+    set_sync_debug_mode=lambda mode: None, get_sync_debug_mode=lambda: 0, cudart=lambda: _CUDART,
 )
 _ACCELERATOR_PATCHES = dict(synchronize=_synchronize)
 

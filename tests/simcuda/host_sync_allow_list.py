@@ -9,8 +9,7 @@ is a failure.
 
 Counts of the start-up phases (run, recompute plan), and those that scale with the number of tensors
 (save, resume), are those of configs/tiny.yaml (2 MoE layers of 8 experts) at world size 1; the
-others do not depend on the config. Entries that wait for a fix on
-another branch name the issue item: tighten them after merging. docs/simulated-cuda.md shows this
+others do not depend on the config. docs/simulated-cuda.md shows this
 table and the counts a test measured.
 """
 
@@ -38,8 +37,8 @@ ALLOW_LIST = (
             "the step's loss terms and kept assignments in one read; torch.cuda.synchronize before "
             "reading the clock for step_time_s"),
     Allowed("m6/parallel/grad_sync.py:clip_grad_norm", "step", 1,
-            "the global gradient norm read on the host to clip (issue #26 item 'host clip norm', fixed on "
-            "another branch: tighten after merging)"),
+            "the global gradient norm read on the host: a non-finite step is skipped there, and the "
+            "norm is the step's grad_norm metric"),
     Allowed("m6/memory/offload.py:finish_backward", "step", 1,
             "memory.offload: the host update needs every gradient on the host; one wait for the last copy "
             "(the copy stream runs them in order)"),
@@ -56,13 +55,9 @@ ALLOW_LIST = (
     Allowed("m6/train/eval.py:evaluate_captions", "eval", 1, "the evaluation's losses in one read"),
     Allowed("m6/train/loop.py:all_reduce_sum", "eval", 2, "world > 1: the losses and count summed over ranks"),
     # ---- per save -------------------------------------------------------------------------------
-    Allowed("m6/checkpoint/sharded_io.py:stage", "save", 1,
-            "the device-to-host staging copies waited for once (issue #26 item 'pinned staging' reworks "
-            "staging on another branch)"),
-    Allowed("m6/checkpoint/sharded_io.py:_write", "save", 8,
-            "on the checkpoint writer thread, not the training thread: DCP's file writer (its overlapping "
-            "loader, used whenever CUDA is present) synchronizes a stream per ~1 MB in flight and at the "
-            "end, host tensors included (8 for the tiny config at world 1)"),
+    Allowed("m6/checkpoint/staging.py:stage", "save", 1,
+            "the device-to-host copies into the page-locked staging buffer waited for once, before the "
+            "training thread may change the state again"),
     Allowed("m6/train/loop.py:all_reduce_sum", "save", 2, "world > 1: skipped-record counts summed over ranks"),
     # ---- per resume -----------------------------------------------------------------------------
     Allowed("m6/checkpoint/sharded_io.py:read", "resume", 165,

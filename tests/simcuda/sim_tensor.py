@@ -139,7 +139,17 @@ class PinnedRegistry:
 
     def __init__(self) -> None:
         self._ptrs: set[int] = set()
+        self._ranges: dict[int, int] = {}  # start -> size of host memory registered with cudaHostRegister
         self._lock = threading.Lock()
+
+    def register(self, ptr: int, size: int) -> None:
+        """cudaHostRegister: page-lock [ptr, ptr + size) of an existing host allocation."""
+        with self._lock:
+            self._ranges[ptr] = size
+
+    def unregister(self, ptr: int) -> bool:
+        with self._lock:
+            return self._ranges.pop(ptr, None) is not None
 
     def add(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
@@ -156,7 +166,9 @@ class PinnedRegistry:
         torch.UntypedStorage._free_weak_ref(weak_storage)
 
     def __contains__(self, t: torch.Tensor) -> bool:
-        return t.untyped_storage().data_ptr() in self._ptrs
+        ptr = t.untyped_storage().data_ptr()
+        with self._lock:
+            return ptr in self._ptrs or any(start <= ptr < start + size for start, size in self._ranges.items())
 
 
 PINNED = PinnedRegistry()
