@@ -273,9 +273,31 @@ class GradientSync:
         self._reset()
 
 
+_NORM_ROW = 4096  # elements per row of the sum of squares (see _sum_sq)
+
+
 def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad.detach().float().pow(2).sum() for p in params if p.grad is not None]
-    return torch.stack(grads).sum() if grads else torch.zeros(())
+    """Sum of the squared gradient entries (float64, on the gradients' device).
+
+    Each gradient is viewed as rows of _NORM_ROW elements and reduced with one fused norm per row
+    (no squared copy of the gradient; the rows spread over threads), the rows' squares then summed
+    in float64. On the host, where offloaded gradients are clipped, that is 2.3x faster than
+    ``pow(2).sum()`` and as accurate (5e-9 of a float64 sum); one fused norm over each whole
+    gradient, and torch's get_total_norm, accumulate tens of millions of values in fp32 lanes and
+    were 1.2e-2 off (bench/results/host_clip-cpu-2core.md, 1 GiB of m6-base-moe gradients).
+    """
+    parts = []
+    for p in params:
+        if p.grad is None or p.grad.numel() == 0:
+            continue
+        flat = p.grad.detach().reshape(-1)
+        whole = flat.numel() // _NORM_ROW * _NORM_ROW
+        if whole:
+            rows = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_ROW), dim=1, dtype=torch.float32)
+            parts.append(rows.double().square().sum())
+        if whole < flat.numel():
+            parts.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).double().square())
+    return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
 
 
 def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float,
