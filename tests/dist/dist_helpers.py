@@ -30,7 +30,8 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float | None, a
     try:
         fn(rank, world_size, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have torn it down itself (train.py's main does)
+            dist.destroy_process_group()
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float | None = None) -> None:

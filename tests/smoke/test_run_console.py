@@ -94,7 +94,8 @@ def test_help_points_to_the_config_reference(capsys):
     except SystemExit as e:
         assert e.code == 0
     out = capsys.readouterr().out
-    assert '"Config" section' in out and "--print-config" in out and "data.sources.0.path=" in out
+    assert '"Config reference" table in docs/training.md' in out and "--print-config" in out \
+        and "data.sources.0.path=" in out
 
 
 class ShadeCaptions:
