@@ -15,6 +15,7 @@ survivor, which then ends itself (exit 1), whatever its main thread is blocked i
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -123,7 +124,16 @@ class PeerWatch:
 
     def start(self) -> "PeerWatch":
         self._thread.start()
+        atexit.register(self._stop_at_exit)
         return self
+
+    def _stop_at_exit(self) -> None:
+        # A daemon thread still inside a torch C++ call (a store operation) when the interpreter
+        # finalises aborts the whole process ("terminate called without an active exception"), so
+        # the watch ends before that, also where nobody called stop (a Trainer used without fit).
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
 
     def stop(self, finished: bool) -> None:
         """End the watch; ``finished``: this rank is done, so its silence from now on is no failure."""
@@ -133,8 +143,9 @@ class PeerWatch:
             except Exception:  # noqa: BLE001 - the store is gone: nobody is left to watch us
                 pass
         self._stop.set()
+        atexit.unregister(self._stop_at_exit)
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.interval_s)
+            self._thread.join(timeout=max(2 * self.interval_s, 1.0))
 
     def _run(self) -> None:
         store = _store()

@@ -34,6 +34,15 @@ if env.rank == 0 and mode == "dead":
     threading.Event().wait(60)  # blocked outside any collective, as in a device sync
 if env.rank == 0 and mode == "hung":
     dist.all_reduce(torch.ones(1))  # rank 1 never joins: gloo would wait parallel.timeout_s (600 s)
+if mode == "exit":
+    # A watch nobody stops, beating as fast as it can (so it is inside a store call, torch C++,
+    # almost all the time): both ranks leave as a script does, rank 0 (the store's host) first.
+    fast = PeerWatch(env.rank, env.world_size, silent_s=60, interval_s=0.0005, grace_s=1).start()
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(0.2 if env.rank == 0 else 0.4)
+    print(f"rank {env.rank} leaving", flush=True)
+    sys.exit(0)
 if mode == "finish":
     time.sleep(0.5 if env.rank == 0 else 6)  # rank 0 (the store's host here) leaves long before rank 1
     watch.stop(finished=True)
@@ -79,3 +88,14 @@ def test_a_rank_that_finishes_first_is_no_failure():
     for rank, (code, out, err, _) in enumerate(results):
         assert code == 0 and f"rank {rank} finished" in out, (rank, out, err[-3000:])
         assert "stopped answering" not in err and "unreachable" not in err
+
+
+def test_a_watch_nobody_stopped_lets_the_process_exit_normally():
+    """A daemon thread inside a torch C++ call when the interpreter finalises aborts the process
+    ("terminate called without an active exception", SIGABRT): the watch ends at exit first."""
+    for attempt in range(3):
+        procs = _launch("exit")
+        results = [_wait(p, timeout=90) for p in procs]
+        for rank, (code, out, err, _) in enumerate(results):
+            assert "terminate called" not in err and code == 0, (attempt, rank, code, err[-2000:])
+            assert f"rank {rank} leaving" in out
