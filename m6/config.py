@@ -383,6 +383,8 @@ class ParallelConfig:
     expert_parallel_size: Union[int, Literal["auto"]] = "auto"  # auto: largest divisor of world and experts
     bucket_size_mb: float = 25.0  # gradient all-reduce bucket size
     timeout_s: int = 600  # a collective waiting longer than this (a dead rank) fails the run
+    # Each rank's share of the global batch: even, auto (measured speeds), or one weight per rank.
+    balance: Union[Literal["even", "auto"], list[float]] = "even"
 
     def validate(self) -> None:
         """Check the parallel keys on their own (the world size is known only at start-up)."""
@@ -391,6 +393,9 @@ class ParallelConfig:
                               f"({self.timeout_s}) must be > 0")
         if isinstance(self.expert_parallel_size, int) and self.expert_parallel_size <= 0:
             raise ConfigError(f"parallel.expert_parallel_size must be > 0 or 'auto', got {self.expert_parallel_size}")
+        if isinstance(self.balance, list) and (not self.balance or not all(0 < w < float("inf") for w in self.balance)):
+            raise ConfigError(f"parallel.balance must be even, auto or a list of one weight > 0 per rank, got "
+                              f"{self.balance}")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The rank- and worker-sharded, resumable training loader.
 
 One seeded global stream of items (MixtureSampler) is cut into global batches; each data-parallel
-rank takes its contiguous slice of every global batch and splits it into micro-batches; the
+rank takes its contiguous slice of every global batch (equal, or by parallel.balance's shares,
+m6.data.shares) and splits it into micro-batches; the
 DataLoader hands micro-batches to its workers in turn. So over a source's epoch every record is
 read exactly once, by exactly one (rank, worker), and the split never changes which samples the
 job sees (a run on 1, 2 or 4 ranks trains on the same global batches).
@@ -21,6 +22,7 @@ import torch
 
 from m6.data.batch import MultimodalBatch, collate, encode_sample_text
 from m6.data.sampler import MixtureSampler
+from m6.data.shares import micro_batch_sizes
 from m6.data.sources import SkipExample
 
 
@@ -65,44 +67,60 @@ class BatchCollator:
 
 
 class RankBatchSampler:
-    """Yields this rank's micro-batches of items, global batch after global batch, without end."""
+    """Yields this rank's micro-batches of items, global batch after global batch, without end:
+    the contiguous run of ``shares[rank]`` items after the lower ranks' shares, cut into
+    micro-batches of ``micro_sizes`` rows."""
 
-    def __init__(self, stream: MixtureSampler, global_batch: int, micro_batch: int, rank: int,
-                 world_size: int) -> None:
-        if global_batch % world_size or (global_batch // world_size) % micro_batch:
-            raise ValueError(f"global batch {global_batch} does not split into {world_size} ranks x micro-batches "
-                             f"of {micro_batch}")
-        self.stream, self.global_batch, self.micro_batch = stream, global_batch, micro_batch
-        self.rank, self.per_rank = rank, global_batch // world_size
+    def __init__(self, stream: MixtureSampler, shares: list[int], micro_sizes: list[int], rank: int) -> None:
+        assert sum(micro_sizes) == shares[rank], (shares, micro_sizes, rank)
+        self.stream, self.global_batch, self.micro_sizes = stream, sum(shares), micro_sizes
+        self.start = sum(shares[:rank])
+        self.stop = self.start + shares[rank]
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
         while True:
-            items = self.stream.take(self.global_batch)
-            mine = items[self.rank * self.per_rank:(self.rank + 1) * self.per_rank]
-            for i in range(0, self.per_rank, self.micro_batch):
-                yield mine[i:i + self.micro_batch]
+            mine = self.stream.take(self.global_batch)[self.start:self.stop]
+            i = 0
+            for size in self.micro_sizes:
+                yield mine[i:i + size]
+                i += size
+
+
+def even_shares(global_batch: int, micro_batch: int, world_size: int) -> tuple[list[int], int]:
+    """(samples per rank, micro-batches per rank) of an even split; an error if it does not divide."""
+    if global_batch % world_size or (global_batch // world_size) % micro_batch:
+        raise ValueError(f"global batch {global_batch} does not split into {world_size} ranks x micro-batches "
+                         f"of {micro_batch}")
+    per_rank = global_batch // world_size
+    return [per_rank] * world_size, per_rank // micro_batch
 
 
 class TrainLoader:
-    """Micro-batches for each optimizer step, the time spent waiting for them, and a resumable position."""
+    """Micro-batches for each optimizer step, the time spent waiting for them, and a resumable position.
+
+    ``micro_batch``: rows per micro-batch of an even split; None when ``set_shares`` gives the split."""
 
     def __init__(self, dataset, sizes: list[int], weights: list[float], seed: int, global_batch: int,
-                 micro_batch: int, rank: int, world_size: int, collator: BatchCollator, num_workers: int = 0,
+                 micro_batch: int | None, rank: int, world_size: int, collator: BatchCollator, num_workers: int = 0,
                  prefetch_factor: int = 2, pin_memory: bool = False) -> None:
         self.dataset, self.sizes, self.weights, self.seed = dataset, sizes, weights, seed
         self.global_batch, self.micro_batch, self.rank, self.world_size = global_batch, micro_batch, rank, world_size
         self.collator, self.num_workers, self.prefetch_factor = collator, num_workers, prefetch_factor
         self.pin_memory = pin_memory
-        self.steps_per_global_batch = global_batch // world_size // micro_batch
+        self.shares: list[int] | None = None  # None: even, worked out at the first step (set_shares: uneven)
+        self.num_micro = 0
         self.consumed = MixtureSampler(sizes, weights, seed)  # the position a checkpoint records
         self.skip_counts: Counter[str] = Counter()
         self._iterator = None
         self._loader = None
 
     def _start(self) -> None:
+        if self.shares is None:
+            self.shares, self.num_micro = even_shares(self.global_batch, self.micro_batch, self.world_size)
         stream = MixtureSampler(self.sizes, self.weights, self.seed)
         stream.load_state_dict(self.consumed.state_dict())
-        sampler = RankBatchSampler(stream, self.global_batch, self.micro_batch, self.rank, self.world_size)
+        sampler = RankBatchSampler(stream, self.shares, micro_batch_sizes(self.shares[self.rank], self.num_micro),
+                                   self.rank)
         extra = {"prefetch_factor": self.prefetch_factor, "persistent_workers": True} if self.num_workers else {}
         # Own generator: DataLoader draws worker base seeds from it, and drawing them from the global
         # RNG would shift the model's dropout masks by the point at which the loader (re)started.
@@ -116,12 +134,30 @@ class TrainLoader:
         if self._iterator is None:
             self._start()
         t0 = time.perf_counter()
-        batches = [next(self._iterator) for _ in range(self.steps_per_global_batch)]
+        batches = [next(self._iterator) for _ in range(self.num_micro)]
         wait = time.perf_counter() - t0
         self.consumed.take(self.global_batch)
         for b in batches:
             self.skip_counts.update(s.reason for s in b.skips)
         return batches, wait
+
+    def set_shares(self, shares: list[int], num_micro: int) -> None:
+        """Split each global batch unevenly (parallel.balance): ``shares[r]`` samples to rank r,
+        in ``num_micro`` micro-batches on every rank. Takes effect from the next step; the saved
+        position stays global, so a checkpoint resumes under any split."""
+        if sum(shares) != self.global_batch or len(shares) != self.world_size:
+            raise ValueError(f"shares {shares} do not split a global batch of {self.global_batch} over "
+                             f"{self.world_size} ranks")
+        micro_batch_sizes(shares[self.rank], num_micro)  # each rank fills every micro-batch (else ValueError)
+        self.close()
+        self.shares, self.num_micro = list(shares), num_micro
+
+    def sample_batch(self, rows: int) -> LoadedBatch:
+        """The next ``rows`` items of the stream collated, without consuming them (a batch of the
+        run's real shapes, for timing)."""
+        stream = MixtureSampler(self.sizes, self.weights, self.seed)
+        stream.load_state_dict(self.consumed.state_dict())
+        return self.collator([self.dataset[item] for item in stream.take(rows)])
 
     def state_dict(self) -> dict:
         return {"stream": self.consumed.state_dict()}

@@ -78,6 +78,8 @@ def build_training_data(cfg: Config, rank: int, world_size: int, pin_memory: boo
     else:
         files = build_file_datasets(d, m.image_size, seed)
         train, sizes, weights, skips, eval_set = files.train, files.sizes, files.weights, files.index_skips, files.eval_samples
-    loader = TrainLoader(train, sizes, weights, seed, cfg.train.global_batch_size, micro_batch_size(cfg.train, world_size),
+    # An uneven split (parallel.balance) is given to the loader by the trainer (TrainLoader.set_shares).
+    micro = micro_batch_size(cfg.train, world_size) if cfg.parallel.balance == "even" else None
+    loader = TrainLoader(train, sizes, weights, seed, cfg.train.global_batch_size, micro,
                          rank, world_size, collator, d.num_workers, d.prefetch_factor, pin_memory)
     return TrainingData(tokenizer, loader, eval_set, collator, skips, list(sizes))

@@ -40,6 +40,7 @@ class RunFacts:
     wandb: str | None  # resolved W&B mode, None = off
     user_dataset: str | None = None  # type name of the dataset passed to Trainer (Python API)
     tensorboard: Path | None = None  # the event files' folder, None = off
+    balance: str | None = None  # parallel.balance's line (m6.train.balance.balance_line); None = even
 
 
 def human_count(n: float) -> str:
@@ -101,14 +102,17 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
     t, mem = cfg.train, cfg.memory
     dp = facts.world_size // facts.expert_parallel_size
     ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
+    split = (f"micro-batch {facts.micro_batch} x accumulation {facts.accumulation} x {facts.world_size} "
+             f"rank{'s' if facts.world_size > 1 else ''}") if facts.balance is None else (
+             f"uneven shares in {facts.accumulation} micro-batch(es) per rank of at most {facts.micro_batch}")
     lines = [
         f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}"
         f"{' | deterministic' if t.deterministic else ''}",
         f"model    {_model_line(cfg, facts.size, facts.moe_blocks, facts.device)}",
         f"parallel world {facts.world_size} = expert-parallel {facts.expert_parallel_size} x expert-data-parallel "
-        f"{dp}; batch {t.global_batch_size} = micro-batch {facts.micro_batch} x accumulation {facts.accumulation} "
-        f"x {facts.world_size} rank{'s' if facts.world_size > 1 else ''}; per sample {cfg.data.seq_len} text tokens + "
+        f"{dp}; batch {t.global_batch_size} = {split}; per sample {cfg.data.seq_len} text tokens + "
         f"{num_patches(cfg.model)} image patches",
+        *([facts.balance] if facts.balance else []),
         f"memory   offload {mem.offload}, recompute {mem.activation_checkpointing}",
         *_data_lines(cfg, facts),
         f"run      {facts.run_dir} | {facts.start} | {t.max_steps} steps | metrics.jsonl"

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m6.config import Config, ConfigError, accumulation_steps, dump_yaml, micro_batch_size, num_patches, run_dir, to_dict
+from m6.config import Config, ConfigError, dump_yaml, num_patches, run_dir, to_dict
 from m6.data.batch import MultimodalBatch, Sample
 from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
@@ -27,7 +27,9 @@ from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_
 from m6.parallel import build_parallel, join_job
 from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
-from m6.train.banner import RunFacts, checkpoint_line, end_line, startup_banner
+from m6.train.balance import (BatchPlan, balance_line, finite_or_error, gather_objects, local_routing_stats,
+                              measure_speed, plan_batch, rank_slots, rows_that_fit)
+from m6.train.banner import RunFacts, checkpoint_line, device_label, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
 from m6.train.determinism import use_determinism
 from m6.train.eval import evaluate_captions, rank_slice
@@ -98,8 +100,8 @@ class Trainer:
         self.autocast_dtype = resolve_precision(cfg.train.precision, self.device)
         # bf16 (and auto on CUDA) = cast-on-use; bf16-autocast = plain autocast, kept to compare.
         self.cast_on_use = self.autocast_dtype is not None and cfg.train.precision != "bf16-autocast"
-        self.micro_batch = micro_batch_size(cfg.train, self.world_size)
-        self.accum = accumulation_steps(cfg.train, self.world_size)
+        # parallel.balance: the split of the global batch (auto: measured once the model is built).
+        self.batch_plan = None if cfg.parallel.balance == "auto" else plan_batch(cfg, self.world_size)
         self.aux_ranks = aux_loss_ranks(cfg.model.moe.aux_loss_scope, self.world_size)
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
@@ -124,6 +126,7 @@ class Trainer:
         self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main)
+        self._use_batch_plan(self.batch_plan or self._measure_balance())
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         self.flop_rates = forward_flop_rates(self.model)
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
@@ -173,7 +176,44 @@ class Trainer:
             source_records=self.data.source_records,
             tokenizer=f"{self.cfg.data.tokenizer or 'byte'} (vocab {self.data.tokenizer.vocab_size:,})",
             run_dir=self.run_dir.resolve(), start=self.start, wandb=self.logger.wandb_mode,
-            user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir)
+            user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir, balance=self.balance_line)
+
+    def _measure_balance(self) -> BatchPlan:
+        """parallel.balance=auto: time this rank on a micro-batch of the run's shape, agree on all
+        ranks' speeds (one all-gather) and plan the split from them."""
+        layout = self.sharded.groups.layout
+        if layout.expert_parallel_size > 1:
+            raise ConfigError(f"parallel.balance=auto times each rank alone, which the expert all-to-all of "
+                              f"parallel.expert_parallel_size={layout.expert_parallel_size} prevents; give the "
+                              f"ranks' relative speeds as parallel.balance=[w_0, ..., w_{self.world_size - 1}]")
+        t = self.cfg.train
+        rows = t.micro_batch_size or math.ceil(t.global_batch_size / self.world_size)
+        batch = self.to_device(self.loader.sample_batch(rows).batch)
+
+        def forward_backward() -> None:  # gradients kept local, dropped below
+            self.update.begin_micro_batch(last=False)
+            lm_sum, aux = self.forward_loss(batch)
+            micro_batch_loss(lm_sum, aux, max(batch.num_target_tokens, 1), 1).backward()
+
+        # The timed passes draw no numbers from the run's generators: a run's curve does not depend on them.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
+                local_routing_stats(self.model):
+            speed = measure_speed(forward_backward, rows, self.device)
+        self.update.zero_grad()
+        # A GPU's share is capped by what its memory holds (the memory estimate); host memory is not capped.
+        cap = rows_that_fit(self.cfg, self.model, self.world_size, layout.expert_parallel_size,
+                            torch.cuda.get_device_properties(self.device).total_memory, "cuda",
+                            accumulates=t.micro_batch_size is not None) if self.device.type == "cuda" else None
+        speeds, caps = zip(*gather_objects((speed, cap), self.world_size))
+        return plan_batch(self.cfg, self.world_size, finite_or_error(list(speeds)),
+                          caps=None if None in caps else list(caps))
+
+    def _use_batch_plan(self, plan: BatchPlan) -> None:
+        self.batch_plan, self.micro_batch, self.accum = plan, plan.max_micro_batch, plan.num_micro
+        self.balance_line = None
+        if plan.mode != "even":
+            self.loader.set_shares(plan.shares, plan.num_micro)
+            self.balance_line = balance_line(plan, gather_objects(device_label(self.device), self.world_size))
 
     @property
     def step(self) -> int:
@@ -212,12 +252,14 @@ class Trainer:
         (num_targets,) = self.all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
         self._ensure_recompute_plan(batches[0], num_targets)
         parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
+        compute_t0 = time.perf_counter()
         for i, batch in enumerate(batches):
             self.update.begin_micro_batch(last=i == len(batches) - 1)
             with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
                 lm_sum, aux = self.forward_loss(batch)
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
+        compute_s = time.perf_counter() - compute_t0  # before the gradient sync's wait for the other ranks
         self.update.finish()
         lm_local, aux_sum, balance_sum, z_sum, kept = torch.stack(parts).sum(0).tolist()  # the step's one host sync
         aux_total, balance, z = aux_sum / self.accum, balance_sum / self.accum, z_sum / self.accum
@@ -227,8 +269,9 @@ class Trainer:
         counts = sum((count_tokens(lb.batch.segment_ids, lb.batch.has_image, num_patches(self.cfg.model),
                                    lb.batch.num_target_tokens) for lb in loaded), TokenCounts())
         tokens = sum(lb.real_tokens for lb in loaded)
-        lm_total, flops, tokens, new_skips = self.all_reduce_sum(
-            [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips)])
+        lm_total, flops, tokens, new_skips, *rank_compute_s = self.all_reduce_sum(
+            [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips),
+             *rank_slots(compute_s, self.rank, self.world_size)])
         self.skips.total += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
         lr = self.update.lr
@@ -246,6 +289,7 @@ class Trainer:
             "peak_mem_gb": peak_memory_gb(self.device), "skipped_steps": self.counters.skipped_steps,
             "data_wait_s": data_wait, "skipped_records": self.skips.total,
             **self._throughput(flops, dt), **self.activations.end_step(self.step),
+            **{f"compute_s/rank{r}": s for r, s in enumerate(rank_compute_s)},
         }
         return metrics
 

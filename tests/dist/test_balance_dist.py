@@ -1,0 +1,80 @@
+"""parallel.balance under torchrun on gloo: an uneven split of the same global batch trains the same
+curve as the even one (EP 1 and EP 2, with and without accumulation), resumes from even into
+uneven and back, and auto measures, agrees and logs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from dist_helpers import REPO, free_port
+from test_train_world_sizes import SMALL, TINY, torchrun, train_rows
+
+# The test_train_world_sizes model (dropless, fp32, no dropout) for 8 steps.
+STEPS = ["train.max_steps=8", "checkpoint.every=4"]
+KEYS = ("loss", "lm_loss", "aux_loss_weighted", "balance_loss_unweighted", "z_loss_unweighted", "grad_norm")
+
+
+def assert_same_curve(a: list[dict], b: list[dict], keys=KEYS, rtol: float = 1e-5) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b] and a
+    for ra, rb in zip(a, b):
+        for key in keys:
+            assert ra[key] == pytest.approx(rb[key], rel=rtol, abs=1e-9), (ra["step"], key, ra[key], rb[key])
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_uneven_split_trains_the_even_curve(tmp_path, ep):
+    """One micro-batch per rank: the whole global batch forms each MoE layer's global routing
+    statistics whatever the split, so every loss term, aux included, is the even run's."""
+    par = f"parallel.expert_parallel_size={ep}"
+    torchrun(tmp_path / "even", 2, *STEPS, par)
+    proc = torchrun(tmp_path / "w21", 2, *STEPS, par, "parallel.balance=[2,1]")
+    even, uneven = train_rows(tmp_path / "even"), train_rows(tmp_path / "w21")
+    assert len(even) == 8
+    assert_same_curve(uneven, even)
+    assert "balance  weights [2.0, 1.0], 1 micro-batch(es) per rank | rank 0 cpu (1 threads): 5 samples; " \
+           "rank 1 cpu (1 threads): 3 samples" in proc.stdout
+    assert all(r["compute_s/rank0"] > 0 and r["compute_s/rank1"] > 0 for r in uneven)
+    if ep == 1:
+        # Resume from even into uneven (step 4 of the even run), and from uneven back into even.
+        ckpt = tmp_path / "even" / "checkpoints" / "step_00000004"
+        torchrun(tmp_path / "r_uneven", 2, *STEPS, par, "parallel.balance=[1,3]", f"checkpoint.resume={ckpt}")
+        assert_same_curve(train_rows(tmp_path / "r_uneven"), even[4:])
+        ckpt = tmp_path / "w21" / "checkpoints" / "step_00000004"
+        torchrun(tmp_path / "r_even", 2, *STEPS, par, f"checkpoint.resume={ckpt}")
+        assert_same_curve(train_rows(tmp_path / "r_even"), even[4:])
+
+
+def test_uneven_accumulation_at_ep2_trains_the_even_lm_curve(tmp_path):
+    """train.micro_batch_size=2 with [2,1]: rank 0 runs micro-batches of 2, 2 and 1 rows, rank 1
+    three of 1 (shares 5 and 3 of 8), where even runs 2 of 2 each; every all-to-all is still met. The aux
+    losses are means over each micro-batch's tokens, so their value depends on how the batch is
+    cut into micro-batches (as it does for any change of train.micro_batch_size): off here, the
+    LM loss and gradient norm must match."""
+    args = (*STEPS, "parallel.expert_parallel_size=2", "train.micro_batch_size=2", "model.moe.aux_loss_coef=0",
+            "model.moe.z_loss_coef=0")
+    torchrun(tmp_path / "even", 2, *args)
+    torchrun(tmp_path / "w21", 2, *args, "parallel.balance=[2,1]")
+    assert_same_curve(train_rows(tmp_path / "w21"), train_rows(tmp_path / "even"), keys=("loss", "lm_loss", "grad_norm"))
+
+
+def test_auto_measures_agrees_and_keeps_the_curve(tmp_path):
+    """auto at EP 1: each rank's speed timed alone, the shares from them, the even curve; and a
+    clear error at EP 2, where the all-to-all ties the ranks' timings together."""
+    torchrun(tmp_path / "even", 2, *STEPS, "parallel.expert_parallel_size=1")
+    proc = torchrun(tmp_path / "auto", 2, *STEPS, "parallel.expert_parallel_size=1", "parallel.balance=auto")
+    assert_same_curve(train_rows(tmp_path / "auto"), train_rows(tmp_path / "even"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("balance  auto"))
+    speeds = [float(part.split(", ")[1].split(" samples/s")[0]) for part in line.split("|")[1].split(";")]
+    shares = [int(part.split(": ")[1].split(" samples")[0]) for part in line.split("|")[1].split(";")]
+    assert len(speeds) == 2 and all(s > 0 for s in speeds) and sum(shares) == 8 and min(shares) >= 1
+    assert all(r["compute_s/rank1"] > 0 for r in train_rows(tmp_path / "auto"))
+    bad = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port()), str(REPO / "train.py"), "--config", TINY, *SMALL,
+                          f"run.dir={tmp_path / 'ep2'}", "parallel.expert_parallel_size=2", "parallel.balance=auto"],
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240,
+                         cwd=REPO)
+    assert bad.returncode != 0
+    assert "parallel.balance=auto times each rank alone" in bad.stdout + bad.stderr
