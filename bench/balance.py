@@ -221,6 +221,9 @@ def report(args, speeds: list[int], runs: list[dict]) -> int:
             if r["round"] == e["round"]:
                 r["clean"] = clean
     kept = [r for r in runs if r["clean"]] or runs
+    clean_rounds = len({r["round"] for r in runs if r["clean"]})
+    which = f"the {clean_rounds} clean rounds of {args.rounds}" if clean_rounds else \
+        f"all {args.rounds} rounds, NONE of them clean"
     med = {b: statistics.median(r["step_time_s"] for r in kept if r["balance"] == b) for b in ("even", "auto")}
     med_all = {b: statistics.median(r["step_time_s"] for r in runs if r["balance"] == b) for b in ("even", "auto")}
     paired = [e["step_time_s"] / a["step_time_s"] for e, a in zip([r for r in kept if r["balance"] == "even"],
@@ -238,11 +241,11 @@ def report(args, speeds: list[int], runs: list[dict]) -> int:
              "pinned to its own core, one thread; other processes shared the machine (load average per run below).", "",
              "| setting | median step time (s) |", "|---|---|",
              f"| even | {med['even']:.3f} |", f"| auto | {med['auto']:.3f} |", "",
-             f"auto is {med['even'] / med['auto']:.2f}x faster than even (median over the {len(kept) // 2} clean rounds of "
-             f"{args.rounds} of each run's median step; per clean round: {', '.join(f'{p:.2f}x' for p in paired)}; "
-             f"over all rounds {med_all['even'] / med_all['auto']:.2f}x). A round is clean when the slowed rank's CPU "
-             "seconds per wall second in the even run reached 80% of its quota (else other processes, not the "
-             "quota, set its speed; with no clean round at all, every round is kept).", "",
+             f"auto is {med['even'] / med['auto']:.2f}x faster than even (each run's median step, median over {which}; "
+             f"per round: {', '.join(f'{p:.2f}x' for p in paired)}; over all {args.rounds} rounds "
+             f"{med_all['even'] / med_all['auto']:.2f}x). A round is clean when the slowed rank's CPU seconds per wall "
+             "second in the even run reached 80% of its quota; in the others, other processes on the machine, not the "
+             "quota, set its speed, and the ranks were not of unequal speed as the test bed means them to be.", "",
              "| round | clean | setting | step time (s) | compute s per rank | shares | measured samples/s | CPU s / wall per rank | load avg before |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
