@@ -193,6 +193,15 @@ def rank_slots(value: float, rank: int, world_size: int) -> list[float]:
     return [value if r == rank else 0.0 for r in range(world_size)]
 
 
+def split_notes(cfg: Config, plan: BatchPlan) -> list[str]:
+    """Start-up lines for an uneven split whose losses depend on it (the user should know)."""
+    if plan.mode == "even" or cfg.model.moe.aux_loss_scope != "local":
+        return []
+    return [f"parallel.balance={cfg.parallel.balance} with model.moe.aux_loss_scope=local: each rank's aux loss is a "
+            f"mean over its own tokens and the ranks count equally, so the uneven shares {plan.shares} change the aux "
+            f"loss (the LM loss does not); aux_loss_scope=global keeps it independent of the split"]
+
+
 def finite_or_error(speeds: list[float]) -> list[float]:
     """The measured speeds, or a clear error naming the rank whose timing failed."""
     for r, s in enumerate(speeds):

@@ -104,7 +104,7 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
     ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
     split = (f"micro-batch {facts.micro_batch} x accumulation {facts.accumulation} x {facts.world_size} "
              f"rank{'s' if facts.world_size > 1 else ''}") if facts.balance is None else (
-             f"uneven shares in {facts.accumulation} micro-batch(es) per rank of at most {facts.micro_batch}")
+             f"shares by parallel.balance in {facts.accumulation} micro-batch(es) per rank of at most {facts.micro_batch}")
     lines = [
         f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}"
         f"{' | deterministic' if t.deterministic else ''}",

@@ -28,7 +28,7 @@ from m6.parallel import build_parallel, join_job
 from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.balance import (BatchPlan, balance_line, finite_or_error, gather_objects, local_routing_stats,
-                              measure_speed, plan_batch, rank_slots, rows_that_fit)
+                              measure_speed, plan_batch, rank_slots, rows_that_fit, split_notes)
 from m6.train.banner import RunFacts, checkpoint_line, device_label, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
 from m6.train.determinism import use_determinism
@@ -214,6 +214,8 @@ class Trainer:
         if plan.mode != "even":
             self.loader.set_shares(plan.shares, plan.num_micro)
             self.balance_line = balance_line(plan, gather_objects(device_label(self.device), self.world_size))
+            for note in split_notes(self.cfg, plan):
+                self._print_main(note)
 
     @property
     def step(self) -> int:

@@ -9,7 +9,7 @@ from m6.config import load
 from m6.config_loader import ConfigError
 from m6.data.pipeline import build_training_data
 from m6.data.shares import batch_shares, micro_batch_sizes, num_micro_batches
-from m6.train.balance import BatchPlan, balance_line, cap_shares, plan_batch, rank_slots, rows_that_fit
+from m6.train.balance import BatchPlan, balance_line, cap_shares, plan_batch, rank_slots, rows_that_fit, split_notes
 
 
 def test_shares_are_whole_samples_in_proportion():
@@ -87,6 +87,11 @@ def test_banner_line_and_rank_slots():
     assert line == ("balance  auto (measured speeds), 1 micro-batch(es) per rank | rank 0 cuda (NVIDIA H100), "
                     "30 samples/s: 9 samples; rank 1 cuda (Tesla V100), 10 samples/s: 3 samples")
     assert rank_slots(2.5, 1, 3) == [0.0, 2.5, 0.0] and rank_slots(2.5, 0, 1) == []
+    local = cfg_with("parallel.balance=[2,1]", "model.moe.aux_loss_scope=local")
+    (note,) = split_notes(local, plan)
+    assert "aux_loss_scope=local" in note and "[9, 3]" in note
+    assert split_notes(cfg_with("parallel.balance=[2,1]"), plan) == []
+    assert split_notes(local, BatchPlan("even", [1.0, 1.0], [6, 6], 1)) == []
 
 
 def steps_of(cfg, rank: int, world: int, steps: int, shares=None, state=None):
