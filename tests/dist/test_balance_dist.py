@@ -78,3 +78,50 @@ def test_auto_measures_agrees_and_keeps_the_curve(tmp_path):
                          cwd=REPO)
     assert bad.returncode != 0
     assert "parallel.balance=auto times each rank alone" in bad.stdout + bad.stderr
+
+
+def _probe_one_rank_slowed(rank: int, world: int, procs: str) -> None:
+    """auto's probe on the test bed: rank 1 runs its timed passes inside a cgroup at 3% of a core
+    (below what any process gets on a busy machine, so the quota, not the load, slows it)."""
+    from contextlib import nullcontext
+    from pathlib import Path
+
+    import torch
+
+    from m6.config import load
+    from m6.data.pipeline import build_training_data
+    from m6.model import M6Model
+    from m6.train.balance import gather_objects, measure_speed, plan_batch
+    from m6.train.loss import forward_loss_sums
+
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    cfg = load(TINY, [*SMALL, "parallel.balance=auto"])
+    with torch.device("meta"):
+        model = M6Model(cfg.model)
+    model.materialize(torch.device("cpu"), 0)
+    batch = build_training_data(cfg, rank, world).loader.sample_batch(4).batch
+
+    def forward_backward() -> None:
+        lm_sum, aux = forward_loss_sums(model, batch, nullcontext())
+        (lm_sum / max(batch.num_target_tokens, 1) + aux).backward()
+
+    if rank == 1:
+        Path(procs).write_text(str(os.getpid()))
+    speed = measure_speed(forward_backward, 4, torch.device("cpu"))
+    if rank == 1:
+        (Path(procs).parents[1] / "cgroup.procs").write_text(str(os.getpid()))  # back to the root group
+    speeds = gather_objects(speed, world)
+    plan = plan_batch(cfg, world, speeds)
+    assert speeds[1] < 0.6 * speeds[0], speeds
+    assert plan.shares[0] > plan.shares[1] and sum(plan.shares) == 8, (speeds, plan.shares)
+
+
+def test_auto_gives_a_rank_slowed_by_a_cpu_quota_a_smaller_share():
+    from bench.balance import BenchSkipped, SlowGroup
+    from dist_helpers import run_distributed
+
+    try:
+        with SlowGroup(3) as group:
+            run_distributed(_probe_one_rank_slowed, 2, str(group.procs), timeout_s=120)
+    except BenchSkipped as e:
+        pytest.skip(str(e))
