@@ -1,10 +1,12 @@
 """Heterogeneous test bed: train.py on ranks of unequal speed, parallel.balance=auto against even.
 
-Each rank runs pinned to its own core (taskset); the slowed ranks run inside a cgroup v1 cpu
-controller group whose quota (cpu.cfs_quota_us over cpu.cfs_period_us) gives them a fraction of
-that core, so a rank at 50% computes at half speed. The cgroup is made for this run and removed at
-the end, also on SIGTERM / SIGINT / SIGHUP (and a group left by a run killed with SIGKILL is swept
-at the next start). Where the cgroup cannot be written (not root, no cgroup v1 cpu controller) the
+Each rank runs pinned to its own core (taskset); a rank below 100% runs inside a cgroup v1 cpu
+controller group (one per speed) whose quota (cpu.cfs_quota_us over cpu.cfs_period_us) gives it
+that fraction of its core, so a rank at 50% computes at half speed. On a machine busy with other
+work, where every process gets less than the quota anyway, give every rank a quota below that
+share (``--speeds 12,6``): the quotas then set the speeds. The cgroups are made for this run and
+removed at the end, also on SIGTERM / SIGINT / SIGHUP (and one left by a run killed with SIGKILL
+is swept at the next start). Where the cgroup cannot be written (not root, no cgroup v1 cpu controller) the
 benchmark stops with the reason and exit code 2.
 
 The compared settings run round-robin (even, auto, auto, even, ...) so a period of contention from
@@ -12,7 +14,8 @@ other processes on the machine hits both; each run's step time is the median ove
 the warm-up, the result the median over rounds. Every run's CPU seconds per rank (os.wait4) and the
 machine's load average are recorded: on a shared machine they show which rounds were starved.
 
-    python -m bench.balance --rounds 3 --steps 14
+    python -m bench.balance --rounds 3 --steps 14                 # an idle machine: 100% and 50%
+    python -m bench.balance --speeds 12,6 --rounds 3 --steps 10   # a busy one
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ class SlowGroup:
 
     def __init__(self, percent: int) -> None:
         self.percent = percent
-        self.path = CPU_CGROUPS / f"{PREFIX}{os.getpid()}"
+        self.path = CPU_CGROUPS / f"{PREFIX}{os.getpid()}-{percent}"
 
     def __enter__(self) -> "SlowGroup":
         if not (CPU_CGROUPS / "cpu.cfs_quota_us").exists():
@@ -101,7 +104,7 @@ def remove_group(path: Path) -> None:
 def sweep_stale_groups() -> None:
     """Remove groups of earlier runs whose benchmark process is gone (killed with SIGKILL)."""
     for path in CPU_CGROUPS.glob(f"{PREFIX}*"):
-        pid = int(path.name[len(PREFIX):])
+        pid = int(path.name[len(PREFIX):].split("-")[0])
         if not Path(f"/proc/{pid}").exists():
             remove_group(path)
 
@@ -122,7 +125,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, group: SlowGroup) -> dict:
+def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, groups: dict[int, SlowGroup]) -> dict:
     """One train.py job of len(speeds) ranks, rank r pinned to core r, slowed when speeds[r] < 100."""
     port, world = free_port(), len(speeds)
     procs = []
@@ -136,7 +139,7 @@ def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, group: S
             cmd = ["taskset", "-c", str(rank % os.cpu_count()), sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml"), *MODEL,
                    f"train.max_steps={steps}", f"parallel.balance={balance}", f"run.dir={run_dir}"]
             if speed < 100:  # join the slow group before exec: every thread it ever makes is limited
-                cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(group.procs), *cmd]
+                cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(groups[speed].procs), *cmd]
             procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
         outputs, cpu = [], []
@@ -185,19 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench.balance: {len(speeds)} ranks need {len(speeds)} cores to pin each to its own, this machine "
               f"has {os.cpu_count()}", file=sys.stderr)
         return 2
-    slow = sorted({s for s in speeds if s < 100})
-    if len(slow) > 1:
-        print("bench.balance: one slowed speed per run (one cgroup)", file=sys.stderr)
-        return 2
 
     exit_on_termination()
     runs: list[dict] = []
     try:
-        with SlowGroup(slow[0] if slow else 100) as group, tempfile.TemporaryDirectory() as tmp:
+        with contextlib.ExitStack() as stack:
+            groups = {s: stack.enter_context(SlowGroup(s)) for s in sorted(set(speeds)) if s < 100}
+            tmp = stack.enter_context(tempfile.TemporaryDirectory())
             for r in range(args.rounds):
                 order = ("even", "auto") if r % 2 == 0 else ("auto", "even")
                 for balance in order:
-                    res = run_job(Path(tmp) / f"r{r}-{balance}", speeds, balance, args.steps, group)
+                    res = run_job(Path(tmp) / f"r{r}-{balance}", speeds, balance, args.steps, groups)
                     res["round"] = r
                     runs.append(res)
                     print(json.dumps({k: res[k] for k in ("round", "balance", "step_time_s", "loadavg_1min_before")}),
@@ -211,10 +212,10 @@ def main(argv: list[str] | None = None) -> int:
 def report(args, speeds: list[int], runs: list[dict]) -> int:
     from bench.harness import machine_info, write_results
 
-    # A round is clean when the quota, not other processes, set the slowed rank's speed: in the even
-    # run the slowed rank never waits for the others, so it used close to its quota of CPU per wall
-    # second (a starved machine gives it less, and then the even split is not what is measured).
-    slow = [r for r, s in enumerate(speeds) if s < 100]
+    # A round is clean when the quota, not other processes, set the slowest rank's speed: in the even
+    # run it never waits for the others, so it used close to its quota of CPU per wall second (a
+    # starved machine gives it less, and then the even split is not what is measured).
+    slow = [speeds.index(min(speeds))]
     for e in (r for r in runs if r["balance"] == "even"):
         clean = all(e["cpu_per_wall_per_rank"][k] >= 0.8 * speeds[k] / 100 for k in slow)
         for r in runs:
@@ -243,7 +244,7 @@ def report(args, speeds: list[int], runs: list[dict]) -> int:
              f"| even | {med['even']:.3f} |", f"| auto | {med['auto']:.3f} |", "",
              f"auto is {med['even'] / med['auto']:.2f}x faster than even (each run's median step, median over {which}; "
              f"per round: {', '.join(f'{p:.2f}x' for p in paired)}; over all {args.rounds} rounds "
-             f"{med_all['even'] / med_all['auto']:.2f}x). A round is clean when the slowed rank's CPU seconds per wall "
+             f"{med_all['even'] / med_all['auto']:.2f}x). A round is clean when the slowest rank's CPU seconds per wall "
              "second in the even run reached 80% of its quota; in the others, other processes on the machine, not the "
              "quota, set its speed, and the ranks were not of unequal speed as the test bed means them to be.", "",
              "| round | clean | setting | step time (s) | compute s per rank | shares | measured samples/s | CPU s / wall per rank | load avg before |",

@@ -47,7 +47,7 @@ def test_group_limits_to_its_quota_and_is_removed_even_on_sigterm():
             "with SlowGroup(50) as g:\n    print(g.path, flush=True)\n    time.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
     path = Path(proc.stdout.readline().strip())
-    assert path.is_dir() and path.name == f"{PREFIX}{proc.pid}"
+    assert path.is_dir() and path.name == f"{PREFIX}{proc.pid}-50"
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=30) != 0
     assert not path.exists()
