@@ -24,14 +24,27 @@ def assert_same_curve(a: list[dict], b: list[dict], keys=KEYS, rtol: float = 1e-
             assert ra[key] == pytest.approx(rb[key], rel=rtol, abs=1e-9), (ra["step"], key, ra[key], rb[key])
 
 
+@pytest.fixture(scope="module")
+def even_run(tmp_path_factory):
+    """The even 2-rank run at EP ``ep`` (each made once for the module): the curve to reproduce."""
+    made = {}
+
+    def run(ep: int):
+        if ep not in made:
+            made[ep] = tmp_path_factory.mktemp(f"even_ep{ep}")
+            torchrun(made[ep], 2, *STEPS, f"parallel.expert_parallel_size={ep}")
+        return made[ep]
+    return run
+
+
 @pytest.mark.parametrize("ep", [1, 2])
-def test_uneven_split_trains_the_even_curve(tmp_path, ep):
+def test_uneven_split_trains_the_even_curve(tmp_path, even_run, ep):
     """One micro-batch per rank: the whole global batch forms each MoE layer's global routing
     statistics whatever the split, so every loss term, aux included, is the even run's."""
     par = f"parallel.expert_parallel_size={ep}"
-    torchrun(tmp_path / "even", 2, *STEPS, par)
+    even_dir = even_run(ep)
     proc = torchrun(tmp_path / "w21", 2, *STEPS, par, "parallel.balance=[2,1]")
-    even, uneven = train_rows(tmp_path / "even"), train_rows(tmp_path / "w21")
+    even, uneven = train_rows(even_dir), train_rows(tmp_path / "w21")
     assert len(even) == 8
     assert_same_curve(uneven, even)
     assert "balance  weights [2.0, 1.0], 1 micro-batch(es) per rank | rank 0 cpu (1 threads): 5 samples; " \
@@ -39,7 +52,7 @@ def test_uneven_split_trains_the_even_curve(tmp_path, ep):
     assert all(r["compute_s/rank0"] > 0 and r["compute_s/rank1"] > 0 for r in uneven)
     if ep == 1:
         # Resume from even into uneven (step 4 of the even run), and from uneven back into even.
-        ckpt = tmp_path / "even" / "checkpoints" / "step_00000004"
+        ckpt = even_dir / "checkpoints" / "step_00000004"
         torchrun(tmp_path / "r_uneven", 2, *STEPS, par, "parallel.balance=[1,3]", f"checkpoint.resume={ckpt}")
         assert_same_curve(train_rows(tmp_path / "r_uneven"), even[4:])
         ckpt = tmp_path / "w21" / "checkpoints" / "step_00000004"
@@ -60,12 +73,11 @@ def test_uneven_accumulation_at_ep2_trains_the_even_lm_curve(tmp_path):
     assert_same_curve(train_rows(tmp_path / "w21"), train_rows(tmp_path / "even"), keys=("loss", "lm_loss", "grad_norm"))
 
 
-def test_auto_measures_agrees_and_keeps_the_curve(tmp_path):
+def test_auto_measures_agrees_and_keeps_the_curve(tmp_path, even_run):
     """auto at EP 1: each rank's speed timed alone, the shares from them, the even curve; and a
     clear error at EP 2, where the all-to-all ties the ranks' timings together."""
-    torchrun(tmp_path / "even", 2, *STEPS, "parallel.expert_parallel_size=1")
     proc = torchrun(tmp_path / "auto", 2, *STEPS, "parallel.expert_parallel_size=1", "parallel.balance=auto")
-    assert_same_curve(train_rows(tmp_path / "auto"), train_rows(tmp_path / "even"))
+    assert_same_curve(train_rows(tmp_path / "auto"), train_rows(even_run(1)))
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("balance  auto"))
     speeds = [float(part.split(", ")[1].split(" samples/s")[0]) for part in line.split("|")[1].split(";")]
     shares = [int(part.split(": ")[1].split(" samples")[0]) for part in line.split("|")[1].split(";")]
