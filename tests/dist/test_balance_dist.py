@@ -89,7 +89,8 @@ def test_auto_measures_agrees_and_keeps_the_curve(tmp_path, even_run):
                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240,
                          cwd=REPO)
     assert bad.returncode != 0
-    assert "parallel.balance=auto times each rank alone" in bad.stdout + bad.stderr
+    assert "config error: parallel.balance=auto times each rank alone" in bad.stdout + bad.stderr
+    assert "exitcode  : 2" in bad.stderr  # train.py's exit code for bad input, as torchrun reports it
 
 
 def _probe_one_rank_slowed(rank: int, world: int, procs: str) -> None:
