@@ -261,7 +261,9 @@ class Trainer:
                 lm_sum, aux = self.forward_loss(batch)
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
-        compute_s = time.perf_counter() - compute_t0  # before the gradient sync's wait for the other ranks
+        # Before the gradient sync's wait for the other ranks. On the host only: on CUDA the loop just
+        # queues kernels, and timing them would need a device sync here (or events read a step late).
+        compute_s = time.perf_counter() - compute_t0
         self.update.finish()
         lm_local, aux_sum, balance_sum, z_sum, kept = torch.stack(parts).sum(0).tolist()  # the step's one host sync
         aux_total, balance, z = aux_sum / self.accum, balance_sum / self.accum, z_sum / self.accum
@@ -273,7 +275,7 @@ class Trainer:
         tokens = sum(lb.real_tokens for lb in loaded)
         lm_total, flops, tokens, new_skips, *rank_compute_s = self.all_reduce_sum(
             [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips),
-             *rank_slots(compute_s, self.rank, self.world_size)])
+             *(rank_slots(compute_s, self.rank, self.world_size) if self.device.type == "cpu" else [])])
         self.skips.total += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
         lr = self.update.lr
