@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     feat = r["memory_with_features"]
     print(f"per rank at world size {r['world_size']}, expert-parallel size {r['expert_parallel_size']}, "
           f"{args.device} (micro-batch {m6config.micro_batch_size(cfg.train, r['world_size'])})")
-    print(f"with memory features (optim.apply_groups={cfg.optim.apply_groups}, memory.offload={cfg.memory.offload}, "
-          f"parallel.shard={cfg.parallel.shard})")
+    sharded = "" if cfg.parallel.shard == "none" else f", parallel.shard={cfg.parallel.shard}"
+    print(f"with memory features (optim.apply_groups={cfg.optim.apply_groups}, memory.offload={cfg.memory.offload}"
+          f"{sharded})")
     print(f"  {'':<30} {'device':>14} {'host':>14}")
     for k in COMPONENTS:
         print(f"  {k:<30} {_bytes(feat.device.get(k, 0.0)):>14} {_bytes(feat.host.get(k, 0.0)):>14}")

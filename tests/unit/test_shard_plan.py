@@ -62,3 +62,12 @@ def test_sharded_states_are_one_nth(world, ep):
                              for s in ("none", "optimizer", "full"))
     assert opt_t["reduce-scatter"] == full_t["reduce-scatter"] == none_t["all-reduce"] > 0
     assert opt_t["all-gather"] < full_t["all-gather"] < 2 * opt_t["all-gather"]
+
+
+def test_inspect_prints_the_setting_and_its_traffic(capsys):
+    from m6.inspect import main
+    assert main([str(DENSE), "--world-size", "16", "parallel.expert_parallel_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "parallel.shard=full" in out and "gathered parameters" in out
+    traffic = next(line for line in out.splitlines() if line.startswith("data-parallel traffic"))
+    assert "all-reduce 0.00 MiB" in traffic and "all-gather 0.00" not in traffic
