@@ -385,6 +385,10 @@ class ParallelConfig:
     timeout_s: int = 600  # a collective waiting longer than this (a dead rank) fails the run
     # Each rank's share of the global batch: even, auto (measured speeds), or one weight per rank.
     balance: Union[Literal["even", "auto"], list[float]] = "even"
+    # Sharded data parallel (m6.parallel.fsdp): none = replicas hold everything; optimizer =
+    # gradients and optimizer state sharded, parameters gathered once per step (ZeRO-2); full =
+    # parameters too, gathered per block and freed after use (FSDP2, ZeRO-3).
+    shard: Literal["none", "optimizer", "full"] = "none"
 
     def validate(self) -> None:
         """Check the parallel keys on their own (the world size is known only at start-up)."""
@@ -442,6 +446,15 @@ def _check_cross_section(cfg: Config) -> None:
     if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
         raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
                           f"model.image_channels ({m.image_channels}) values each, std > 0")
+    if cfg.parallel.shard != "none" and cfg.memory.offload != "none":
+        raise ConfigError(f"parallel.shard={cfg.parallel.shard} with memory.offload={cfg.memory.offload}: m6's offload "
+                          "keeps whole host masters of every parameter, which sharding splits over ranks; not "
+                          "supported together yet (use one of them; memory.host_optimizer needs offload)")
+    if cfg.parallel.shard != "none" and cfg.memory.activation_checkpointing == "auto":
+        raise ConfigError(f"parallel.shard={cfg.parallel.shard} with memory.activation_checkpointing=auto: the auto "
+                          "plan measures saved activations by telling them apart from the parameters' storages, "
+                          "which FSDP2 swaps for gathered copies during forward; use activation_checkpointing "
+                          "full (or none) with sharding")
     if m.moe.expert_kernel == "grouped_mm" and cfg.train.device == "cuda" and cfg.train.precision == "fp32":
         # On CUDA torch fuses the grouped GEMM only in bf16 (m6.moe.expert_gemm); with train.device=auto
         # the device is known only at start-up, and the first MoE forward refuses it there.

@@ -17,6 +17,7 @@ from m6.config_loader import ConfigError
 from m6.model.flops import count_parameters, memory_estimate_bytes, training_flops_per_token
 from m6.model.m6_model import build_meta_model
 from m6.memory.estimate import COMPONENTS, estimate_memory
+from m6.memory.shard_estimate import data_parallel_traffic, shard_layout
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.layout import LayoutError, resolve_expert_parallel_size
 from m6.plan.memory import rank_model
@@ -48,6 +49,8 @@ def report(cfg: m6config.Config, world_size: int = 1, device_type: str = "cuda")
         "memory_bytes": mem, "micro_batch_size": mb, "moe_layers": len(model.moe_layers()),
         "memory_with_features": estimate_memory(cfg, rank, no_decay_ids(rank), world_size, ep, device_type),
         "world_size": world_size, "expert_parallel_size": ep,
+        "data_parallel_traffic": data_parallel_traffic(
+            cfg, shard_layout(cfg, rank, no_decay_ids(rank), world_size, ep), world_size, ep, device_type),
     }
 
 
@@ -85,12 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     feat = r["memory_with_features"]
     print(f"per rank at world size {r['world_size']}, expert-parallel size {r['expert_parallel_size']}, "
           f"{args.device} (micro-batch {m6config.micro_batch_size(cfg.train, r['world_size'])})")
-    print(f"with memory features (optim.apply_groups={cfg.optim.apply_groups}, memory.offload={cfg.memory.offload})")
+    sharded = "" if cfg.parallel.shard == "none" else f", parallel.shard={cfg.parallel.shard}"
+    print(f"with memory features (optim.apply_groups={cfg.optim.apply_groups}, memory.offload={cfg.memory.offload}"
+          f"{sharded})")
     print(f"  {'':<30} {'device':>14} {'host':>14}")
     for k in COMPONENTS:
         print(f"  {k:<30} {_bytes(feat.device.get(k, 0.0)):>14} {_bytes(feat.host.get(k, 0.0)):>14}")
     print(f"  {'sum of components':<30} {_bytes(feat.total('device')):>14} {_bytes(feat.total('host')):>14}")
     print(f"  {'peak over a step':<30} {_bytes(feat.peak_device):>14} {_bytes(feat.peak_host):>14}")
+    traffic = r["data_parallel_traffic"]
+    print("data-parallel traffic per rank and step (tensor bytes gathered / reduced; a ring sends (n-1)/n of them): "
+          + ", ".join(f"{k} {_bytes(v)}" for k, v in traffic.items()))
     return 0
 
 

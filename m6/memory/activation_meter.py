@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch import nn
 
 StorageKey = Hashable  # (device, data_ptr), or a caller-chosen key for short-lived storages
@@ -29,7 +30,10 @@ _CAST_OR_VIEW = {"ToCopyBackward0", "TBackward0", "ViewBackward0", "UnsafeViewBa
 
 
 def storage_key(t: torch.Tensor) -> tuple[str, int]:
-    """Identity of the allocation behind ``t``."""
+    """Identity of the allocation behind ``t`` (a DTensor, e.g. a parameter sharded by
+    parallel.shard: its local shard's)."""
+    if isinstance(t, DTensor):
+        t = t.to_local()
     return (str(t.device), t.untyped_storage().data_ptr())
 
 

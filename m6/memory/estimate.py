@@ -41,10 +41,12 @@ from m6.config import Config, accumulation_steps, micro_batch_size
 from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes
 from m6.moe import MoELayer
 from m6.memory.grouped_apply import split_apply_groups
+from m6.memory.shard_estimate import shard_layout, sharded_states
 
 
 COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)",
-              "all-to-all buffers", "backward transients", "gradient-sync buckets", "checkpoint staging")
+              "all-to-all buffers", "backward transients", "gradient-sync buckets", "gathered parameters",
+              "unsharded gradients", "checkpoint staging")
 MAX_BUCKETS_IN_FLIGHT = 2  # m6.parallel.grad_sync.GradientSync.max_in_flight
 STAGING_ALIGN = 64  # m6.checkpoint.staging.ALIGN: every staged tensor starts on a 64-byte boundary
 
@@ -152,6 +154,8 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
 
     acts = activation_report(cfg, world_size, ep, device_type)
     kept, redo = kept_activations(cfg, acts)
+    if cfg.parallel.shard != "none":
+        return _sharded_report(cfg, model, no_decay, world_size, ep, device_type, acts, kept, redo)
     accum = accumulation_steps(cfg.train, world_size)
     # Gradients summed over other ranks travel in flat bucket copies: replicated ones whenever
     # world > 1, expert ones when another rank holds the same experts.
@@ -209,6 +213,24 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         peak_host=host_resident + update_host,
         peak_shared=resident + host_resident + max(backward, grads_end + buckets, update_device + update_host),
     )
+
+
+def _sharded_report(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int, ep: int, device_type: str,
+                    acts: ActivationBytes, kept: float, redo: float) -> MemoryReport:
+    """parallel.shard optimizer/full (m6.memory.shard_estimate): shards resident; in backward the
+    activations, gathered parameters and unsharded gradients on top (counted together: an upper
+    bound); the update over the gradient shards. No offload (a config error with sharding)."""
+    states = sharded_states(cfg, shard_layout(cfg, model, no_decay, world_size, ep), world_size, device_type)
+    device = {**states, "activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
+              "backward transients": max(acts.backward_transient, redo)}
+    resident = states["params"] + states["optimizer state"]
+    backward = kept + max(acts.a2a_buffers, acts.backward_transient, redo) + states["gathered parameters"] \
+        + states["unsharded gradients"] + states["grads"]
+    update = states["grads"] + states["optimizer step temporaries"]
+    host = {"checkpoint staging": resident} if cfg.checkpoint.async_save else {}  # the staged shards
+    host_resident = sum(host.values())
+    return MemoryReport(device=device, host=host, peak_device=resident + max(backward, update),
+                        peak_host=host_resident, peak_shared=resident + host_resident + max(backward, update))
 
 
 def _units_of(model: nn.Module, name: str) -> tuple[str, str]:

@@ -7,13 +7,14 @@ import torch
 
 from m6.config import Config
 from m6.model import M6Model
+from m6.parallel.fsdp import apply_sharding
 from m6.parallel.launch import DistEnv
 from m6.parallel.layout import build_layout, create_process_groups
 from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
 
 
 def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
-                   init_device: torch.device | None = None) -> ShardedModel:
+                   init_device: torch.device | None = None, param_dtype: torch.dtype | None = None) -> ShardedModel:
     """This process's share of the model for ``cfg`` on the job ``env`` (one process: the trivial
     layout, every expert local, nothing to communicate).
 
@@ -21,6 +22,8 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     expert's weights depend only on (seed, layer, global expert id), not on the layout.
     ``init_device``: where the weights are first allocated (default ``device``; CPU offload of
     the parameters initialises them on the host so the device never holds the whole model).
+    With parallel.shard optimizer or full the materialised model is then cut into FSDP2 units
+    (m6.parallel.fsdp) whose parameters are gathered in ``param_dtype`` (None: as stored).
     """
     m = cfg.model
     with torch.device("meta"):
@@ -32,4 +35,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
     shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)
     model.materialize(init_device or device, cfg.run.seed)
-    return classify_parameters(model, plan, groups)
+    sharded = classify_parameters(model, plan, groups)
+    if cfg.parallel.shard != "none":
+        apply_sharding(sharded, cfg.parallel.shard, param_dtype)
+    return sharded

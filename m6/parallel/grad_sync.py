@@ -286,11 +286,16 @@ def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
     gradient, and torch's get_total_norm, accumulate tens of millions of values in fp32 lanes and
     were 1.2e-2 off (bench/results/host_clip-cpu-2core.md, 1 GiB of m6-base-moe gradients).
     """
+    return sum_sq_of([p.grad for p in params if p.grad is not None])
+
+
+def sum_sq_of(grads: list[torch.Tensor]) -> torch.Tensor:
+    """_sum_sq of plain gradient tensors (float64, on their device)."""
     parts = []
-    for p in params:
-        if p.grad is None or p.grad.numel() == 0:
+    for grad in grads:
+        if grad.numel() == 0:
             continue
-        flat = p.grad.detach().reshape(-1)
+        flat = grad.detach().reshape(-1)
         whole = flat.numel() // _NORM_ROW * _NORM_ROW
         if whole:
             rows = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_ROW), dim=1, dtype=torch.float32)

@@ -17,7 +17,7 @@ import time
 
 from m6 import config as m6config
 from m6.config_loader import ConfigError
-from m6.plan.search import Candidate, search
+from m6.plan.search import SHARD, Candidate, search
 from m6.plan.timing import GPUS, HostProfile, cpu_hardware
 
 GiB = 2**30
@@ -40,7 +40,7 @@ def describe(c: Candidate, rank: int) -> str:
     t, mem = c.time, c.memory
     lines = [f"#{rank}  EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}"
              + (f" (budget {c.budget_gb:.2f} GiB)" if c.budget_gb is not None else "")
-             + f", offload {c.offload}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}",
+             + f", offload {c.offload}, shard {c.shard}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}",
              f"    PREDICTED {c.tokens_per_s:,.0f} tokens/s, step {t.total:.3f} s = compute {t.compute:.3f} + "
              f"all-to-all {t.all_to_all:.3f} + grad sync {t.grad_sync:.3f} + small collectives "
              f"{t.small_collectives:.3f} + offload {t.offload:.3f} + "
@@ -56,7 +56,7 @@ def short_of(c: Candidate, limit_gib: float, host_gib: float, ranks_per_node: in
     mem = c.memory
     states = sum(v for k, v in mem.device.items() if k in ("params", "optimizer state", "grads"))
     where = (f"EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}, "
-             f"offload {c.offload}")
+             f"offload {c.offload}, shard {c.shard}")
     device = (f"{_gib(mem.peak_device)} GiB per GPU of {limit_gib:g} GiB (params+grads+optimizer on the device "
               f"{_gib(states)} GiB, activations {_gib(mem.device.get('activations (per micro-batch)', 0))} GiB)")
     host = f"{_gib(mem.peak_host * ranks_per_node)} GiB host memory per node of {host_gib:g} GiB"
@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-node-GBps", type=float, default=None)
     p.add_argument("--latency-us", type=float, default=None, help="per collective")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="--gpu cpu: cores of a node")
+    p.add_argument("--shard", choices=("config", "any", "none", "optimizer", "full"), default="config",
+                   help="parallel.shard settings to consider: the config's (default), all three (any), or one")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--out", default="plan.overrides", help="file of key=value lines for train.py")
     args = p.parse_intermixed_args(argv)
@@ -97,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 hw = dataclasses.replace(hw, latency_s=args.latency_us * 1e-6)
         threads = max(1, (args.cores or 1) // min(args.gpus, args.gpus_per_node))
         profile = HostProfile(threads, concurrent=min(args.gpus, args.gpus_per_node) if args.gpu == "cpu" else 1)
-        result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1)
+        result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1,
+                        shard=SHARD if args.shard == "any" else
+                        (cfg.parallel.shard if args.shard == "config" else args.shard,))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -16,6 +16,7 @@ from m6.plan.timing import Hardware, HostProfile, StepTime, step_time
 
 RECOMPUTE = ("none", "auto", "full")
 OFFLOAD = ("none", "optimizer", "optimizer+params")
+SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding only offload none (m6.config)
 APPLY_GROUPS = (1, 2, 4, 8)
 
 
@@ -35,6 +36,7 @@ class Candidate:
     mfu: Optional[float]
     budget_gb: Optional[float] = None
     shortfall: float = 0.0  # largest of device peak / device memory and a node's host peak / host memory
+    shard: str = "none"  # parallel.shard
 
     def overrides(self) -> list[str]:
         """The train.py ``key=value`` overrides that run this layout."""
@@ -42,17 +44,18 @@ class Candidate:
                f"train.micro_batch_size={self.micro_batch}",
                f"memory.activation_checkpointing={self.recompute}",
                f"memory.offload={self.offload}", f"optim.apply_groups={self.apply_groups}",
-               f"model.moe.a2a_dtype={self.a2a_dtype or 'null'}"]
+               f"model.moe.a2a_dtype={self.a2a_dtype or 'null'}", f"parallel.shard={self.shard}"]
         if self.budget_gb is not None:
             out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
         return out
 
 
 def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, groups: int,
-                 a2a: Optional[str], budget_gb: Optional[float], precision: str) -> Config:
-    """``cfg`` with one candidate's settings (the config sections it touches replaced)."""
+                 a2a: Optional[str], budget_gb: Optional[float], precision: str, shard: Optional[str] = None) -> Config:
+    """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``
+    None keeps cfg's parallel.shard)."""
     return dataclasses.replace(
-        cfg,
+        cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard or cfg.parallel.shard),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing=recompute, offload=offload,
                                    activation_budget_gb=budget_gb if recompute == "auto" else None,
@@ -76,7 +79,7 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
            host_memory_gib: float, cores: int = 0, eps: Optional[list[int]] = None,
            recompute: tuple[str, ...] = RECOMPUTE, offload: tuple[str, ...] = OFFLOAD,
            apply_groups: tuple[int, ...] = APPLY_GROUPS, a2a: tuple[Optional[str], ...] = (None, "bf16"),
-           micro_batches: Optional[list[int]] = None) -> SearchResult:
+           micro_batches: Optional[list[int]] = None, shard: tuple[str, ...] = SHARD) -> SearchResult:
     """Every combination; the ones whose device peak fits hw.memory_gib and host peak (all ranks
     of a node) fits ``host_memory_gib``, fastest first."""
     E = cfg.model.moe.num_experts
@@ -89,21 +92,24 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
     feasible, smallest, considered = [], None, 0
     for ep in eps:
         rm = RankMemory(cfg, world_size, ep, "cpu" if hw.peak_tflops is None else "cuda")
-        for mb, rc, off, groups, wire in itertools.product(micro_batches, recompute, offload, apply_groups, a2a):
+        for mb, rc, off, groups, wire, sh in itertools.product(micro_batches, recompute, offload, apply_groups, a2a,
+                                                               shard):
             if wire is not None and ep == 1:
                 continue  # no all-to-all to compress
+            if sh != "none" and (off != "none" or rc == "auto" or world_size == 1):
+                continue  # not combined yet (config errors), or nothing to shard over
             budget = None
-            trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision)
+            trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh)
             if rc == "auto":
                 # The budget: what the device has left after the step's other memory (half the
                 # no-recompute activations when that is less: auto between none and full).
-                none = rm.report(apply_choice(cfg, mb, "none", off, groups, wire, None, hw.precision))
+                none = rm.report(apply_choice(cfg, mb, "none", off, groups, wire, None, hw.precision, sh))
                 spare = limit - (none.peak_device - none.device["activations (per micro-batch)"])
                 budget = max(min(0.95 * spare, none.device["activations (per micro-batch)"]), 2**20) / 2**30
-                trial = apply_choice(cfg, mb, rc, off, groups, wire, budget, hw.precision)
+                trial = apply_choice(cfg, mb, rc, off, groups, wire, budget, hw.precision, sh)
             considered += 1
             mem = rm.report(trial)
-            cand = Candidate(ep, mb, rc, off, groups, wire, mem, None, 0.0, None, budget)  # type: ignore[arg-type]
+            cand = Candidate(ep, mb, rc, off, groups, wire, mem, None, 0.0, None, budget, shard=sh)  # type: ignore[arg-type]
             cand.shortfall = max(mem.peak_device / limit, mem.peak_host * ranks_per_node / (host_memory_gib * 2**30))
             if smallest is None or cand.shortfall < smallest.shortfall:
                 smallest = cand

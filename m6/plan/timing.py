@@ -40,6 +40,7 @@ from m6.batch_format import IGNORE_INDEX, SEG_SOURCE, SEG_TARGET
 from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
 from m6.memory.estimate import activation_report, recomputed_parts
 from m6.memory.recompute import RecomputeParts
+from m6.memory.shard_estimate import data_parallel_traffic, shard_layout
 from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
 from m6.model.param_groups import no_decay_ids
 from m6.moe.router import router_gemm_precision
@@ -321,6 +322,26 @@ def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> 
     return hw.latency_s + nbytes / (bw * 1e9)
 
 
+def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus_per_node: int, hw: Hardware) -> float:
+    """parallel.shard: each FSDP2 unit's all-gathers and reduce-scatter (a ring moves (n-1)/n of
+    the gathered or reduced bytes per rank), one latency per unit and collective, none overlapped
+    with compute (an upper bound: FSDP2 prefetches the next unit's gather)."""
+    device = "cpu" if hw.peak_tflops is None else "cuda"
+    layout = shard_layout(cfg, model, no_decay_ids(model), world_size, ep)
+    traffic = data_parallel_traffic(cfg, layout, world_size, ep, device)
+    edp = world_size // ep
+    dense_share = layout.dense_numel * (world_size > 1)
+    expert_share = layout.expert_numel * (edp > 1)
+    total = max(dense_share + expert_share, 1)
+    seconds = 0.0
+    for share, n in ((dense_share, world_size), (expert_share, edp)):
+        if n > 1 and share:
+            moved = (traffic["all-gather"] + traffic["reduce-scatter"]) * share / total
+            seconds += (n - 1) / n * (_exchange_s(moved, hw, n, gpus_per_node) - hw.latency_s)
+    passes = 3 if cfg.parallel.shard == "full" else 2  # gathers (forward, backward for full) + reduce-scatter
+    return seconds + hw.latency_s * passes * (len(layout.unit_numel) + 1)
+
+
 def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Hardware,
               host: HostProfile, cores: int = 0, model=None) -> StepTime:
     """Predicted time of one step of ``cfg`` at this layout on ``hw`` (see the module docstring);
@@ -361,7 +382,10 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     numel_exp = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     sync = 0.0
     bucket = cfg.parallel.bucket_size_mb * 2**20
-    for numel, n in ((numel_rep, world_size), (numel_exp, world_size // ep)):
+    if cfg.parallel.shard != "none":
+        sync = sharded_sync_s(cfg, model, world_size, ep, gpus_per_node, hw)
+    all_reduced = ((numel_rep, world_size), (numel_exp, world_size // ep)) if cfg.parallel.shard == "none" else ()
+    for numel, n in all_reduced:
         if n > 1 and numel:
             nbytes = 4.0 * numel
             sync += 2 * (n - 1) / n * (_exchange_s(nbytes, hw, n, gpus_per_node) - hw.latency_s) \

@@ -97,6 +97,10 @@ def _data_lines(cfg: Config, facts: RunFacts) -> list[str]:
     return lines
 
 
+_SHARD_WORDS = {"optimizer": "gradients + optimizer state (ZeRO-2, parallel.shard=optimizer)",
+                "full": "parameters + gradients + optimizer state (FSDP2, parallel.shard=full)"}
+
+
 def startup_banner(cfg: Config, facts: RunFacts) -> str:
     """The block a run prints before its first step: what trains, where, on what, from where."""
     t, mem = cfg.train, cfg.memory
@@ -110,7 +114,7 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
         f"{' | deterministic' if t.deterministic else ''}",
         f"model    {_model_line(cfg, facts.size, facts.moe_blocks, facts.device)}",
         f"parallel world {facts.world_size} = expert-parallel {facts.expert_parallel_size} x expert-data-parallel "
-        f"{dp}; batch {t.global_batch_size} = {split}; per sample {cfg.data.seq_len} text tokens + "
+        f"{dp}{'' if cfg.parallel.shard == 'none' else f', sharded {_SHARD_WORDS[cfg.parallel.shard]}'}; batch {t.global_batch_size} = {split}; per sample {cfg.data.seq_len} text tokens + "
         f"{num_patches(cfg.model)} image patches",
         *([facts.balance] if facts.balance else []),
         f"memory   offload {mem.offload}, recompute {mem.activation_checkpointing}",

@@ -120,9 +120,12 @@ class Trainer:
         # optimizer+params keeps the blocks' weights on the host: initialise there, so the device
         # never holds the whole model (m6.memory.offload moves the rest to the device).
         init_device = torch.device("cpu") if cfg.memory.offload == "optimizer+params" else self.device
-        self.sharded = build_parallel(cfg, self.device, self.env, init_device)
+        # Sharded: FSDP2 gathers bf16 copies of the weights (its MixedPrecisionPolicy), in place of cast-on-use.
+        self.fsdp_bf16 = self.cast_on_use and cfg.parallel.shard != "none"
+        self.sharded = build_parallel(cfg, self.device, self.env, init_device,
+                                      param_dtype=self.autocast_dtype if self.fsdp_bf16 else None)
         self.model = self.sharded.model
-        set_cast_on_use(self.model, self.cast_on_use)
+        set_cast_on_use(self.model, self.cast_on_use and not self.fsdp_bf16)
         self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main)
@@ -168,6 +171,7 @@ class Trainer:
 
     def _facts(self) -> RunFacts:
         precision = "fp32" if self.autocast_dtype is None else (
+            "bf16 (FSDP2 gathers bf16)" if self.fsdp_bf16 else
             "bf16 (cast-on-use)" if self.cast_on_use else "bf16 (autocast)")
         return RunFacts(
             world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,

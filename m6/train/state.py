@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from m6.data.record_dataset import RUNTIME_SKIP_REASONS
 from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
 from m6.parallel import ShardedModel
+from m6.parallel.fsdp import local_part, shard_rows
 from m6.checkpoint.compat import changed_keys, checkpoint_keys, shape_differences
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.checkpoint.manager import CheckpointManager
@@ -100,24 +102,42 @@ class ModelState:
     def __init__(self, sharded: ShardedModel, offload: HostOffload | None) -> None:
         self.sharded, self.offload = sharded, offload
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """name -> tensor (shares the model's storage: a load writes straight into the weights)."""
+    def _state(self) -> dict[str, torch.Tensor]:
         return {name: t.detach() for name, t in self.sharded.model.state_dict().items()}
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """name -> tensor (shares the model's storage: a load writes straight into the weights);
+        a sharded (FSDP2) parameter gives this rank's shard."""
+        return {name: local_part(t) for name, t in self._state().items()}
+
     def global_shapes(self) -> dict[str, torch.Size]:
-        return {name: global_shape(self.sharded, name, t) for name, t in self.tensors().items()}
+        return {name: global_shape(self.sharded, name, t) for name, t in self._state().items()}
 
     def shards(self, prefix: str) -> Shards:
-        return {f"{prefix}{name}": (global_shape(self.sharded, name, p), self.sharded.first_expert(name))
-                for name, p in self.sharded.expert_params.items()}
+        return {f"{prefix}{name}": (global_shape(self.sharded, name, t), first_row(self.sharded, name, t))
+                for name, t in self._state().items() if is_row_shard(self.sharded, name, t)}
 
     def after_load(self) -> None:
         if self.offload:
             self.offload.pull_masters()
 
 
+def is_row_shard(sharded: ShardedModel, name: str, t: torch.Tensor) -> bool:
+    """Whether this rank holds only some rows of ``name``'s global tensor (its experts, or a
+    parameter sharded by parallel.shard), which a checkpoint then stores as a chunk."""
+    return name in sharded.expert_params or isinstance(t, DTensor)
+
+
+def first_row(sharded: ShardedModel, name: str, t: torch.Tensor) -> int:
+    """The global row (dim 0) where this rank's rows of ``name`` start: the first local expert's
+    id, plus where a sharded parameter's shard starts among those rows."""
+    first = sharded.first_expert(name) if name in sharded.expert_params else 0
+    return first + (shard_rows(t)[0] if isinstance(t, DTensor) else 0)
+
+
 def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor) -> torch.Size:
-    """The shape of ``name`` over all ranks: expert tensors hold 1/EP of the experts (dim 0)."""
+    """The shape of ``name`` over all ranks: expert tensors hold 1/EP of the experts (dim 0)
+    (``t`` a DTensor: its shape is already that over its shards)."""
     if name not in sharded.expert_params:
         return t.shape
     return torch.Size([t.shape[0] * sharded.groups.layout.expert_parallel_size, *t.shape[1:]])
@@ -144,17 +164,17 @@ class OptimizerState:
                 state.update(step=torch.zeros((), dtype=torch.float32),
                              exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
                              exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
-            tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
+            tensors = {k: local_part(v) for k, v in state.items() if torch.is_tensor(v)}
             if tensors:
                 out[name] = tensors
         return out
 
     def shards(self, prefix: str) -> Shards:
         out = {}
-        for name in self.sharded.expert_params:
-            for key, t in self.optimizer.state[self.params[name]].items():
-                if torch.is_tensor(t) and t.dim() > 0:
-                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t), self.sharded.first_expert(name))
+        for name, p in self.params.items():
+            for key, t in self.optimizer.state[p].items():
+                if torch.is_tensor(t) and t.dim() > 0 and is_row_shard(self.sharded, name, t):
+                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t), first_row(self.sharded, name, t))
         return out
 
     def hyperparameters(self) -> list[dict]:

@@ -25,6 +25,7 @@ from m6.config import Config
 from m6.memory import GroupedApply, build_offload
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
+from m6.parallel.fsdp import ShardedGradientSync, clip_sharded_grad_norm
 from m6.train.optim import build_optimizer, build_scheduler
 
 
@@ -38,14 +39,18 @@ class ParameterUpdate:
         self.device = device
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.offload = build_offload(cfg.memory.offload, trainable, device, streamed_layers=list(model.blocks))
-        self.sync = GradientSync(sharded, int(cfg.parallel.bucket_size_mb * 2**20),
-                                 on_grads_final=self.offload.grads_final if self.offload else None)
+        # Sharded (FSDP2) units reduce-scatter their own gradients: m6's all-reduce must not add them again.
+        self.sharded_dp = cfg.parallel.shard != "none"
+        self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
+            sharded, int(cfg.parallel.bucket_size_mb * 2**20),
+            on_grads_final=self.offload.grads_final if self.offload else None)
         replicated = list(sharded.replicated_params.values())
         experts = list(sharded.expert_params.values())
         if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
         self.replicated, self.experts = replicated, experts
         self.expert_group = sharded.groups.expert
+        self.world_group = sharded.groups.world
         # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
         self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, sharded, log) if self.offload else None
         if self.offload:  # the host clips and updates: whichever optimizer, its threads matter
@@ -85,6 +90,8 @@ class ParameterUpdate:
         """Clip to the norm of the global gradient (every expert counted once); returns it.
         ``max_norm`` <= 0 or inf: no clipping, the norm is still measured."""
         limit = max_norm if max_norm > 0 else math.inf
+        if self.sharded_dp:
+            return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group)
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device)
 
     def step(self, apply: bool = True) -> None:

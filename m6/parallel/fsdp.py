@@ -1,0 +1,153 @@
+"""Sharded data parallel (``parallel.shard``): torch's FSDP2 ``fully_shard`` on m6's device mesh,
+composed with expert parallelism.
+
+Which ranks hold copies of what decides where each parameter is sharded (torchtitan's
+"dp_shard_mod_ep"): a replicated (dense) parameter has a copy on every rank, so it is sharded over
+all ranks (the mesh's two dims flattened, "dp"); an expert tensor is the same only on the ranks
+holding the same experts, so it is sharded over the expert-data-parallel dim ("edp"), and the EP
+ranks keep holding different experts. Units: each MoE layer's experts (edp), each block (dp:
+attention, norms, router, dense MLP), the root (dp: embeddings, final norm, LM head).
+
+Sums, not means: m6's loss is already normalised by global counts (m6.parallel.grad_sync), so the
+reduce-scatter divides by nothing (``set_gradient_divide_factor(1.0)``, a plain SUM). Parameters some rank's
+graph does not reach (a batch with no image) reduce zeros, so every rank issues the same
+reduce-scatters. m6's bucketed all-reduce is not used at all when sharding: every trainable
+parameter belongs to one FSDP unit, whose reduce-scatter is its gradient sync.
+
+Modes: ``full`` (ZeRO-3) frees a unit's gathered parameters after its forward and gathers them
+again for backward; ``optimizer`` (ZeRO-2) keeps them gathered from forward through backward (one
+all-gather per unit per step, not two), which is FSDP2's ``reshard_after_forward=False``: the
+gradients and the optimizer state are sharded exactly as in ``full``; between steps the parameters
+rest sharded too, so a checkpoint of either mode has the same layout. torch's
+ZeroRedundancyOptimizer (ZeRO-1) was not chosen: it all-reduces whole gradients and shards only
+the optimizer state, it has no notion of the expert-data-parallel groups, and its state dict is
+not DCP-reshardable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from m6.parallel.grad_sync import sum_sq_of
+from m6.parallel.layout import LayoutError
+from m6.parallel.plan import ShardedModel
+
+SHARD_MODES = ("none", "optimizer", "full")
+
+
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """All ranks as one mesh dim ("dp", in rank order): where replicated parameters are sharded."""
+    return mesh["edp", "ep"]._flatten("dp")
+
+
+def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | None = None) -> None:
+    """Wrap ``sharded.model`` in FSDP2 units for ``mode`` (``optimizer`` or ``full``), in place.
+
+    ``param_dtype``: the dtype the units gather their parameters in (bf16 for train.precision=bf16:
+    FSDP2's MixedPrecisionPolicy casts the gathered copy, the sharded fp32 parameter stays the
+    master, gradients are reduced in fp32) or None for the parameters' own dtype.
+    """
+    if mode not in ("optimizer", "full"):
+        raise ValueError(f"parallel.shard must be one of {SHARD_MODES}, got {mode!r}")
+    groups = sharded.groups
+    if groups.mesh is None:
+        raise LayoutError(f"parallel.shard={mode} needs torch.distributed: launch with torchrun (even "
+                          f"--nproc_per_node 1), or use parallel.shard=none for one plain process")
+    model = sharded.model
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    reshard = mode == "full"
+    dp, edp = dense_mesh(groups.mesh), groups.mesh["edp"]
+    expert_ids = {id(p) for p in sharded.expert_params.values()}
+    units: list[nn.Module] = []
+    # Experts first (innermost): an enclosing unit leaves parameters an inner unit manages alone.
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if params and all(id(p) in expert_ids for p in params):
+            fully_shard(module, mesh=edp, reshard_after_forward=reshard, mp_policy=policy)
+            units.append(module)
+    for block in model.blocks:
+        fully_shard(block, mesh=dp, reshard_after_forward=reshard, mp_policy=policy)
+        units.append(block)
+    # The root's parameters are used first in forward and last in backward: freeing them after the
+    # forward would only gather them again at once, so the root never reshards early.
+    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=policy)
+    units.append(model)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        # A plain SUM (factor 1 would otherwise be a PREMUL_SUM, which gloo lacks; a no-op scale on NCCL).
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_reduce_scatter_unused_params(True, recurse=False)
+    unmanaged = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    assert not unmanaged, f"parameters outside every FSDP unit: {unmanaged[:3]}"
+    # The ShardedModel's maps name the sharded DTensor parameters from now on.
+    names = dict(model.named_parameters())
+    sharded.expert_params = {n: names[n] for n in sharded.expert_params}
+    sharded.replicated_params = {n: names[n] for n in sharded.replicated_params}
+
+
+class ShardedGradientSync:
+    """Gradient sync of a model in FSDP2 units: each unit reduce-scatters its gradients at the end
+    of its own backward (summed over its mesh: all ranks for dense units, the expert-data-parallel
+    group for expert units). The micro-batches before the step's last accumulate unsharded
+    gradients locally (``enabled = False``: no communication), as with m6's bucketed sync."""
+
+    def __init__(self, model: nn.Module) -> None:
+        assert isinstance(model, FSDPModule), "ShardedGradientSync needs a model wrapped by apply_sharding"
+        self.model = model
+        self._enabled = True
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        if value != self._enabled:
+            self.model.set_requires_gradient_sync(value)  # every unit under the root
+            self._enabled = value
+
+    def prepare(self, loss: torch.Tensor) -> None:
+        """Nothing to learn before backward: FSDP2 reduces zeros for unreached parameters itself."""
+
+    def finish(self) -> None:
+        """Nothing to drain: the root's backward waits for every reduce-scatter it launched."""
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of ``t``: a DTensor's local shard, or a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def shard_rows(t: DTensor) -> tuple[int, int]:
+    """(first row, rows) of ``t``'s dim 0 that this rank's shard holds (FSDP2 shards dim 0)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return (offset[0] if len(offset) else 0), (shape[0] if len(shape) else 0)
+
+
+def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group) -> float:
+    """Clip the gradients of a model in FSDP2 units to the norm of the GLOBAL gradient; returns it.
+
+    Every gradient is a DTensor shard: dense ones of the whole tensor over all ranks, expert ones
+    of this EP rank's experts over its expert-data-parallel group; so all ranks together hold each
+    element of the global gradient exactly once, and one sum over ``group`` (all ranks) of the
+    local squares is its squared norm. Same coefficient formula as torch.nn.utils.clip_grad_norm_.
+    """
+    grads = [local_part(p.grad) for p in params if p.grad is not None]
+    total_sq = sum_sq_of(grads)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total_sq, group=group)
+    total = float(total_sq.sqrt())
+    if math.isfinite(total) and max_norm < math.inf:
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+    return total
