@@ -70,6 +70,10 @@ class MoEConfig:
     # TF32 tensor cores; bf16 = inputs cast to bf16 (Megatron-Core's default); auto = tf32 on CUDA,
     # fp32 elsewhere.
     router_dtype: Literal["auto", "fp32", "tf32", "bf16"] = "auto"
+    # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing
+    # the top-k only, moved by this much after every optimizer step toward even load (from the
+    # step's global counts); 0 = off. Works with or without aux_loss_coef.
+    expert_bias_update_rate: float = 0.0
 
     def validate(self) -> None:
         """Check the model.moe keys on their own."""
@@ -95,6 +99,12 @@ class MoEConfig:
             raise ConfigError(f"model.moe.router_dtype must be 'auto', 'fp32', 'tf32' or 'bf16', got {self.router_dtype!r}")
         if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
             raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
+        if not (0 <= self.expert_bias_update_rate < math.inf):
+            raise ConfigError(f"model.moe.expert_bias_update_rate must be a finite number >= 0 (0 = off), "
+                              f"got {self.expert_bias_update_rate}")
+        if self.expert_bias_update_rate > 0 and self.force_balance:
+            raise ConfigError("model.moe.expert_bias_update_rate > 0 and model.moe.force_balance=true exclude each "
+                              "other: forced routing ignores the scores the bias steers")
 
 
 @dataclass

@@ -35,7 +35,7 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
             score_function=moe.score_function, normalize_weights=moe.normalize_weights,
             router_jitter=moe.router_jitter, force_balance=moe.force_balance, aux_loss_coef=moe.aux_loss_coef,
             z_loss_coef=moe.z_loss_coef, init_std=cfg.init_std, expert_kernel=moe.expert_kernel,
-            router_dtype=moe.router_dtype,
+            router_dtype=moe.router_dtype, expert_bias_update_rate=moe.expert_bias_update_rate,
         )
     return DenseMLP(cfg.d_model, cfg.ffn_dim)
 

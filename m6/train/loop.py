@@ -31,6 +31,7 @@ from m6.train.banner import RunFacts, checkpoint_line, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
 from m6.train.determinism import use_determinism
 from m6.train.eval import evaluate_captions, rank_slice
+from m6.train.expert_bias import ExpertBiasUpdate
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
@@ -124,6 +125,7 @@ class Trainer:
         self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main)
+        self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.world, self.device)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         self.flop_rates = forward_flop_rates(self.model)
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
@@ -217,6 +219,7 @@ class Trainer:
             with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
                 lm_sum, aux = self.forward_loss(batch)
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
+            self.expert_bias.add_micro_batch()
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
         self.update.finish()
         lm_local, aux_sum, balance_sum, z_sum, kept = torch.stack(parts).sum(0).tolist()  # the step's one host sync
@@ -235,6 +238,7 @@ class Trainer:
         grad_norm = self.update.clip(self.cfg.train.grad_clip)
         finite = math.isfinite(lm_loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
         self.update.step(apply=finite)
+        self.expert_bias.step(apply=finite)
         self._count_step(finite)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -375,7 +379,9 @@ class Trainer:
                 last = self.step == cfg.train.max_steps
                 if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
-                    self.logger.log(self.step, {**metrics, **load_scalars}, expert_tokens=load_counts)
+                    bias_scalars, biases = self.expert_bias.log_values()
+                    self.logger.log(self.step, {**metrics, **load_scalars, **bias_scalars}, expert_tokens=load_counts,
+                                    expert_bias=biases)
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
