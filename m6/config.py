@@ -125,6 +125,9 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Pseudo-to-real (M6-10T): blocks in consecutive groups of this many share one set of weights
+    # (1 = off); delink with train.delink_at_step or `python -m m6.checkpoint delink`.
+    share_layers: int = 1
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self) -> None:
@@ -146,12 +149,29 @@ class ModelConfig:
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
         self.moe.validate()
+        self._check_share_layers()
         expert_ffn = self.moe.ffn_dim if self.moe.ffn_dim is not None else self.ffn_dim
         if self.moe.expert_kernel == "grouped_mm" and (self.d_model % 8 or expert_ffn % 8):
             # The grouped GEMM needs 16-byte strides (8 bf16 elements); auto falls back to the loop instead.
             raise ConfigError(f"model.moe.expert_kernel=grouped_mm needs model.d_model ({self.d_model}) and the expert "
                               f"ffn_dim ({expert_ffn}, model.moe.ffn_dim or model.ffn_dim) to be multiples of 8; "
                               f"use model.moe.expert_kernel=auto or loop")
+
+
+    def _check_share_layers(self) -> None:
+        k = self.share_layers
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"model.share_layers must be an integer >= 1 (1 = no sharing), got {k!r}")
+        if self.num_layers % k:
+            raise ConfigError(f"model.share_layers ({k}) must divide model.num_layers ({self.num_layers})")
+        every = self.moe.every
+        for start in range(0, self.num_layers, k):
+            kinds = {every > 0 and (i + 1) % every == 0 for i in range(start, start + k)}
+            if len(kinds) > 1:
+                raise ConfigError(f"model.share_layers ({k}) groups blocks {start}..{start + k - 1}, which mix MoE "
+                                  f"and dense FFNs (model.moe.every={every}); a group shares one set of weights, so "
+                                  f"its blocks must be of one kind: make model.moe.every 1 or a multiple of "
+                                  f"model.share_layers")
 
 
 @dataclass
@@ -433,6 +453,14 @@ class Config:
 def _check_cross_section(cfg: Config) -> None:
     """The rules that tie one section to another, each naming every key involved."""
     m, d = cfg.model, cfg.data
+    if m.share_layers > 1 and cfg.memory.offload == "optimizer+params":
+        raise ConfigError("model.share_layers > 1 with memory.offload=optimizer+params: parameter streaming moves "
+                          "each block's weights on its own and a shared weight belongs to several blocks; use "
+                          "memory.offload=none or optimizer")
+    if m.share_layers > 1 and cfg.memory.activation_checkpointing != "none":
+        raise ConfigError("model.share_layers > 1 with memory.activation_checkpointing="
+                          f"{cfg.memory.activation_checkpointing}: recompute of shared blocks is not supported yet; "
+                          "use memory.activation_checkpointing=none")
     if d.seq_len > m.max_text_len:
         raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_text_len ({m.max_text_len})")
     if m.vocab_size < BYTE_VOCAB_SIZE:

@@ -101,8 +101,14 @@ class ModelState:
         self.sharded, self.offload = sharded, offload
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """name -> tensor (shares the model's storage: a load writes straight into the weights)."""
-        return {name: t.detach() for name, t in self.sharded.model.state_dict().items()}
+        """name -> tensor (shares the model's storage: a load writes straight into the weights).
+        A tensor that several blocks share (model.share_layers) appears once, under its first name."""
+        out, seen = {}, set()
+        for name, t in self.sharded.model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[name] = t.detach()
+        return out
 
     def global_shapes(self) -> dict[str, torch.Size]:
         return {name: global_shape(self.sharded, name, t) for name, t in self.tensors().items()}
