@@ -279,6 +279,9 @@ class TrainConfig:
     # Bitwise reproducible on CUDA too (torch's deterministic algorithms, pinned cuDNN and cuBLAS
     # workspace; slower there). On CPU m6 is bitwise reproducible either way. See m6.train.determinism.
     deterministic: bool = False
+    # Pseudo-to-real: after this step the model.share_layers blocks are delinked in the run (its
+    # checkpoint is delinked and the real model resumes from it); 0 = never.
+    delink_at_step: int = 0
 
     def validate(self) -> None:
         """Check the train keys on their own."""
@@ -291,6 +294,9 @@ class TrainConfig:
                                   f"train.global_batch_size ({self.global_batch_size})")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"train.peak_tflops must be > 0 or null, got {self.peak_tflops}")
+        if not 0 <= self.delink_at_step < self.max_steps:
+            raise ConfigError(f"train.delink_at_step must be >= 0 (0 = never) and below train.max_steps "
+                              f"({self.max_steps}), got {self.delink_at_step}")
 
 
 @dataclass
@@ -453,6 +459,9 @@ class Config:
 def _check_cross_section(cfg: Config) -> None:
     """The rules that tie one section to another, each naming every key involved."""
     m, d = cfg.model, cfg.data
+    if cfg.train.delink_at_step and m.share_layers == 1:
+        raise ConfigError(f"train.delink_at_step={cfg.train.delink_at_step} needs model.share_layers > 1 (blocks "
+                          f"that share weights to delink)")
     if m.share_layers > 1 and cfg.memory.offload == "optimizer+params":
         raise ConfigError("model.share_layers > 1 with memory.offload=optimizer+params: parameter streaming moves "
                           "each block's weights on its own and a shared weight belongs to several blocks; use "

@@ -367,16 +367,18 @@ class Trainer:
         self._print_main(checkpoint_line(saved.step, saved.path.resolve(), saved.nbytes, saved.seconds, saved.asynchronous))
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def fit(self) -> list[dict]:
-        """Train to train.max_steps; returns the per-step metrics of this process's steps."""
+    def fit(self, stop_at: int | None = None) -> list[dict]:
+        """Train to train.max_steps (or to step ``stop_at``, with a checkpoint there, the schedule
+        still that of max_steps); returns the per-step metrics of this process's steps."""
         cfg = self.cfg
         started, first_step = time.perf_counter(), self.step
         stop = StopOnSignal(self.sharded.groups.checkpoint if self.world_size > 1 else None)
+        end = cfg.train.max_steps if stop_at is None else stop_at
         try:
-            while self.step < cfg.train.max_steps:
+            while self.step < end:
                 metrics = self.train_step()
                 self.history.append({"step": self.step, **metrics})
-                last = self.step == cfg.train.max_steps
+                last = self.step == end
                 if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
                     bias_scalars, biases = self.expert_bias.log_values()
@@ -427,5 +429,9 @@ class Trainer:
 
 
 def train(cfg: Config) -> list[dict]:  # the CLI's one call
-    """Build a Trainer for ``cfg`` and run it to completion."""
+    """Build a Trainer for ``cfg`` and run it to completion (delinking on the way when
+    train.delink_at_step is set: m6.train.pseudo_to_real)."""
+    if cfg.train.delink_at_step:
+        from m6.train.pseudo_to_real import train_pseudo_to_real  # it builds Trainers: imported when used
+        return train_pseudo_to_real(cfg, Trainer)
     return Trainer(cfg).fit()

@@ -17,7 +17,7 @@ from m6.config import Config, ConfigError, load
 from m6.model import M6Model
 from m6.model.flops import count_parameters
 from m6.model.shared_blocks import delinked_copies
-from m6.train.loop import Trainer
+from m6.train.loop import Trainer, train
 from tests.smoke.test_train import SMALL, TINY
 
 PSEUDO = ["model.num_layers=4", "model.share_layers=2", "model.moe.every=1", "logging.every=1", "train.eval_every=0",
@@ -25,6 +25,8 @@ PSEUDO = ["model.num_layers=4", "model.share_layers=2", "model.moe.every=1", "lo
 
 
 def test_config_checks():
+    with pytest.raises(ConfigError, match="needs model.share_layers > 1"):
+        load(TINY, [*SMALL, "train.delink_at_step=2"])
     for overrides, message in (({"share_layers": 3}, "must divide model.num_layers"),
                                ({"share_layers": 0}, "integer >= 1"),
                                ({"share_layers": 2, "moe_every": 2}, "mix MoE and dense")):
@@ -63,7 +65,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 def test_delinked_checkpoint_continues_the_shared_model(tmp_path: Path, capsys: pytest.CaptureFixture):
     pseudo_dir, real_dir = tmp_path / "pseudo", tmp_path / "real"
-    Trainer(load(TINY, [*SMALL, *PSEUDO, "train.max_steps=4", f"run.dir={pseudo_dir}"])).fit()
+    Trainer(load(TINY, [*SMALL, *PSEUDO, "train.max_steps=5", f"run.dir={pseudo_dir}"])).fit()
     step3 = pseudo_dir / "checkpoints" / "step_00000003"
     assert checkpoint_cli(["delink", str(step3), str(real_dir)]) == 0
     assert "step 3" in capsys.readouterr().out
@@ -100,3 +102,16 @@ def test_delinked_checkpoint_continues_the_shared_model(tmp_path: Path, capsys: 
 
     assert checkpoint_cli(["delink", str(real_dir), str(tmp_path / "twice")]) == 2
     assert "nothing to delink" in capsys.readouterr().err
+
+    # train.delink_at_step=3 in one run: the shared run's steps 1-3, then the offline-delinked run's.
+    in_run = tmp_path / "in_run"
+    history = train(load(TINY, [*SMALL, *PSEUDO, "train.delink_at_step=3", "train.max_steps=5", f"run.dir={in_run}"]))
+    assert "delinked the model.share_layers=2 blocks" in capsys.readouterr().out
+    expected = [(r["step"], r["loss"], r["grad_norm"]) for r in shared_rows[:3] + real_rows]
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in history] == expected
+    assert [(r["step"], r["loss"]) for r in rows(in_run)] == [(step, loss) for step, loss, _ in expected]
+    # Restarted after the delink: the real model resumes from the run's latest checkpoint.
+    (in_run / "checkpoints" / "latest").unlink()
+    shutil.rmtree(in_run / "checkpoints" / "step_00000005")
+    again = train(load(TINY, [*SMALL, *PSEUDO, "train.delink_at_step=3", "train.max_steps=5", f"run.dir={in_run}"]))
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in again] == expected[3:]
