@@ -36,6 +36,7 @@ from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
 from m6.train.preemption import StopOnSignal
+from m6.train.pseudo_to_real import train_pseudo_to_real
 from m6.train.run_directory import prepare_run_dir
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.tensorboard_writer import require_tensorboard
@@ -432,6 +433,5 @@ def train(cfg: Config) -> list[dict]:  # the CLI's one call
     """Build a Trainer for ``cfg`` and run it to completion (delinking on the way when
     train.delink_at_step is set: m6.train.pseudo_to_real)."""
     if cfg.train.delink_at_step:
-        from m6.train.pseudo_to_real import train_pseudo_to_real  # it builds Trainers: imported when used
         return train_pseudo_to_real(cfg, Trainer)
     return Trainer(cfg).fit()
