@@ -122,3 +122,18 @@ def test_config_checks_the_rate():
             cfg.validate()
     with pytest.raises(ValueError, match="force_balance"):
         MoELayer(8, 16, 4, force_balance=True, expert_bias_update_rate=0.1, init_seed=0)
+
+
+def test_init_from_weights_saved_without_a_bias_starts_it_at_zero():
+    from m6.checkpoint.errors import CheckpointError
+    from m6.checkpoint.init_from import plan_init
+
+    saved = {"blocks.1.ffn.router.weight": torch.Size([4, 8]), "blocks.1.ffn.experts.w_in": torch.Size([4, 8, 16])}
+    model = {**saved, "blocks.1.ffn.expert_bias": torch.Size([4])}
+    plan = plan_init(model, saved, "old-run")
+    assert plan.fresh_biases == ["blocks.1.ffn.expert_bias"] and sorted(plan.by_name) == sorted(saved)
+    dense = {"blocks.1.ffn.fc_in.weight": torch.Size([16, 8]), "blocks.1.ffn.fc_out.weight": torch.Size([8, 16])}
+    upcycled = plan_init({**model, "blocks.1.ffn.experts.w_out": torch.Size([4, 16, 8])}, dense, "dense-run")
+    assert "blocks.1.ffn.expert_bias" in upcycled.fresh and upcycled.upcycled == ["blocks.1.ffn."]
+    with pytest.raises(CheckpointError, match="missing in checkpoint: blocks.1.ffn.router.weight"):
+        plan_init(model, {"blocks.1.ffn.experts.w_in": torch.Size([4, 8, 16])}, "old-run")
