@@ -70,6 +70,10 @@ class MoEConfig:
     # TF32 tensor cores; bf16 = inputs cast to bf16 (Megatron-Core's default); auto = tf32 on CUDA,
     # fp32 elsewhere.
     router_dtype: Literal["auto", "fp32", "tf32", "bf16"] = "auto"
+    # Auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores for choosing
+    # the top-k only, moved by this much after every optimizer step toward even load (from the
+    # step's global counts); 0 = off. Works with or without aux_loss_coef.
+    expert_bias_update_rate: float = 0.0
 
     def validate(self) -> None:
         """Check the model.moe keys on their own."""
@@ -95,6 +99,12 @@ class MoEConfig:
             raise ConfigError(f"model.moe.router_dtype must be 'auto', 'fp32', 'tf32' or 'bf16', got {self.router_dtype!r}")
         if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
             raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
+        if not (0 <= self.expert_bias_update_rate < math.inf):
+            raise ConfigError(f"model.moe.expert_bias_update_rate must be a finite number >= 0 (0 = off), "
+                              f"got {self.expert_bias_update_rate}")
+        if self.expert_bias_update_rate > 0 and self.force_balance:
+            raise ConfigError("model.moe.expert_bias_update_rate > 0 and model.moe.force_balance=true exclude each "
+                              "other: forced routing ignores the scores the bias steers")
 
 
 @dataclass
@@ -115,6 +125,9 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Pseudo-to-real (M6-10T): blocks in consecutive groups of this many share one set of weights
+    # (1 = off); delink with train.delink_at_step or `python -m m6.checkpoint delink`.
+    share_layers: int = 1
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self) -> None:
@@ -136,12 +149,29 @@ class ModelConfig:
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
         self.moe.validate()
+        self._check_share_layers()
         expert_ffn = self.moe.ffn_dim if self.moe.ffn_dim is not None else self.ffn_dim
         if self.moe.expert_kernel == "grouped_mm" and (self.d_model % 8 or expert_ffn % 8):
             # The grouped GEMM needs 16-byte strides (8 bf16 elements); auto falls back to the loop instead.
             raise ConfigError(f"model.moe.expert_kernel=grouped_mm needs model.d_model ({self.d_model}) and the expert "
                               f"ffn_dim ({expert_ffn}, model.moe.ffn_dim or model.ffn_dim) to be multiples of 8; "
                               f"use model.moe.expert_kernel=auto or loop")
+
+
+    def _check_share_layers(self) -> None:
+        k = self.share_layers
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"model.share_layers must be an integer >= 1 (1 = no sharing), got {k!r}")
+        if self.num_layers % k:
+            raise ConfigError(f"model.share_layers ({k}) must divide model.num_layers ({self.num_layers})")
+        every = self.moe.every
+        for start in range(0, self.num_layers, k):
+            kinds = {every > 0 and (i + 1) % every == 0 for i in range(start, start + k)}
+            if len(kinds) > 1:
+                raise ConfigError(f"model.share_layers ({k}) groups blocks {start}..{start + k - 1}, which mix MoE "
+                                  f"and dense FFNs (model.moe.every={every}); a group shares one set of weights, so "
+                                  f"its blocks must be of one kind: make model.moe.every 1 or a multiple of "
+                                  f"model.share_layers")
 
 
 @dataclass
@@ -249,6 +279,9 @@ class TrainConfig:
     # Bitwise reproducible on CUDA too (torch's deterministic algorithms, pinned cuDNN and cuBLAS
     # workspace; slower there). On CPU m6 is bitwise reproducible either way. See m6.train.determinism.
     deterministic: bool = False
+    # Pseudo-to-real: after this step the model.share_layers blocks are delinked in the run (its
+    # checkpoint is delinked and the real model resumes from it); 0 = never.
+    delink_at_step: int = 0
 
     def validate(self) -> None:
         """Check the train keys on their own."""
@@ -261,6 +294,9 @@ class TrainConfig:
                                   f"train.global_batch_size ({self.global_batch_size})")
         if self.peak_tflops is not None and self.peak_tflops <= 0:
             raise ConfigError(f"train.peak_tflops must be > 0 or null, got {self.peak_tflops}")
+        if not 0 <= self.delink_at_step < self.max_steps:
+            raise ConfigError(f"train.delink_at_step must be >= 0 (0 = never) and below train.max_steps "
+                              f"({self.max_steps}), got {self.delink_at_step}")
 
 
 @dataclass
@@ -432,6 +468,17 @@ class Config:
 def _check_cross_section(cfg: Config) -> None:
     """The rules that tie one section to another, each naming every key involved."""
     m, d = cfg.model, cfg.data
+    if cfg.train.delink_at_step and m.share_layers == 1:
+        raise ConfigError(f"train.delink_at_step={cfg.train.delink_at_step} needs model.share_layers > 1 (blocks "
+                          f"that share weights to delink)")
+    if m.share_layers > 1 and cfg.memory.offload == "optimizer+params":
+        raise ConfigError("model.share_layers > 1 with memory.offload=optimizer+params: parameter streaming moves "
+                          "each block's weights on its own and a shared weight belongs to several blocks; use "
+                          "memory.offload=none or optimizer")
+    if m.share_layers > 1 and cfg.memory.activation_checkpointing != "none":
+        raise ConfigError("model.share_layers > 1 with memory.activation_checkpointing="
+                          f"{cfg.memory.activation_checkpointing}: recompute of shared blocks is not supported yet; "
+                          "use memory.activation_checkpointing=none")
     if d.seq_len > m.max_text_len:
         raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_text_len ({m.max_text_len})")
     if m.vocab_size < BYTE_VOCAB_SIZE:
@@ -450,6 +497,10 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with memory.offload={cfg.memory.offload}: m6's offload "
                           "keeps whole host masters of every parameter, which sharding splits over ranks; not "
                           "supported together yet (use one of them; memory.host_optimizer needs offload)")
+    if cfg.parallel.shard != "none" and m.share_layers > 1:
+        raise ConfigError(f"parallel.shard={cfg.parallel.shard} with model.share_layers={m.share_layers}: FSDP2 shards "
+                          "each block's parameters on their own and a shared weight belongs to several blocks; not "
+                          "supported together yet (train the pseudo giant with parallel.shard=none, delink, then shard)")
     if cfg.parallel.shard != "none" and cfg.memory.activation_checkpointing == "auto":
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with memory.activation_checkpointing=auto: the auto "
                           "plan measures saved activations by telling them apart from the parameters' storages, "

@@ -30,6 +30,7 @@ from m6.checkpoint.stateful import ModelTensors
 
 _PREFIX = "model/"
 _MOE_FFN = re.compile(r"^(blocks\.\d+\.ffn\.)experts\.w_in$")
+_EXPERT_BIAS = ".ffn.expert_bias"  # model.moe.expert_bias_update_rate > 0
 _MAX_LISTED_DIFFS = 5
 
 
@@ -42,6 +43,7 @@ class InitPlan:
     upcycled: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)  # dense biases with no expert counterpart
     fresh: list[str] = field(default_factory=list)  # routers of upcycled layers: keep their init
+    fresh_biases: list[str] = field(default_factory=list)  # expert biases the checkpoint lacks: start at 0
 
 
 def plan_init(model_shapes: dict[str, torch.Size], saved_shapes: dict[str, torch.Size], source: str) -> InitPlan:
@@ -58,7 +60,7 @@ def plan_init(model_shapes: dict[str, torch.Size], saved_shapes: dict[str, torch
         diffs += _upcycle_differences(ffn, model_shapes, saved_shapes)
         for key in [k for k in model_rest if k.startswith(ffn)]:
             del model_rest[key]
-            if key.startswith(f"{ffn}router."):
+            if key.startswith(f"{ffn}router.") or key == f"{ffn}expert_bias":
                 plan.fresh.append(key)
             elif key not in (f"{ffn}experts.w_in", f"{ffn}experts.w_out", f"{ffn}experts.w_gate"):
                 diffs.append(f"{key}: no dense counterpart to upcycle it from")
@@ -66,6 +68,10 @@ def plan_init(model_shapes: dict[str, torch.Size], saved_shapes: dict[str, torch
             del saved_rest[key]
             if key.endswith(".bias"):
                 plan.dropped.append(key)
+    for key in [k for k in model_rest if k.endswith(_EXPERT_BIAS) and k not in saved_rest]:
+        # Aux-free balancing turned on over weights trained without it: the bias starts at zero.
+        del model_rest[key]
+        plan.fresh_biases.append(key)
     diffs += shape_differences({k: torch.Size(v) for k, v in model_rest.items()}, saved_rest)
     if diffs:
         shown = "\n  ".join(diffs[:_MAX_LISTED_DIFFS])
@@ -140,6 +146,9 @@ def _report(log: Callable[[str], None], source: str | Path, ckpt: Path, step, pl
         layers = ", ".join(ffn[:-len(".ffn.")] for ffn in plan.upcycled)
         log(f"checkpoint.init_from: upcycled the dense FFN of {layers} into every expert; the router"
             f"{'s keep their' if len(plan.upcycled) > 1 else ' keeps its'} fresh init")
+    if plan.fresh_biases:
+        log(f"checkpoint.init_from: the checkpoint has no aux-free expert bias for {len(plan.fresh_biases)} MoE "
+            f"layer(s) (saved without model.moe.expert_bias_update_rate); their biases start at 0")
     if plan.dropped:
         log(f"warning: checkpoint.init_from: dropped dense FFN biases that experts do not have: "
             f"{', '.join(plan.dropped)}")

@@ -56,8 +56,10 @@ def count_parameters(model: nn.Module) -> ModelSize:
     """Exact counts from the module tree (meta tensors welcome)."""
     total = sum(p.numel() for p in model.parameters())
     expert = active_expert = 0
+    counted: set[int] = set()  # experts shared by several MoE layers (model.share_layers) count once
     for module in model.modules():
-        if isinstance(module, MoELayer):
+        if isinstance(module, MoELayer) and id(module.experts) not in counted:
+            counted.add(id(module.experts))
             n = sum(p.numel() for p in module.experts.parameters())
             expert += n
             active_expert += n * module.router.num_assignments / module.num_experts

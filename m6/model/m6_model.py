@@ -18,6 +18,7 @@ from m6.model.cast_on_use import linear
 from m6.model.embeddings import PatchEmbedding, TextEmbedding
 from m6.model.mask import prefix_lm_mask
 from m6.model.recomputable import RecomputablePart
+from m6.model.shared_blocks import share_block_weights
 from m6.moe import MoELayer
 
 IMAGE, TEXT = 0, 1  # rows of the modality embedding
@@ -35,7 +36,7 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
             score_function=moe.score_function, normalize_weights=moe.normalize_weights,
             router_jitter=moe.router_jitter, force_balance=moe.force_balance, aux_loss_coef=moe.aux_loss_coef,
             z_loss_coef=moe.z_loss_coef, init_std=cfg.init_std, expert_kernel=moe.expert_kernel,
-            router_dtype=moe.router_dtype,
+            router_dtype=moe.router_dtype, expert_bias_update_rate=moe.expert_bias_update_rate,
         )
     return DenseMLP(cfg.d_model, cfg.ffn_dim)
 
@@ -56,6 +57,7 @@ class M6Model(nn.Module):
             TransformerBlock(cfg.d_model, cfg.num_heads, build_ffn(cfg, i), cfg.dropout, cfg.norm_eps)
             for i in range(cfg.num_layers)
         )
+        share_block_weights(self.blocks, cfg.share_layers)  # pseudo-to-real: the pseudo giant
         self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()

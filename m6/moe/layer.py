@@ -38,6 +38,8 @@ class MoEStats:
     dropped_fraction: fp32 [] dropped / all assignments.
     router_entropy: fp32 [] mean per-token entropy of the router scores (nats).
     aux_loss, z_loss: fp32 [] the unweighted load-balancing and z losses.
+    routed_local: int64 [E] assignments of this process's tokens routed to each expert (before
+        capacity), never reduced: what the expert-bias update sums over micro-batches and ranks.
     """
 
     tokens_per_expert: torch.Tensor
@@ -47,6 +49,7 @@ class MoEStats:
     router_entropy: torch.Tensor
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
+    routed_local: torch.Tensor
 
 
 def _require_positive(name: str, value: int) -> None:
@@ -69,6 +72,11 @@ class MoELayer(nn.Module):
     and micro-batch it lands in, so capacity runs match across world sizes, micro-batch sizes
     and accumulation like dropless ones. ``"batch"``: one group of all the tokens in this call
     (Switch/DeepSpeed semantics: it changes with how the global batch is split).
+
+    ``expert_bias_update_rate > 0``: auxiliary-loss-free balancing (DeepSeek-V3). The buffer
+    ``expert_bias`` [E] is added to the router scores for choosing the top-k only, and
+    ``update_expert_bias(counts_E)`` moves it after each optimizer step; the caller totals the
+    step's counts (all micro-batches, all ranks), so the layer never communicates for it.
     """
 
     # Swappable from outside (m6.parallel installs the expert-parallel dispatcher and the cross-rank
@@ -97,6 +105,7 @@ class MoELayer(nn.Module):
         init_seed: Optional[int] = None,
         expert_kernel: ExpertKernel = "auto",
         router_dtype: RouterDtype = "auto",
+        expert_bias_update_rate: float = 0.0,
     ) -> None:
         super().__init__()
         # Each argument rule is checked in one place: here the sizes that router, experts and
@@ -119,6 +128,11 @@ class MoELayer(nn.Module):
             raise ValueError(f"capacity_group must be 'sequence' or 'batch', got {capacity_group!r}")
         if aux_loss_coef < 0 or z_loss_coef < 0:
             raise ValueError(f"aux_loss_coef and z_loss_coef must be >= 0, got {aux_loss_coef}, {z_loss_coef}")
+        if not (expert_bias_update_rate >= 0 and math.isfinite(expert_bias_update_rate)):
+            raise ValueError(f"expert_bias_update_rate must be a finite number >= 0, got {expert_bias_update_rate!r}")
+        if expert_bias_update_rate > 0 and force_balance:
+            raise ValueError("expert_bias_update_rate and force_balance exclude each other: forced routing ignores "
+                             "the scores the bias steers")
         self.d_model, self.num_experts = d_model, num_experts
         self.capacity_factor, self.min_capacity, self.capacity_group = capacity_factor, min_capacity, capacity_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
@@ -133,6 +147,13 @@ class MoELayer(nn.Module):
         self.dispatcher = LocalDispatcher()
         self.stats_reducer = LocalRoutingStats()
         self.stats: Optional[MoEStats] = None
+        self.expert_bias_update_rate = expert_bias_update_rate
+        if expert_bias_update_rate > 0:
+            # A buffer, not a parameter: no gradient, no optimizer; checkpointed with the weights,
+            # the same on every rank (each applies the same update to the same global counts).
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
     def capacity(self, num_tokens: int) -> Optional[int]:
         """Per-expert slot count for a routing group of ``num_tokens`` real tokens (None when dropless)."""
@@ -149,13 +170,30 @@ class MoELayer(nn.Module):
         and get a zero output.
         """
         x_TD, token_mask_T = self._flatten(x, token_mask)
-        routing = self.router(x_TD)
+        routing = self.router(x_TD, self.expert_bias)
         plan = self.dispatch_plan(routing, token_mask_T, self._group_size(x))
         x_ND, splits, handle = self.dispatcher.dispatch(x_TD, plan)
         y_ND = self.experts(x_ND, splits)
         y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
         aux_loss, self.stats = self.aux_loss_and_stats(routing, plan, token_mask_T)
         return y_TD.view(x.shape), aux_loss
+
+    def reset_parameters(self) -> None:
+        """The expert bias starts at zero (also after materialising a model built on ``meta``)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts_E: torch.Tensor) -> None:
+        """One aux-free balancing update from ``counts_E`` [E], the assignments routed to each
+        expert in the whole step (all micro-batches and ranks): each expert's bias moves by the rate
+        toward the mean load of its prototype group, up when under-loaded, down when over-loaded
+        (0 when exactly at it)."""
+        assert self.expert_bias is not None, "update_expert_bias needs expert_bias_update_rate > 0"
+        P = self.router.num_prototypes
+        load_PG = counts_E.to(torch.float64).view(P, self.num_experts // P)
+        step_PG = torch.sign(load_PG.mean(dim=1, keepdim=True) - load_PG)
+        self.expert_bias += (self.expert_bias_update_rate * step_PG).reshape(-1).to(self.expert_bias.dtype)
 
     def _flatten(self, x: torch.Tensor, token_mask: Optional[torch.Tensor]
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -222,5 +260,6 @@ class MoELayer(nn.Module):
             router_entropy=entropy_T.sum() / num_routed.clamp_min(1),
             aux_loss=balance.detach(),
             z_loss=z.detach(),
+            routed_local=plan.routed_counts_E.detach(),
         )
         return aux_loss, stats

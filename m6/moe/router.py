@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Literal
+from typing import Iterator, Literal, Optional
 
 import torch
 from torch import nn
@@ -127,8 +127,12 @@ class TopKRouter(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=0.02)
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
-        """Route [T, D] tokens; fp32 logits whatever the surrounding autocast says."""
+    def forward(self, x_TD: torch.Tensor, selection_bias_E: Optional[torch.Tensor] = None) -> Routing:
+        """Route [T, D] tokens; fp32 logits whatever the surrounding autocast says.
+
+        ``selection_bias_E`` [E] (auxiliary-loss-free balancing): added to the scores for choosing
+        the top-k only; the combine weights and the balance probabilities stay the unbiased scores.
+        """
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             # At least fp32 (float64 stays float64, for reference checks).
             compute_dtype = torch.promote_types(self.weight.dtype, torch.float32)
@@ -137,7 +141,7 @@ class TopKRouter(nn.Module):
                 # Switch-Transformer multiplicative jitter: explores routings early in training.
                 noise = torch.empty_like(x_TD).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
                 x_TD = x_TD * noise
-            return self._select(self._logits(x_TD, self.weight.to(compute_dtype)))
+            return self._select(self._logits(x_TD, self.weight.to(compute_dtype)), selection_bias_E)
 
     def _logits(self, x_TD: torch.Tensor, w_ED: torch.Tensor) -> torch.Tensor:
         """[T, E] logits in x's dtype (fp32, or float64 for reference checks: always exact)."""
@@ -148,7 +152,7 @@ class TopKRouter(nn.Module):
             return (x_TD.to(torch.bfloat16) @ w_ED.to(torch.bfloat16).t()).float()
         return _TF32Logits.apply(x_TD, w_ED)
 
-    def _select(self, logits_TE: torch.Tensor) -> Routing:
+    def _select(self, logits_TE: torch.Tensor, selection_bias_E: Optional[torch.Tensor] = None) -> Routing:
         T, E = logits_TE.shape
         P = self.num_prototypes
         logits_TPG = logits_TE.view(T, P, E // P)
@@ -166,6 +170,11 @@ class TopKRouter(nn.Module):
             slots_T1k = torch.arange(T, device=logits_TE.device).view(T, 1, 1) * self.top_k + \
                 torch.arange(self.top_k, device=logits_TE.device).view(1, 1, self.top_k)
             top_local_TPk = (slots_T1k % (E // P)).expand(T, P, self.top_k)
+            top_scores_TPk = scores_TPG.gather(-1, top_local_TPk)
+        elif selection_bias_E is not None:
+            # DeepSeek-V3: the bias steers which experts are chosen, never how much they weigh.
+            choice_TPG = scores_TPG + selection_bias_E.to(scores_TPG.dtype).view(P, E // P)
+            top_local_TPk = torch.topk(choice_TPG, self.top_k, dim=-1).indices
             top_scores_TPk = scores_TPG.gather(-1, top_local_TPk)
         else:
             top_scores_TPk, top_local_TPk = torch.topk(scores_TPG, self.top_k, dim=-1)

@@ -91,12 +91,15 @@ def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
 def keep_local_experts(plan: ParallelPlan, layout: ParallelLayout) -> None:
     """The parameter half of a plan: each split MoE layer keeps only this rank's experts (no
     process group needed, so the planner sizes any rank of any layout with it on ``meta``)."""
+    sharded: dict[int, GroupedExperts] = {}  # layers that share experts (model.share_layers) keep sharing them
     for module in plan.split:
         if module.num_experts % layout.expert_parallel_size:
             raise ValueError(f"model.moe.num_experts ({module.num_experts}) must be divisible by "
                              f"parallel.expert_parallel_size ({layout.expert_parallel_size})")
         count = module.num_experts // layout.expert_parallel_size
-        module.experts = _shard_experts(module.experts, layout.ep_rank * count, count)
+        if id(module.experts) not in sharded:
+            sharded[id(module.experts)] = _shard_experts(module.experts, layout.ep_rank * count, count)
+        module.experts = sharded[id(module.experts)]
 
 
 def classify_parameters(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups) -> ShardedModel:

@@ -16,7 +16,7 @@ from matplotlib.colors import Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from m6.report.run_files import ExpertLoad, RunRecord
+from m6.report.run_files import ExpertBias, ExpertLoad, RunRecord
 
 MAX_EXPERT_ROWS = 64  # above this, neighbouring experts share a heatmap row: ~3 px a row at 100 dpi
 MAX_STEP_COLUMNS = 400  # above this, neighbouring logged steps share a heatmap column
@@ -196,6 +196,37 @@ def _heatmap(ax: Axes, name: str, load: ExpertLoad, x_range: tuple[float, float]
     return mesh
 
 
+def bias_image(bias: ExpertBias) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """What a bias heatmap draws: bias [rows of experts, columns of steps], column and row edges, and
+    the expert and step group sizes (steps share a column by their mean, experts a row by the bias
+    furthest from 0, as the load heatmap groups them)."""
+    by_step, step_starts = group_mean(bias.bias, axis=0, max_groups=MAX_STEP_COLUMNS)
+    image, expert_starts = group_extreme(by_step, max_groups=MAX_EXPERT_ROWS)
+    edges = _bin_edges(bias.steps.astype(np.float64))
+    x_edges = np.append(edges[step_starts], edges[-1])
+    y_edges = np.append(expert_starts, bias.num_experts).astype(np.float64)
+    expert_group = int(expert_starts[1] - expert_starts[0]) if len(expert_starts) > 1 else bias.num_experts
+    step_group = int(step_starts[1] - step_starts[0]) if len(step_starts) > 1 else 1
+    return image.T, x_edges, y_edges, expert_group, step_group
+
+
+def _bias_heatmap(ax: Axes, name: str, bias: ExpertBias, x_range: tuple[float, float], norm: Normalize):
+    image, x_edges, y_edges, expert_group, step_group = bias_image(bias)
+    mesh = ax.pcolormesh(x_edges, y_edges, image, cmap="PuOr_r", norm=norm, shading="flat")
+    _step_axis(ax, x_range, grid=False)
+    ax.set_ylim(bias.num_experts, 0)
+    grouped = ""
+    if expert_group > 1:
+        grouped += f"; a row: the largest |bias| of {expert_group} experts"
+    if step_group > 1:
+        grouped += f"; a column: mean of {step_group} logged steps"
+    ax.set_title(f"{name}: expert bias (aux-free balancing{grouped})", fontsize=10)
+    ax.set_ylabel("expert")
+    ax.yaxis.set_major_locator(FixedLocator(_expert_ticks(bias.num_experts)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(int(v))))
+    return mesh
+
+
 def _expert_ticks(num_experts: int) -> list[float]:
     """At most ~8 integer expert ids, centred on their row when each expert has one."""
     step = max(1, math.ceil(num_experts / 8))
@@ -207,8 +238,10 @@ def build_figure(run: RunRecord) -> Figure:
     """The whole picture of ``run``: six panels over steps, then one expert-load heatmap per MoE layer."""
     layers = run.moe_layers()
     loads = [(name, run.expert_load[name]) for name in layers if name in run.expert_load]
-    heat_cols = 1 if len(loads) == 1 else 2
-    heat_rows = math.ceil(len(loads) / heat_cols)
+    # Aux-free balancing: each layer's bias heatmap beside its load heatmap (one layer a row).
+    biases = [run.expert_bias.get(name) for name, _ in loads] if run.expert_bias else []
+    heat_cols = 2 if biases else (1 if len(loads) == 1 else 2)
+    heat_rows = len(loads) if biases else math.ceil(len(loads) / heat_cols)
     panel_rows = 3
     height = panel_rows * PANEL_H + heat_rows * HEATMAP_H + (0.9 if loads else 0.0) + 0.6
     fig = Figure(figsize=(2 * PANEL_W, height), dpi=DPI, layout="constrained")
@@ -245,13 +278,16 @@ def build_figure(run: RunRecord) -> Figure:
         top = min(LOAD_RANGE_LOG2, max(1, int(math.log2(num_experts))))
         norm = TwoSlopeNorm(vcenter=0.0, vmin=-LOAD_RANGE_LOG2, vmax=top)
         heat_axes = bottom.subplots(heat_rows, heat_cols, squeeze=False)
+        load_axes = heat_axes[:, 0] if biases else heat_axes
         mesh = None
-        for ax, (layer, load) in zip(heat_axes.flat, loads):
+        for ax, (layer, load) in zip(load_axes.flat, loads):
             mesh = _heatmap(ax, layer, load, x_range, norm)
-        for ax in list(heat_axes.flat)[len(loads):]:
+        for ax in list(load_axes.flat)[len(loads):]:
             ax.set_visible(False)
+        if biases:
+            _bias_column(heat_axes[:, 1], bottom, [name for name, _ in loads], biases, x_range, heat_rows)
         # One bar for all heatmaps, at most ~4 inches tall however many layers there are.
-        bar = bottom.colorbar(mesh, ax=heat_axes, shrink=min(0.9, 4.0 / (heat_rows * HEATMAP_H)), aspect=20,
+        bar = bottom.colorbar(mesh, ax=load_axes, shrink=min(0.9, 4.0 / (heat_rows * HEATMAP_H)), aspect=20,
                               pad=0.01)
         ticks = list(range(-LOAD_RANGE_LOG2, top + 1))
         bar.set_ticks(ticks)
@@ -260,6 +296,23 @@ def build_figure(run: RunRecord) -> Figure:
         bottom.suptitle("Expert load: each expert's share of its layer's tokens at each logged step, log colour "
                         "scale; white = even (1/E), red = overloaded, blue = underused", fontsize=11)
     return fig
+
+
+def _bias_column(axes: np.ndarray, fig, names: list[str], biases: list[ExpertBias | None],
+                 x_range: tuple[float, float], heat_rows: int) -> None:
+    """The bias heatmaps, one beside each load heatmap, on one colour scale centred at 0."""
+    largest = max((float(np.abs(b.bias).max()) for b in biases if b is not None), default=0.0) or 1.0
+    norm = Normalize(vmin=-largest, vmax=largest)
+    mesh = None
+    for ax, name, bias in zip(axes, names, biases):
+        if bias is None:
+            ax.set_title(f"{name}: expert bias")
+            _no_data(ax, "no expert_bias logged for this layer")
+            continue
+        mesh = _bias_heatmap(ax, name, bias, x_range, norm)
+    if mesh is not None:
+        bar = fig.colorbar(mesh, ax=axes, shrink=min(0.9, 4.0 / (heat_rows * HEATMAP_H)), aspect=20, pad=0.01)
+        bar.set_label("bias added to the scores for choosing (orange > 0: favoured)")
 
 
 def render_png(run: RunRecord) -> bytes:

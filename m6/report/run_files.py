@@ -20,6 +20,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.yaml"
 EXPERT_TOKENS_KEY = "expert_tokens"
+EXPERT_BIAS_KEY = "expert_bias"
 EVAL_PREFIX = "eval/"
 MOE_PREFIX = "moe/"
 
@@ -46,6 +47,18 @@ class ExpertLoad:
 
 
 @dataclass
+class ExpertBias:
+    """One MoE layer's aux-free balancing bias per expert at each logged step: steps [T], bias float64 [T, E]."""
+
+    steps: np.ndarray
+    bias: np.ndarray
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.bias.shape[1])
+
+
+@dataclass
 class RunRecord:
     """One run's logged rows (one per step: the last written wins) and its end-of-run files."""
 
@@ -56,6 +69,7 @@ class RunRecord:
     summary: dict[str, Any] | None  # summary.json, None when the run did not finish
     config: dict[str, Any] | None  # config.yaml as a plain dict
     notes: list[str] = field(default_factory=list)  # what was missing or skipped, for the page
+    expert_bias: dict[str, ExpertBias] = field(default_factory=dict)  # layers with aux-free balancing
 
     @property
     def steps(self) -> list[int]:
@@ -98,11 +112,13 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarra
     return steps, np.array([p[1] for p in pairs], dtype=np.float64)
 
 
-def _read_rows(path: Path) -> tuple[dict[int, dict], dict[int, dict], dict[int, dict], list[str]]:
-    """Training, eval and expert-token rows by step (the last line written for a step wins), and notes."""
+def _read_rows(path: Path) -> tuple[dict[int, dict], dict[int, dict], dict[int, dict], dict[int, dict], list[str]]:
+    """Training, eval, expert-token and expert-bias rows by step (the last line written for a step
+    wins), and notes."""
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     tokens: dict[int, dict] = {}
+    biases: dict[int, dict] = {}
     notes: list[str] = []
     bad_lines: list[int] = []
     repeated = 0
@@ -120,6 +136,7 @@ def _read_rows(path: Path) -> tuple[dict[int, dict], dict[int, dict], dict[int, 
                 bad_lines.append(number)
                 continue
             counts = row.pop(EXPERT_TOKENS_KEY, None)
+            bias = row.pop(EXPERT_BIAS_KEY, None)
             eval_part = {k: v for k, v in row.items() if k.startswith(EVAL_PREFIX)}
             train_part = {k: v for k, v in row.items() if not k.startswith(EVAL_PREFIX)}
             if eval_part:
@@ -129,15 +146,46 @@ def _read_rows(path: Path) -> tuple[dict[int, dict], dict[int, dict], dict[int, 
                 train[step] = train_part
                 # A resumed row without counts must not keep the counts of the row it replaces.
                 tokens.pop(step, None)
+                biases.pop(step, None)
                 if isinstance(counts, dict):
                     tokens[step] = _count_arrays(counts)
+                if isinstance(bias, dict):
+                    biases[step] = _bias_arrays(bias)
     if bad_lines:
         shown = ", ".join(map(str, bad_lines[:5])) + (" ..." if len(bad_lines) > 5 else "")
         notes.append(f"{len(bad_lines)} line(s) of {path.name} are not a JSON object with an integer step "
                      f"and were skipped (line {shown})")
     if repeated:
         notes.append(f"{repeated} step(s) were logged more than once (a resumed run): the last row of each is shown")
-    return train, evals, tokens, notes
+    return train, evals, tokens, biases, notes
+
+
+def _bias_arrays(biases: dict[str, Any]) -> dict[str, np.ndarray | None]:
+    """A row's expert_bias as float64 arrays; None where a layer's value is not a list of numbers."""
+    arrays: dict[str, np.ndarray | None] = {}
+    for name, values in biases.items():
+        ok = isinstance(values, list) and all(_number(v) is not None for v in values)
+        arrays[name] = np.asarray(values, dtype=np.float64) if ok else None
+    return arrays
+
+
+def _expert_bias(bias_by_step: dict[int, dict], notes: list[str]) -> dict[str, ExpertBias]:
+    """Per layer, the logged steps whose bias vector has the layer's expert count (that of its last step)."""
+    layers = sorted({name for values in bias_by_step.values() for name in values}, key=layer_order)
+    out: dict[str, ExpertBias] = {}
+    for name in layers:
+        steps = sorted(s for s, values in bias_by_step.items() if bias_by_step[s].get(name) is not None)
+        if not steps:
+            notes.append(f"{name}: no logged expert_bias is a list of numbers; no bias heatmap")
+            continue
+        num_experts = len(bias_by_step[steps[-1]][name])
+        kept = [s for s in steps if len(bias_by_step[s][name]) == num_experts]
+        if len(kept) < len(steps):
+            notes.append(f"{name}: {len(steps) - len(kept)} logged step(s) with another number of expert biases "
+                         f"than the last ({num_experts}) left out of the bias heatmap")
+        if num_experts:
+            out[name] = ExpertBias(np.array(kept, dtype=np.int64), np.stack([bias_by_step[s][name] for s in kept]))
+    return out
 
 
 def _count_arrays(counts: dict[str, Any]) -> dict[str, np.ndarray | None]:
@@ -198,7 +246,7 @@ def read_run(run_dir: str | Path) -> RunRecord:
     if not path.is_file():
         raise RunDirError(f"{path} not found: is {run_dir} a run.dir of m6 training? (it writes "
                           f"{METRICS_FILE} at the first logged step)")
-    train, evals, tokens, notes = _read_rows(path)
+    train, evals, tokens, biases, notes = _read_rows(path)
     if not train:
         raise RunDirError(f"{path} holds no training rows yet (the first is written at step logging.every)")
     summary = _read_optional(run_dir / SUMMARY_FILE, json.loads, notes,
@@ -207,7 +255,8 @@ def read_run(run_dir: str | Path) -> RunRecord:
     if not evals:
         notes.append("no eval rows in metrics.jsonl (train.eval_every=0, or no eval hold-out)")
     record = RunRecord(run_dir=run_dir, rows=[train[s] for s in sorted(train)], evals=[evals[s] for s in sorted(evals)],
-                       expert_load=_expert_load(tokens, notes), summary=summary, config=config, notes=notes)
+                       expert_load=_expert_load(tokens, notes), summary=summary, config=config, notes=notes,
+                       expert_bias=_expert_bias(biases, notes))
     if record.moe_layers() and not record.expert_load:
         notes.append("no expert_tokens in metrics.jsonl (written by runs of m6 since the report was added): "
                      "no expert-load heatmap")

@@ -6,7 +6,9 @@ The console line recognises these metric keys (all optional): ``loss``, ``lr``, 
 ``grad_norm``; every key, recognised or not, goes to the jsonl file and to W&B unchanged.
 The per-expert token counts of a training step ride on its jsonl row as
 ``"expert_tokens": {"block1": [int, ...], ...}`` (the row's last key) and go to W&B (a table and
-histograms) and TensorBoard (histograms).
+histograms) and TensorBoard (histograms). With aux-free balancing the experts' router biases ride
+the same way as ``"expert_bias": {"block1": [float, ...], ...}`` (W&B: a table; TensorBoard: a
+histogram of the values).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ WANDB_INIT_TIMEOUT_S = 60.0
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 EXPERT_TOKENS_KEY = "expert_tokens"  # on a training row: {moe layer name: [tokens routed to expert e, ...]}
+EXPERT_BIAS_KEY = "expert_bias"  # on a training row: {moe layer name: [selection bias of expert e, ...]}
 
 
 @dataclass
@@ -202,9 +205,10 @@ class MetricsLogger:
         return run
 
     def log(self, step: int, metrics: dict[str, float | int],
-            expert_tokens: dict[str, list[int]] | None = None) -> None:
+            expert_tokens: dict[str, list[int]] | None = None,
+            expert_bias: dict[str, list[float]] | None = None) -> None:
         """Record one training step's scalar metrics and (optionally) its per-MoE-layer token counts
-        per expert everywhere, and print the console line."""
+        per expert and expert biases (aux-free balancing) everywhere, and print the console line."""
         if not self.active:
             return
         self._step_times.append((step, time.perf_counter()))
@@ -213,6 +217,8 @@ class MetricsLogger:
             # Plain ints: the counts are exact, and "12" is half of "12.0" on a line that holds
             # num_layers x num_experts of them.
             row[EXPERT_TOKENS_KEY] = {layer: [int(c) for c in counts] for layer, counts in expert_tokens.items()}
+        if expert_bias:
+            row[EXPERT_BIAS_KEY] = {layer: [float(b) for b in bias] for layer, bias in expert_bias.items()}
         self._write_jsonl(step, row)
         if self.console:
             print(self._train_line(step, metrics), flush=True)
@@ -220,11 +226,15 @@ class MetricsLogger:
             payload: dict[str, Any] = dict(metrics)
             if expert_tokens:
                 payload.update(self._wandb_expert_load(row[EXPERT_TOKENS_KEY]))
+            if expert_bias:
+                payload.update(self._wandb_expert_bias(row[EXPERT_BIAS_KEY]))
             self._run.log(payload, step=step)
         if self._tb is not None:
             self._tb.scalars(step, metrics)
             if expert_tokens:
                 self._tb.expert_load(step, row[EXPERT_TOKENS_KEY])
+            if expert_bias:
+                self._tb.expert_bias(step, row[EXPERT_BIAS_KEY])
             self._tb.flush()
 
     def log_eval(self, step: int, metrics: dict[str, float]) -> None:
@@ -261,6 +271,14 @@ class MetricsLogger:
                 payload[f"expert_load/{layer}"] = wandb.Histogram(np_histogram=hist)
         payload["expert_load/table"] = wandb.Table(columns=["layer", "expert", "tokens"], data=rows)
         return payload
+
+    @staticmethod
+    def _wandb_expert_bias(biases: dict[str, list[float]]) -> dict[str, Any]:
+        """Per-MoE-layer expert biases as one W&B table (layer, expert, bias)."""
+        import wandb
+
+        rows = [[layer, expert, bias] for layer, values in biases.items() for expert, bias in enumerate(values)]
+        return {"expert_bias/table": wandb.Table(columns=["layer", "expert", "bias"], data=rows)}
 
     def summary(self, values: dict) -> None:
         """Record end-of-run values in the W&B run summary and in run_dir/summary.json."""

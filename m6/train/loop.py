@@ -33,10 +33,12 @@ from m6.train.banner import RunFacts, checkpoint_line, device_label, end_line, s
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
 from m6.train.determinism import use_determinism
 from m6.train.eval import evaluate_captions, rank_slice
+from m6.train.expert_bias import ExpertBiasUpdate
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
 from m6.train.preemption import StopOnSignal
+from m6.train.pseudo_to_real import train_pseudo_to_real
 from m6.train.run_directory import prepare_run_dir
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.tensorboard_writer import require_tensorboard
@@ -130,6 +132,7 @@ class Trainer:
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main)
         self._use_batch_plan(self.batch_plan or self._measure_balance())
+        self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.world, self.device)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         self.flop_rates = forward_flop_rates(self.model)
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
@@ -264,6 +267,7 @@ class Trainer:
             with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
                 lm_sum, aux = self.forward_loss(batch)
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
+            self.expert_bias.add_micro_batch()
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
         # Before the gradient sync's wait for the other ranks. On the host only: on CUDA the loop just
         # queues kernels, and timing them would need a device sync here (or events read a step late).
@@ -286,6 +290,7 @@ class Trainer:
         grad_norm = self.update.clip(self.cfg.train.grad_clip)
         finite = math.isfinite(lm_loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
         self.update.step(apply=finite)
+        self.expert_bias.step(apply=finite)
         self._count_step(finite)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -415,19 +420,23 @@ class Trainer:
         self._print_main(checkpoint_line(saved.step, saved.path.resolve(), saved.nbytes, saved.seconds, saved.asynchronous))
 
     # ---- the loop ---------------------------------------------------------------------------------
-    def fit(self) -> list[dict]:
-        """Train to train.max_steps; returns the per-step metrics of this process's steps."""
+    def fit(self, stop_at: int | None = None) -> list[dict]:
+        """Train to train.max_steps (or to step ``stop_at``, with a checkpoint there, the schedule
+        still that of max_steps); returns the per-step metrics of this process's steps."""
         cfg = self.cfg
         started, first_step = time.perf_counter(), self.step
         stop = StopOnSignal(self.sharded.groups.checkpoint if self.world_size > 1 else None)
+        end = cfg.train.max_steps if stop_at is None else stop_at
         try:
-            while self.step < cfg.train.max_steps:
+            while self.step < end:
                 metrics = self.train_step()
                 self.history.append({"step": self.step, **metrics})
-                last = self.step == cfg.train.max_steps
+                last = self.step == end
                 if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
-                    self.logger.log(self.step, {**metrics, **load_scalars}, expert_tokens=load_counts)
+                    bias_scalars, biases = self.expert_bias.log_values()
+                    self.logger.log(self.step, {**metrics, **load_scalars, **bias_scalars}, expert_tokens=load_counts,
+                                    expert_bias=biases)
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
@@ -473,5 +482,8 @@ class Trainer:
 
 
 def train(cfg: Config) -> list[dict]:  # the CLI's one call
-    """Build a Trainer for ``cfg`` and run it to completion."""
+    """Build a Trainer for ``cfg`` and run it to completion (delinking on the way when
+    train.delink_at_step is set: m6.train.pseudo_to_real)."""
+    if cfg.train.delink_at_step:
+        return train_pseudo_to_real(cfg, Trainer)
     return Trainer(cfg).fit()

@@ -103,7 +103,14 @@ class ModelState:
         self.sharded, self.offload = sharded, offload
 
     def _state(self) -> dict[str, torch.Tensor]:
-        return {name: t.detach() for name, t in self.sharded.model.state_dict().items()}
+        """name -> tensor; a tensor that several blocks share (model.share_layers) appears once,
+        under its first name."""
+        out, seen = {}, set()
+        for name, t in self.sharded.model.state_dict(keep_vars=True).items():
+            if id(t) not in seen:
+                seen.add(id(t))
+                out[name] = t.detach()
+        return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """name -> tensor (shares the model's storage: a load writes straight into the weights);

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from m6.config import ConfigError, TensorBoardConfig
 
 DEFAULT_SUBDIR = "tb"
@@ -68,6 +70,11 @@ class TensorBoardWriter:
                 sum_squares=float(sum(e * e * c for e, c in zip(ids, counts))),
                 bucket_limits=[e + 0.5 for e in ids],  # bucket e holds expert id e: (e - 0.5, e + 0.5]
                 bucket_counts=[float(c) for c in counts], global_step=step)
+
+    def expert_bias(self, step: int, biases: dict[str, list[float]]) -> None:
+        """Per MoE layer a histogram of its experts' selection biases (aux-free balancing)."""
+        for layer, values in biases.items():
+            self._writer.add_histogram(f"expert_bias/{layer}", np.asarray(values, dtype=np.float64), global_step=step)
 
     def flush(self) -> None:
         self._writer.flush()

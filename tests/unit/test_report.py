@@ -17,7 +17,7 @@ from PIL import Image
 
 from m6.config import load
 from m6.report.cli import main
-from m6.report.figure import MAX_EXPERT_ROWS, build_figure, group_extreme, group_mean, load_image
+from m6.report.figure import MAX_EXPERT_ROWS, bias_image, build_figure, group_extreme, group_mean, load_image
 from m6.report.page import human_count
 from m6.report.run_files import ExpertLoad, RunRecord, read_run
 from m6.train.loop import Trainer
@@ -100,6 +100,26 @@ def test_report_of_a_real_run(moe_run: Path, capsys: pytest.CaptureFixture) -> N
     assert "model TFLOP/s: no MFU (device peak unknown)" in shown[3]  # CPU: no peak, no MFU
     assert "assignments dropped by the capacity limit (%)" in shown
     assert sum("share of tokens per expert (4 experts)" in t for t in shown) == 2
+
+
+def test_expert_bias_heatmap_beside_each_load_heatmap(tmp_path: Path) -> None:
+    """Aux-free balancing: the jsonl's bias vectors, drawn as they are, one heatmap beside each layer's load."""
+    run_dir = train(tmp_path / "run", "model.moe.expert_bias_update_rate=0.01", "train.eval_every=0")
+    assert main([str(run_dir)]) == 0
+    run = read_run(run_dir)
+    check_outputs(run_dir, run)
+    train_rows = [r for r in read_lines(run_dir / "metrics.jsonl") if "loss" in r]
+    assert list(run.expert_bias) == ["block0", "block1"] and all("expert_bias" not in r for r in run.rows)
+    for layer, bias in run.expert_bias.items():
+        logged = [r["expert_bias"][layer] for r in train_rows]
+        assert bias.steps.tolist() == run.steps and bias.bias.tolist() == logged
+        image, x_edges, y_edges, expert_group, step_group = bias_image(bias)
+        assert image.shape == (4, 6) and image.T.tolist() == logged and (expert_group, step_group) == (1, 1)
+    shown = titles(run)
+    # Row by row: a layer's load, then its bias.
+    heat = [t for t in shown if t.startswith("block")]
+    assert [t.split(":")[0] for t in heat] == ["block0", "block0", "block1", "block1"]
+    assert ["expert bias" in t for t in heat] == [False, True, False, True]
 
 
 def test_mfu_panel_when_the_peak_is_known(tmp_path: Path) -> None:

@@ -117,3 +117,30 @@ def test_train_without_the_package_exits_2_before_any_work(tmp_path: Path) -> No
     assert len(lines) == 1 and lines[0].startswith("config error: logging.tensorboard.enabled=true needs")
     assert "pip install tensorboard" in lines[0]
     assert not run_dir.exists()  # stopped before the run dir, the data and the model
+
+
+def test_expert_bias_reaches_every_sink_and_resumes_exactly(tmp_path: Path) -> None:
+    """Aux-free balancing in a real run: the bias vector and its max |bias| in metrics.jsonl and
+    TensorBoard at every logged step; a run resumed from step 2 continues the same bias and losses."""
+    common = [*SMALL, "logging.every=1", "checkpoint.every=2", "train.eval_every=0", "logging.tensorboard.enabled=true",
+              "model.moe.expert_bias_update_rate=0.01", "train.max_steps=4"]
+    straight = Trainer(load(TINY, [*common, f"run.dir={tmp_path / 'a'}"])).fit()
+    rows = last_rows(tmp_path / "a" / "metrics.jsonl")
+    acc = events(tmp_path / "a" / "tb")
+    for layer in ("block0", "block1"):
+        hists = acc.Histograms(f"expert_bias/{layer}")
+        assert [e.step for e in hists] == [1, 2, 3, 4]
+        for e in hists:
+            bias = rows[e.step]["expert_bias"][layer]
+            assert e.histogram_value.num == len(bias) and e.histogram_value.sum == pytest.approx(sum(bias), abs=1e-6)
+            assert rows[e.step][f"moe/{layer}/expert_bias_max_abs"] == max(abs(b) for b in bias)
+        assert rows[4]["expert_bias"][layer] != rows[1]["expert_bias"][layer]
+        assert any(rows[2]["expert_bias"][layer])  # what the resume must restore is not the initial zeros
+
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_00000004")
+    (tmp_path / "b" / "checkpoints" / "latest").unlink(missing_ok=True)
+    resumed = Trainer(load(TINY, [*common, f"run.dir={tmp_path / 'b'}"])).fit()
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[2:]]
+    assert last_rows(tmp_path / "b" / "metrics.jsonl")[4]["expert_bias"] == rows[4]["expert_bias"]
