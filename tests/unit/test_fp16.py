@@ -134,3 +134,17 @@ def test_overflow_at_the_floor_is_a_bad_step(tmp_path):
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load(None, [*SMALL, *overrides])
+
+
+def test_fp16_resumes_a_checkpoint_without_a_loss_scale(tmp_path):
+    """A bf16 run's checkpoint (no loss_scale piece): the fp16 run starts at loss_scale_init and says so."""
+    first = trainer(tmp_path, "train.precision=bf16")
+    first.train_step()
+    first.save_checkpoint(wait=True)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        resumed = trainer(tmp_path, *FP16, "train.loss_scale_init=1024")
+    assert resumed.step == 1 and resumed.update.loss_scale.scale == 1024.0
+    assert "the checkpoint holds no loss scale (its run was not fp16): the scale starts at train.loss_scale_init=1024" \
+        in out.getvalue()
+    assert resumed.train_step()["loss_scale"] == 1024.0
