@@ -148,3 +148,12 @@ def test_fp16_resumes_a_checkpoint_without_a_loss_scale(tmp_path):
     assert "the checkpoint holds no loss scale (its run was not fp16): the scale starts at train.loss_scale_init=1024" \
         in out.getvalue()
     assert resumed.train_step()["loss_scale"] == 1024.0
+
+
+def test_console_line_shows_the_scale(tmp_path, capsys):
+    from m6.train.loggers import MetricsLogger, WandbSettings
+
+    logger = MetricsLogger(tmp_path, {"run": {"name": "t"}}, WandbSettings(), total_steps=10)
+    logger.log(1, {"loss": 3.0, "grad_norm": 0.5, "loss_scale": 32768.0, "overflow_steps": 1})
+    logger.close()
+    assert "gnorm 0.500 | scale 32768 (1 overflow skips)" in capsys.readouterr().out
