@@ -269,7 +269,11 @@ class TrainConfig:
     micro_batch_size: Optional[int] = None  # null = global_batch_size (no accumulation)
     # bf16: cast-on-use (fp32 masters, no bf16 weight copy kept for backward); bf16-autocast: plain
     # torch.autocast (weight casts cached and kept until backward); auto: bf16 on CUDA, fp32 on CPU.
-    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"
+    # fp16: cast-on-use in fp16 with dynamic loss scaling (m6.train.loss_scale; for GPUs without bf16).
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast", "fp16"] = "auto"
+    loss_scale_init: float = 65536.0  # fp16: the first loss scale (2**16, torch.amp.GradScaler's)
+    loss_scale_growth_interval: int = 2000  # fp16: finite steps in a row before the scale doubles
+    loss_scale_min: float = 1.0  # fp16: the floor; an overflow there counts as a bad step
     grad_clip: float = 1.0  # 0 = off
     max_bad_steps: int = 5  # consecutive non-finite steps before the run stops
     eval_every: int = 100  # 0 = only at the end
@@ -297,6 +301,18 @@ class TrainConfig:
         if not 0 <= self.delink_at_step < self.max_steps:
             raise ConfigError(f"train.delink_at_step must be >= 0 (0 = never) and below train.max_steps "
                               f"({self.max_steps}), got {self.delink_at_step}")
+        _check_positive({"train.loss_scale_init": self.loss_scale_init,
+                         "train.loss_scale_growth_interval": self.loss_scale_growth_interval,
+                         "train.loss_scale_min": self.loss_scale_min})
+        if self.loss_scale_min > self.loss_scale_init:
+            raise ConfigError(f"train.loss_scale_min ({self.loss_scale_min}) must not exceed train.loss_scale_init "
+                              f"({self.loss_scale_init})")
+        defaults = TrainConfig()
+        changed = [f"train.{k}={getattr(self, k)}" for k in ("loss_scale_init", "loss_scale_growth_interval",
+                                                             "loss_scale_min") if getattr(self, k) != getattr(defaults, k)]
+        if changed and self.precision != "fp16":
+            raise ConfigError(f"{', '.join(changed)} only apply with train.precision=fp16 (it is "
+                              f"{self.precision!r}): loss scaling is for fp16 only")
 
 
 @dataclass
@@ -336,6 +352,10 @@ class MemoryConfig:
 
 @dataclass
 class OptimConfig:
+    # adamw: torch's AdamW (DeepSpeed's CPU Adam for the offloaded host update, memory.host_optimizer);
+    # adafactor: torch.optim.Adafactor, factored second moments (row and column means of a matrix's
+    # squared gradients: O(rows + cols) state instead of O(rows x cols)), no first moment.
+    name: Literal["adamw", "adafactor"] = "adamw"
     lr: float = 1e-3
     min_lr: float = 1e-4
     warmup_steps: int = 30
@@ -358,6 +378,13 @@ class OptimConfig:
             raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
         if self.apply_groups <= 0:
             raise ConfigError(f"optim.apply_groups must be >= 1, got {self.apply_groups}")
+        if self.name == "adafactor":
+            defaults = OptimConfig()
+            changed = [f"optim.{k}={getattr(self, k)}" for k in ("beta1", "beta2", "eps")
+                       if getattr(self, k) != getattr(defaults, k)]
+            if changed:
+                raise ConfigError(f"{', '.join(changed)} set, but optim.name=adafactor does not use them (no first "
+                                  f"moment; its second-moment decay and eps are torch.optim.Adafactor's defaults)")
 
 
 @dataclass
@@ -506,6 +533,14 @@ def _check_cross_section(cfg: Config) -> None:
                           "plan measures saved activations by telling them apart from the parameters' storages, "
                           "which FSDP2 swaps for gathered copies during forward; use activation_checkpointing "
                           "full (or none) with sharding")
+    if cfg.optim.name == "adafactor" and cfg.memory.host_optimizer == "deepspeed":
+        raise ConfigError("optim.name=adafactor with memory.host_optimizer=deepspeed: DeepSpeed's CPU op is Adam only; "
+                          "use memory.host_optimizer=torch or auto (the host update then runs torch's Adafactor)")
+    if cfg.parallel.shard != "none" and (cfg.optim.name == "adafactor" or cfg.train.precision == "fp16"):
+        key = "optim.name=adafactor" if cfg.optim.name == "adafactor" else "train.precision=fp16"
+        raise ConfigError(f"parallel.shard={cfg.parallel.shard} with {key}: sharded parameters (FSDP2) are "
+                          "built for AdamW and fp32/bf16 so far (Adafactor's factored state and fp16's loss "
+                          "scale do not follow the shards yet); use parallel.shard=none with it")
     if m.moe.expert_kernel == "grouped_mm" and cfg.train.device == "cuda" and cfg.train.precision == "fp32":
         # On CUDA torch fuses the grouped GEMM only in bf16 (m6.moe.expert_gemm); with train.device=auto
         # the device is known only at start-up, and the first MoE forward refuses it there.

@@ -5,9 +5,12 @@ searches over it. Works on a model built on ``meta`` holding this process's shar
 parameters (its experts only, as m6.parallel shards them), so any config and layout is reported
 without allocating it. Activations come from m6.model.activation_bytes (the one formula).
 
-Bytes per parameter: 4 weight, 4 gradient, 8 Adam moments (+ a 4 B step count per tensor).
-The update's temporary is foreach AdamW's sqrt(exp_avg_sq): 4 B per element of one foreach
-call, and torch calls it per (param group x apply group), so the largest such call counts.
+Bytes per parameter: 4 weight, 4 gradient, 8 Adam moments (+ a 4 B step count per tensor); with
+optim.name=adafactor the moments are torch's Adafactor's: per matrix (or expert stack) 4 B per row
+and per column, per vector 4 B per element (``optimizer_state_sizes``). The update's temporary is
+foreach AdamW's sqrt(exp_avg_sq), or foreach Adafactor's full-size variance estimate: 4 B per
+element of one foreach call, and torch calls it per (param group x apply group), so the largest
+such call counts.
 
 The peak is the largest of three moments of a step, on top of what lives all the time (weights,
 and optimizer state when it stays on the device):
@@ -79,7 +82,7 @@ def compute_bytes(cfg: Config, device_type: str) -> int:
     precision = cfg.train.precision
     if precision == "auto":
         return 2 if device_type == "cuda" else 4
-    return 2 if precision in ("bf16", "bf16-autocast") else 4
+    return 2 if precision in ("bf16", "bf16-autocast", "fp16") else 4
 
 
 def activation_report(cfg: Config, world_size: int, expert_parallel_size: int, device_type: str) -> ActivationBytes:
@@ -119,15 +122,28 @@ def kept_activations(cfg: Config, acts: ActivationBytes) -> tuple[float, float]:
     return acts.kept(chosen), max((acts.parts[n][0] for n in chosen), default=0.0)
 
 
+def optimizer_state_sizes(optimizer_name: str, p: nn.Parameter) -> tuple[int, ...]:
+    """Bytes of each fp32 state tensor the optimizer keeps for ``p``, its step count included:
+    AdamW's two moments; torch Adafactor's row and column means of a matrix's squared gradient
+    (over the last two dims, per leading index: [E, D, F] keeps [E, D, 1] and [E, 1, F]), or a
+    vector's full second moment."""
+    n = p.numel()
+    if optimizer_name == "adamw":
+        return (4 * n, 4 * n, 4)
+    if p.dim() > 1:
+        return (4 * (n // p.shape[-1]), 4 * (n // p.shape[-2]), 4)
+    return (4 * n, 4)
+
+
 def staging_bytes(cfg: Config, model: nn.Module, params: list[nn.Parameter]) -> float:
     """Host bytes of the buffer an asynchronous checkpoint save copies this rank's model and
     optimizer tensors into (m6.checkpoint.staging.StagingBuffer): its weights, and per trained
-    parameter the two fp32 AdamW moments and the step count, each padded to STAGING_ALIGN (the
-    RNG states, ~10 KB, not counted). 0 with checkpoint.async_save false."""
+    parameter its optimizer state tensors, each padded to STAGING_ALIGN (the RNG states, ~10 KB,
+    not counted). 0 with checkpoint.async_save false."""
     if not cfg.checkpoint.async_save:
         return 0.0
     sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
-    sizes += [n for p in params for n in (4 * p.numel(), 4 * p.numel(), 4)]
+    sizes += [n for p in params for n in optimizer_state_sizes(cfg.optim.name, p)]
     return float(sum(-(-n // STAGING_ALIGN) * STAGING_ALIGN for n in sizes))
 
 
@@ -167,7 +183,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     states = {
         "params": 4.0 * numel,
         "grads": 4.0 * numel,
-        "optimizer state": 8.0 * numel + 4.0 * len(params),
+        "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params)),
         "optimizer step temporaries": 4.0 * largest_call,
     }
     mode = cfg.memory.offload

@@ -306,13 +306,18 @@ def sum_sq_of(grads: list[torch.Tensor]) -> torch.Tensor:
 
 
 def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float,
-                   expert_group=None, device: torch.device | None = None) -> float:
+                   expert_group=None, device: torch.device | None = None, grad_scale: float = 1.0) -> float:
     """Clip to the norm of the GLOBAL gradient, counting every expert once; returns that norm.
 
     Replicated grads are identical on all ranks after sync (counted from this rank); expert grads
     are summed over the expert-parallel group (``expert_group``; None = this process holds every
     expert), which holds each expert exactly once: their expert-data-parallel replicas are
     identical and not added again. Same coefficient formula as torch.nn.utils.clip_grad_norm_.
+
+    ``grad_scale``: the gradients hold the loss scale's multiple (fp16); they are unscaled (divided
+    by it) before clipping, as torch.amp.GradScaler.unscale_ before clip_grad_norm_, in the clip's
+    one multiply (one pass over the gradients, which matters on the host when offloaded), and the
+    returned norm is the unscaled one. A non-finite norm leaves the gradients as they are.
     """
     sq_rep, sq_exp = _sum_sq(replicated), _sum_sq(experts)
     if expert_group is not None and dist.get_world_size(expert_group) > 1:
@@ -321,11 +326,11 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
         reduced = sq_exp.to(device or sq_exp.device)
         dist.all_reduce(reduced, group=expert_group)
         sq_exp = reduced.to(sq_rep.device)
-    total = float((sq_rep + sq_exp).sqrt())
-    if math.isfinite(total) and max_norm < math.inf:
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
+    total = float((sq_rep + sq_exp).sqrt()) / grad_scale
+    if math.isfinite(total):
+        coef = min(1.0, max_norm / (total + 1e-6)) if max_norm < math.inf else 1.0
+        if coef < 1.0 or grad_scale != 1.0:
             for p in replicated + experts:
                 if p.grad is not None:
-                    p.grad.detach().mul_(coef)
+                    p.grad.detach().mul_(coef / grad_scale)
     return total

@@ -3,7 +3,7 @@ and TensorBoard (m6.train.tensorboard_writer).
 
 Only the main process writes anything; other ranks get a logger whose methods return at once.
 The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s``,
-``grad_norm``; every key, recognised or not, goes to the jsonl file and to W&B unchanged.
+``grad_norm``, ``loss_scale`` with ``overflow_steps`` (fp16); every key, recognised or not, goes to the jsonl file and to W&B unchanged.
 The per-expert token counts of a training step ride on its jsonl row as
 ``"expert_tokens": {"block1": [int, ...], ...}`` (the row's last key) and go to W&B (a table and
 histograms) and TensorBoard (histograms). With aux-free balancing the experts' router biases ride
@@ -343,6 +343,8 @@ class MetricsLogger:
             parts.append(f"lr {float(metrics['lr']):.2e}")
         if "grad_norm" in metrics:
             parts.append(f"gnorm {float(metrics['grad_norm']):.3f}")
+        if "loss_scale" in metrics:  # fp16: the scale, and the steps its overflows skipped
+            parts.append(f"scale {float(metrics['loss_scale']):g} ({int(metrics.get('overflow_steps', 0))} overflow skips)")
         if "tokens_per_s" in metrics:
             parts.append(f"{float(metrics['tokens_per_s']):,.0f} tok/s")
         sec = self.seconds_per_step()

@@ -65,6 +65,8 @@ def resolve_precision(precision: str, device: torch.device) -> torch.dtype | Non
     """Autocast dtype, or None for plain fp32. auto = bf16 on CUDA, fp32 on CPU."""
     if precision == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
+    if precision == "fp16":
+        return torch.float16
     return torch.bfloat16 if precision in ("bf16", "bf16-autocast") else None
 
 
@@ -100,7 +102,7 @@ class Trainer:
         if self.device.type == "cuda" and self.world_size > 1:
             self.device = torch.device("cuda", self.env.local_rank)
         self.autocast_dtype = resolve_precision(cfg.train.precision, self.device)
-        # bf16 (and auto on CUDA) = cast-on-use; bf16-autocast = plain autocast, kept to compare.
+        # bf16, fp16 (and auto on CUDA) = cast-on-use; bf16-autocast = plain autocast, kept to compare.
         self.cast_on_use = self.autocast_dtype is not None and cfg.train.precision != "bf16-autocast"
         # parallel.balance: the split of the global batch (auto: measured once the model is built).
         self.batch_plan = None if cfg.parallel.balance == "auto" else plan_batch(cfg, self.world_size)
@@ -142,8 +144,9 @@ class Trainer:
         self.state = TrainingState(
             ModelState(self.sharded, self.update.offload),
             OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
-            {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips},
-            rank=self.rank,
+            {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips,
+             **({"loss_scale": self.update.loss_scale} if self.update.loss_scale is not None else {})},
+            rank=self.rank, optional={"loss_scale"},
             metadata={"config": to_dict(cfg), "world_size": self.world_size,
                       "expert_parallel_size": layout.expert_parallel_size,
                       "host_optimizer": self.update.host_optimizer})
@@ -176,6 +179,8 @@ class Trainer:
         precision = "fp32" if self.autocast_dtype is None else (
             "bf16 (FSDP2 gathers bf16)" if self.fsdp_bf16 else
             "bf16 (cast-on-use)" if self.cast_on_use else "bf16 (autocast)")
+        if self.update.loss_scale is not None:
+            precision = f"fp16 (cast-on-use), {self.update.loss_scale.describe()}"
         return RunFacts(
             world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,
             micro_batch=self.micro_batch, accumulation=self.accum, device=self.device, precision=precision,
@@ -281,17 +286,23 @@ class Trainer:
         counts = sum((count_tokens(lb.batch.segment_ids, lb.batch.has_image, num_patches(self.cfg.model),
                                    lb.batch.num_target_tokens) for lb in loaded), TokenCounts())
         tokens = sum(lb.real_tokens for lb in loaded)
-        lm_total, flops, tokens, new_skips, *rank_compute_s = self.all_reduce_sum(
+        grad_norm = self.update.clip(self.cfg.train.grad_clip)
+        # The ranks whose gradient norm is not finite ride on the step's one scalar all-reduce: every
+        # rank skips (and, fp16, backs off) together, even where their norms could differ.
+        lm_total, flops, tokens, new_skips, overflow_ranks, *rank_compute_s = self.all_reduce_sum(
             [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips),
+             float(not math.isfinite(grad_norm)),
              *(rank_slots(compute_s, self.rank, self.world_size) if self.device.type == "cpu" else [])])
         self.skips.total += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
         lr = self.update.lr
-        grad_norm = self.update.clip(self.cfg.train.grad_clip)
-        finite = math.isfinite(lm_loss) and math.isfinite(aux_total) and math.isfinite(grad_norm)
-        self.update.step(apply=finite)
-        self.expert_bias.step(apply=finite)
-        self._count_step(finite)
+        loss_finite = math.isfinite(lm_loss) and math.isfinite(aux_total)
+        grads_finite = not overflow_ranks and math.isfinite(grad_norm)
+        # fp16: an overflow is the loss scale's search (skip, back off), a bad step only at its floor.
+        bad = not loss_finite or (not grads_finite and not self.update.overflow_is_normal())
+        self.update.step(apply=loss_finite and grads_finite)
+        self.expert_bias.step(apply=loss_finite and grads_finite)
+        self._count_step(skipped=not (loss_finite and grads_finite), bad=bad)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = time.perf_counter() - t0
@@ -304,6 +315,8 @@ class Trainer:
             **self._throughput(flops, dt), **self.activations.end_step(self.step),
             **{f"compute_s/rank{r}": s for r, s in enumerate(rank_compute_s)},
         }
+        if self.update.loss_scale is not None:  # the scale the next step uses, and the overflow skips so far
+            metrics.update(loss_scale=self.update.loss_scale.scale, overflow_steps=self.update.loss_scale.overflow_steps)
         return metrics
 
     def _ensure_recompute_plan(self, batch: MultimodalBatch, num_targets: float) -> None:
@@ -324,12 +337,13 @@ class Trainer:
         """Whether step ``step`` (counted from 1) logs its metrics: every logging.every, and the last."""
         return step % self.cfg.logging.every == 0 or step == self.cfg.train.max_steps
 
-    def _count_step(self, finite: bool) -> None:
-        """Advance the counters; stop after train.max_bad_steps consecutive non-finite steps."""
+    def _count_step(self, skipped: bool, bad: bool) -> None:
+        """Advance the counters; stop after train.max_bad_steps consecutive bad steps (non-finite;
+        under fp16 an overflow counts only at the loss scale's floor)."""
         c = self.counters
         c.step += 1
-        c.bad_steps = 0 if finite else c.bad_steps + 1
-        c.skipped_steps += 0 if finite else 1
+        c.bad_steps = c.bad_steps + 1 if bad else 0
+        c.skipped_steps += 1 if skipped else 0
         if c.bad_steps and c.bad_steps >= self.cfg.train.max_bad_steps:
             raise TrainingDiverged(
                 f"{c.bad_steps} consecutive steps had a non-finite loss or gradient (last at step "
@@ -408,6 +422,9 @@ class Trainer:
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
                       f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
 
+        if "loss_scale" in self.state.missing:
+            self._print_main(f"the checkpoint holds no loss scale (its run was not fp16): the scale starts at "
+                             f"train.loss_scale_init={self.cfg.train.loss_scale_init:g}")
         # torch's AdamW on the device (no offload) and on the host are the same kernels; DeepSpeed's
         # CPU Adam keeps the same state layout but rounds differently.
         saved_host, host = meta.get("host_optimizer") or "torch", self.update.host_optimizer or "torch"

@@ -1,5 +1,5 @@
-"""AdamW with decay only on matrices (torch's, or DeepSpeed's CPU Adam for the offloaded host update), and
-the warmup + cosine learning-rate schedule."""
+"""AdamW (torch's, or DeepSpeed's CPU Adam for the offloaded host update) or torch's Adafactor
+(optim.name), with decay only on matrices, and the warmup + cosine learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ from m6.model.param_groups import no_decay_ids  # noqa: F401  (re-exported: the 
 def build_optimizer(model: nn.Module, cfg: OptimConfig,
                     master: Callable[[nn.Parameter], torch.Tensor] | None = None,
                     host_optimizer: str = "torch") -> torch.optim.Optimizer:
-    """AdamW over two parameter groups: weight-decayed matrices and everything else.
+    """The optimizer of ``cfg.name`` over two parameter groups: weight-decayed matrices and everything else.
 
     ``master`` maps a model parameter to the tensor the optimizer updates instead (CPU offload's
     host copy); the groups and their order stay those of the model, so checkpoints keep one layout.
     torch's multi-tensor (foreach) implementation on every device: the same kernels on CPU and
     GPU, offloaded or not, and its temporaries are what ``optim.apply_groups`` bounds; or, for
     host masters with ``host_optimizer="deepspeed"``, DeepSpeed's CPU Adam (same hyper-parameters
-    and state layout, m6.memory.deepspeed_adam).
+    and state layout, m6.memory.deepspeed_adam). ``optim.name=adafactor``: torch.optim.Adafactor
+    (foreach), on the device or on the host masters alike; lr and weight_decay as for AdamW.
     """
     skip = no_decay_ids(model)
     target = master if master is not None else (lambda p: p)
@@ -32,6 +33,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.beta1, cfg.beta2)
+    if cfg.name == "adafactor":
+        assert host_optimizer == "torch", "DeepSpeed's CPU op is Adam only (config.py refuses the combination)"
+        return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
     if host_optimizer == "deepspeed":
         assert master is not None, "DeepSpeed's CPU Adam updates host masters only"
         # Imported here: it imports deepspeed (~2 s), which runs without it do not pay.

@@ -150,6 +150,10 @@ def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor) -> torch.Siz
     return torch.Size([t.shape[0] * sharded.groups.layout.expert_parallel_size, *t.shape[1:]])
 
 
+# The per-parameter state tensors each optim.name keeps (besides its step count).
+OPTIMIZER_STATE_KEYS = {"adamw": {"exp_avg", "exp_avg_sq"}, "adafactor": {"row_var", "col_var", "variance"}}
+
+
 class OptimizerState:
     """The optimizer's moments keyed by parameter name (expert moments sharded like their experts)
     and its hyperparameters per group."""
@@ -167,14 +171,40 @@ class OptimizerState:
         for name, p in self.params.items():
             state = self.optimizer.state[p]
             if not state and name in create:
-                # AdamW's own lazy state (foreach, not capturable): a float32 step count on the CPU.
-                state.update(step=torch.zeros((), dtype=torch.float32),
-                             exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                             exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                state.update(self._fresh_state(p))
             tensors = {k: local_part(v) for k, v in state.items() if torch.is_tensor(v)}
             if tensors:
                 out[name] = tensors
         return out
+
+    def _fresh_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The optimizer's own lazy state for ``p`` (foreach, not capturable: a float32 step count on
+        the CPU), made before its first step so that a load can fill it in place."""
+        step = torch.zeros((), dtype=torch.float32)
+        if self.kind == "adamw":
+            return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        if p.dim() > 1:  # torch.optim.Adafactor's factored second moment: a row and a column mean
+            return {"step": step, "row_var": p.new_zeros((*p.shape[:-1], 1)),
+                    "col_var": p.new_zeros((*p.shape[:-2], 1, p.shape[-1]))}
+        return {"step": step, "variance": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+    @property
+    def kind(self) -> str:
+        """optim.name of this run's optimizer (DeepSpeed's CPU Adam keeps AdamW's state)."""
+        return "adafactor" if isinstance(self.optimizer, torch.optim.Adafactor) else "adamw"
+
+    def check_kind(self, path: Path, saved_keys: set[str]) -> None:
+        """Refuse a checkpoint whose optimizer state another optimizer wrote (``saved_keys``: the
+        state tensors' names in it, e.g. exp_avg): AdamW's moments and Adafactor's factored second
+        moments do not convert into each other, and starting one from nothing must be asked for."""
+        saved = {kind for kind, keys in OPTIMIZER_STATE_KEYS.items() if saved_keys & keys}
+        if saved and self.kind not in saved:
+            (other,) = saved
+            raise CheckpointMismatch(
+                f"checkpoint {path} holds {other} optimizer state ({', '.join(sorted(saved_keys & OPTIMIZER_STATE_KEYS[other]))}); "
+                f"this run has optim.name={self.kind}. Resume with optim.name={other}, or keep only the weights "
+                f"(a fresh {self.kind} state) with checkpoint.init_from=PATH and checkpoint.resume=none.")
 
     def shards(self, prefix: str) -> Shards:
         out = {}
@@ -208,12 +238,15 @@ class RNGState:
 class TrainingState:
     """What one checkpoint holds: the model and optimizer tensors (sharded), the rank-independent
     Stateful pieces (``values``, identical on every rank: written once), this rank's RNG streams
-    (``rng/rank{r}``) and fixed metadata (config, layout)."""
+    (``rng/rank{r}``) and fixed metadata (config, layout). A piece named in ``optional`` that a
+    checkpoint lacks (the fp16 loss scale, resuming a bf16 or fp32 run) keeps its fresh state;
+    ``missing`` then names it."""
 
     def __init__(self, model: ModelState, optimizer: OptimizerState, values: dict[str, Stateful],
-                 rank: int, metadata: dict) -> None:
+                 rank: int, metadata: dict, optional: set[str] = frozenset()) -> None:
         self.model, self.optimizer, self.values = model, optimizer, values
-        self.rank, self.metadata = rank, metadata
+        self.rank, self.metadata, self.optional = rank, metadata, set(optional)
+        self.missing: list[str] = []
         self.rng = RNGState()
 
     def state_dict(self) -> tuple[dict, Shards]:
@@ -240,10 +273,14 @@ class TrainingState:
                                   f"difference(s)); check the model config matches the run that saved it:\n  "
                                   + "\n  ".join(diffs[:5]) + (f"\n  ... and {len(diffs) - 5} more" if len(diffs) > 5 else ""))
         with_state = {k.split("/")[2] for k in saved if k.startswith("optimizer/state/")}
+        self.optimizer.check_kind(path, {k.split("/")[3] for k in saved if k.startswith("optimizer/state/")
+                                         and k.count("/") >= 3})
         rng_key = f"rank{self.rank}"
+        self.missing = [name for name in self.values if name in self.optional
+                        and not any(k == name or k.startswith(name + "/") for k in saved)]
         targets = {"model": self.model.tensors(),
                    "optimizer": {"state": self.optimizer.tensors(create=with_state), "param_groups": None},
-                   **{name: None for name in self.values},
+                   **{name: None for name in self.values if name not in self.missing},
                    "meta": None}
         if any(k.startswith(f"rng/{rng_key}/") for k in saved):
             targets["rng"] = {rng_key: None}
@@ -257,6 +294,8 @@ class TrainingState:
         self.model.after_load()
         self.optimizer.load_hyperparameters(loaded["optimizer"]["param_groups"])
         for name, piece in self.values.items():
+            if name in self.missing:
+                continue
             try:
                 piece.load_state_dict(loaded[name])
             except (ValueError, KeyError, TypeError) as e:

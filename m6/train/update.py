@@ -2,10 +2,10 @@
 CPU offload, clipping to the global norm, the (group-wise) optimizer update and the LR schedule.
 
     update.begin_micro_batch(last=i == n - 1)   # only the last backward communicates
-    update.backward(loss)
+    update.backward(loss)                       # fp16: of loss x the loss scale
     update.finish()                             # reduced gradients, on the host when offloaded
-    norm = update.clip(max_norm)
-    update.step(apply=finite)                   # update (unless skipped), zero grads, next lr
+    norm = update.clip(max_norm)                # fp16: unscaled here, in the clip's multiply
+    update.step(apply=finite)                   # update (unless skipped), zero grads, next lr (and loss scale)
 
 The collaborators are wired here once, not per step: the sync hands each bucket's final gradients
 to offload, and clipping and the update run on whichever tensors hold them (device params, or
@@ -26,6 +26,7 @@ from m6.memory import GroupedApply, build_offload
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
 from m6.parallel.fsdp import ShardedGradientSync, clip_sharded_grad_norm
+from m6.train.loss_scale import DynamicLossScale
 from m6.train.optim import build_optimizer, build_scheduler
 
 
@@ -52,13 +53,17 @@ class ParameterUpdate:
         self.expert_group = sharded.groups.expert
         self.world_group = sharded.groups.world
         # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
-        self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, sharded, log) if self.offload else None
+        self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, cfg.optim.name, sharded, log) \
+            if self.offload else None
         if self.offload:  # the host clips and updates: whichever optimizer, its threads matter
             note = thread_note(sharded.groups.layout.local_world_size)
             if note:
                 log(note)
         self.optimizer = build_optimizer(model, cfg.optim, self.offload.master if self.offload else None,
                                          self.host_optimizer or "torch")
+        t = cfg.train
+        self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
+            if t.precision == "fp16" else None
         self.apply = GroupedApply(self.optimizer, replicated, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
@@ -75,7 +80,10 @@ class ParameterUpdate:
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` for one micro-batch; before the step's last one the gradient sync
         learns which parameters its graph reaches (every rank then reduces the same buckets in the
-        same order, and may free each bucket's copy during backward)."""
+        same order, and may free each bucket's copy during backward). fp16: the loss is multiplied
+        by the loss scale first, so small gradients stay above fp16's smallest normal number."""
+        if self.loss_scale is not None:
+            loss = loss * self.loss_scale.scale
         self.sync.prepare(loss)
         loss.backward()
 
@@ -88,15 +96,25 @@ class ParameterUpdate:
 
     def clip(self, max_norm: float) -> float:
         """Clip to the norm of the global gradient (every expert counted once); returns it.
-        ``max_norm`` <= 0 or inf: no clipping, the norm is still measured."""
+        ``max_norm`` <= 0 or inf: no clipping, the norm is still measured. fp16: the gradients are
+        unscaled first (in the same multiply) and the norm is the unscaled one."""
         limit = max_norm if max_norm > 0 else math.inf
         if self.sharded_dp:
             return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group)
-        return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device)
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale)
+
+    def overflow_is_normal(self) -> bool:
+        """Whether a non-finite gradient now is the loss scale's normal search (fp16, scale above
+        its floor): the step is skipped and the scale backs off, but it is not a bad step."""
+        return self.loss_scale is not None and not self.loss_scale.at_floor
 
     def step(self, apply: bool = True) -> None:
         """Update the weights (``apply=False``: skip a non-finite step), drop the gradients, and
-        advance the schedule (the lr follows the step count, skipped steps included)."""
+        advance the schedule (the lr follows the step count, skipped steps included) and, under
+        fp16, the loss scale (a skipped step backs it off: the same on every rank, as ``apply`` is)."""
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow=not apply)
         if apply:
             if self.offload:
                 self.offload.step(self.apply)
@@ -116,11 +134,13 @@ class ParameterUpdate:
         return self.offload.master_names(model) if self.offload else None
 
 
-def agree_on_host_optimizer(choice: str, sharded: ShardedModel, log: Callable[[str], None]) -> str:
+def agree_on_host_optimizer(choice: str, optimizer_name: str, sharded: ShardedModel,
+                            log: Callable[[str], None]) -> str:
     """``memory.host_optimizer`` resolved the same on every rank: replicated weights stay identical
     only if every rank updates them with the same optimizer, so one rank whose DeepSpeed op fails
-    sends all of them to torch (auto) or to the config error (deepspeed). One collective."""
-    if choice == "torch":
+    sends all of them to torch (auto) or to the config error (deepspeed). One collective.
+    ``optim.name=adafactor``: torch (DeepSpeed's op is Adam only; config.py refuses deepspeed)."""
+    if choice == "torch" or optimizer_name == "adafactor":
         return "torch"
     failure = probe_cpu_adam(log)
     groups = sharded.groups
