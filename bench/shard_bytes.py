@@ -29,7 +29,7 @@ from bench.harness import machine_info, machine_tag, write_results
 from m6.config import load
 from m6.memory.estimate import estimate_memory
 from m6.model.param_groups import no_decay_ids
-from m6.parallel.fsdp import local_part
+from m6.parallel.fsdp import local_storage_bytes
 from m6.plan.memory import rank_model
 from m6.train.loop import Trainer
 
@@ -48,14 +48,6 @@ COMMON = ["data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "data.
           "logging.console=false", "model.moe.capacity_factor=null", f"parallel.expert_parallel_size={EP}"]
 
 
-def _storage_bytes(tensors) -> int:
-    storages = {}
-    for t in tensors:
-        s = local_part(t).untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
-
-
 def _bytes(tr: Trainer) -> dict[str, int]:
     """Parameter, gradient and moment bytes of this rank after one more synced backward."""
     batch = tr.held_out_batch(list(range(2)))
@@ -64,8 +56,8 @@ def _bytes(tr: Trainer) -> dict[str, int]:
     tr.update.backward(lm_sum + aux)
     tr.update.finish()
     params = list(tr.model.parameters())
-    out = {"params": _storage_bytes(params), "grads": _storage_bytes(p.grad for p in params),
-           "optimizer state": _storage_bytes(t for p in params for t in tr.update.optimizer.state[p].values()
+    out = {"params": local_storage_bytes(params), "grads": local_storage_bytes(p.grad for p in params),
+           "optimizer state": local_storage_bytes(t for p in params for t in tr.update.optimizer.state[p].values()
                                              if t.dim() > 0)}
     tr.update.zero_grad()
     return out

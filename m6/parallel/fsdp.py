@@ -125,6 +125,16 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def local_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` on this rank (a DTensor: its local shard's,
+    FSDP2's padding included): what the rank really holds, for measurements beside the estimate."""
+    storages = {}
+    for t in tensors:
+        s = local_part(t).untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+    return sum(storages.values())
+
+
 def shard_rows(t: DTensor) -> tuple[int, int]:
     """(first row, rows) of ``t``'s dim 0 that this rank's shard holds (FSDP2 shards dim 0)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -170,29 +170,42 @@ def load_image(load: ExpertLoad) -> tuple[np.ndarray, np.ndarray, np.ndarray, in
     by_step, step_starts = group_mean(load.shares(), axis=0, max_groups=MAX_STEP_COLUMNS)  # [T', E]
     relative = np.log2(np.maximum(by_step * load.num_experts, 2.0 ** (-LOAD_RANGE_LOG2 - 1)))  # 0 = even
     image, expert_starts = group_extreme(relative, max_groups=MAX_EXPERT_ROWS)  # an idle expert: darkest blue
-    edges = _bin_edges(load.steps.astype(np.float64))
+    return (image.T, *_grid(load.steps, step_starts, expert_starts, load.num_experts))
+
+
+def _grid(steps: np.ndarray, step_starts: np.ndarray, expert_starts: np.ndarray,
+          num_experts: int) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """A grouped heatmap's column and row edges and its step and expert group sizes."""
+    edges = _bin_edges(steps.astype(np.float64))
     x_edges = np.append(edges[step_starts], edges[-1])
-    y_edges = np.append(expert_starts, load.num_experts).astype(np.float64)
-    expert_group = int(expert_starts[1] - expert_starts[0]) if len(expert_starts) > 1 else load.num_experts
+    y_edges = np.append(expert_starts, num_experts).astype(np.float64)
+    expert_group = int(expert_starts[1] - expert_starts[0]) if len(expert_starts) > 1 else num_experts
     step_group = int(step_starts[1] - step_starts[0]) if len(step_starts) > 1 else 1
-    return image.T, x_edges, y_edges, expert_group, step_group
+    return x_edges, y_edges, expert_group, step_group
+
+
+def _expert_axis(ax: Axes, title: str, num_experts: int, x_range: tuple[float, float]) -> None:
+    """Steps along x, experts down y (expert 0 at the top, as a table reads), and the title."""
+    _step_axis(ax, x_range, grid=False)
+    ax.set_ylim(num_experts, 0)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("expert")
+    ax.yaxis.set_major_locator(FixedLocator(_expert_ticks(num_experts)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(int(v))))  # a row's centre names its expert
+
+
+def _grouping(expert_group: int, step_group: int, row_rule: str) -> str:
+    """The title's note on grouped rows and columns ('' when none are grouped)."""
+    note = f"; a row: {row_rule} of {expert_group} experts" if expert_group > 1 else ""
+    return note + (f"; a column: mean of {step_group} logged steps" if step_group > 1 else "")
 
 
 def _heatmap(ax: Axes, name: str, load: ExpertLoad, x_range: tuple[float, float], norm: Normalize):
     image, x_edges, y_edges, expert_group, step_group = load_image(load)
     mesh = ax.pcolormesh(x_edges, y_edges, image, cmap="RdBu_r", norm=norm, shading="flat")
-    _step_axis(ax, x_range, grid=False)
-    ax.set_ylim(load.num_experts, 0)  # expert 0 at the top, as a table reads
-    grouped = ""
-    if expert_group > 1:
-        grouped += f"; a row: the least even of {expert_group} experts"
-    if step_group > 1:
-        grouped += f"; a column: mean of {step_group} logged steps"
-    ax.set_title(f"{name}: share of tokens per expert ({load.num_experts} experts{grouped})", fontsize=10)
-    ax.set_ylabel("expert")
-    ticks = _expert_ticks(load.num_experts)
-    ax.yaxis.set_major_locator(FixedLocator(ticks))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(int(v))))  # a row's centre names its expert
+    grouped = _grouping(expert_group, step_group, "the least even")
+    _expert_axis(ax, f"{name}: share of tokens per expert ({load.num_experts} experts{grouped})",
+                 load.num_experts, x_range)
     return mesh
 
 
@@ -202,28 +215,14 @@ def bias_image(bias: ExpertBias) -> tuple[np.ndarray, np.ndarray, np.ndarray, in
     furthest from 0, as the load heatmap groups them)."""
     by_step, step_starts = group_mean(bias.bias, axis=0, max_groups=MAX_STEP_COLUMNS)
     image, expert_starts = group_extreme(by_step, max_groups=MAX_EXPERT_ROWS)
-    edges = _bin_edges(bias.steps.astype(np.float64))
-    x_edges = np.append(edges[step_starts], edges[-1])
-    y_edges = np.append(expert_starts, bias.num_experts).astype(np.float64)
-    expert_group = int(expert_starts[1] - expert_starts[0]) if len(expert_starts) > 1 else bias.num_experts
-    step_group = int(step_starts[1] - step_starts[0]) if len(step_starts) > 1 else 1
-    return image.T, x_edges, y_edges, expert_group, step_group
+    return (image.T, *_grid(bias.steps, step_starts, expert_starts, bias.num_experts))
 
 
 def _bias_heatmap(ax: Axes, name: str, bias: ExpertBias, x_range: tuple[float, float], norm: Normalize):
     image, x_edges, y_edges, expert_group, step_group = bias_image(bias)
     mesh = ax.pcolormesh(x_edges, y_edges, image, cmap="PuOr_r", norm=norm, shading="flat")
-    _step_axis(ax, x_range, grid=False)
-    ax.set_ylim(bias.num_experts, 0)
-    grouped = ""
-    if expert_group > 1:
-        grouped += f"; a row: the largest |bias| of {expert_group} experts"
-    if step_group > 1:
-        grouped += f"; a column: mean of {step_group} logged steps"
-    ax.set_title(f"{name}: expert bias (aux-free balancing{grouped})", fontsize=10)
-    ax.set_ylabel("expert")
-    ax.yaxis.set_major_locator(FixedLocator(_expert_ticks(bias.num_experts)))
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: str(int(v))))
+    grouped = _grouping(expert_group, step_group, "the largest |bias|")
+    _expert_axis(ax, f"{name}: expert bias (aux-free balancing{grouped})", bias.num_experts, x_range)
     return mesh
 
 

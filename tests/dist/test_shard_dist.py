@@ -12,7 +12,7 @@ import torch
 from dist_helpers import run_distributed
 
 from m6.config import load
-from m6.parallel.fsdp import local_part
+from m6.parallel.fsdp import local_storage_bytes
 from m6.train.loop import Trainer
 
 # Dropless, fp32, no dropout: the math does not depend on how the global batch is split or
@@ -30,15 +30,6 @@ def _env(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
 
 
-def _storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (a DTensor: its local shard's, padding included)."""
-    storages = {}
-    for t in tensors:
-        s = local_part(t).untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
-    return sum(storages.values())
-
-
 def _measured_bytes(tr: Trainer) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes, dense and expert apart, measured
     on the live tensors after one more synced forward/backward."""
@@ -51,9 +42,9 @@ def _measured_bytes(tr: Trainer) -> dict[str, int]:
     out = {}
     for kind, params in (("dense", [p for p in tr.model.parameters() if id(p) not in experts]),
                          ("expert", [p for p in tr.model.parameters() if id(p) in experts])):
-        out[f"{kind}_params"] = _storage_bytes(params)
-        out[f"{kind}_grads"] = _storage_bytes(p.grad for p in params)
-        out[f"{kind}_optimizer"] = _storage_bytes(t for p in params for t in tr.update.optimizer.state[p].values()
+        out[f"{kind}_params"] = local_storage_bytes(params)
+        out[f"{kind}_grads"] = local_storage_bytes(p.grad for p in params)
+        out[f"{kind}_optimizer"] = local_storage_bytes(t for p in params for t in tr.update.optimizer.state[p].values()
                                                   if t.dim() > 0)
     tr.update.zero_grad()
     return out
