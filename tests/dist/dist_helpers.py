@@ -1,11 +1,23 @@
-"""Spawn real gloo process groups for tests: one spawn runs many asserts (spawning costs seconds).
-Also the plain gradient-sync reference the sync tests compare against."""
+"""Spawn real gloo process groups for tests: one spawn runs many asserts (starting ranks costs
+seconds). Also the plain gradient-sync reference the sync tests compare against.
+
+Ranks start from a fork server that has imported torch and m6 once for the whole session: a fresh
+interpreter per rank would import them again (3-5 s of CPU each on 2 cores, most of a short dist
+test). The server is forked before any test computes, so no OpenMP pool or gloo thread is copied;
+each rank still gets a fresh process group, its own RNG seeding and the test's own environment
+(ranks set what they need themselves).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import json
 import os
 import socket
+import tempfile
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -22,6 +34,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported by the fork server before it forks ranks; the test modules themselves (and anything
+# they import on top) are imported by each rank as a spawned rank would.
+_PRELOAD = ["torch", "torch.distributed", "numpy", "m6.config", "m6.model", "m6.moe", "m6.parallel",
+            "m6.train.loop", "m6.checkpoint.manager", "m6.memory", "m6.data"]
+_context = mp.get_context("forkserver")
+_context.set_forkserver_preload(_PRELOAD)
+
+
 def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float | None, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # N processes share 2 cores
@@ -34,6 +54,19 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float | None, a
             dist.destroy_process_group()
 
 
+def _start(entry, world_size: int, args: tuple, limit_s: float | None) -> None:
+    """Run ``entry(rank, *args)`` on ``world_size`` ranks from the fork server; re-raises a rank's
+    failure; with ``limit_s``, terminates the ranks and raises after that long."""
+    context = mp.start_processes(entry, args=args, nprocs=world_size, join=False, start_method="forkserver")
+    deadline = None if limit_s is None else time.monotonic() + limit_s
+    while not context.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if deadline is not None and time.monotonic() >= deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"{world_size} ranks still running after {limit_s:.0f} s (hung collective?)")
+
+
 def run_distributed(fn, world_size: int, *args, timeout_s: float | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; re-raises a rank's failure.
 
@@ -41,15 +74,42 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float | None = None) 
     missing collective raises instead of hanging), and the whole run after four times that, its
     processes then terminated: a test of something that may hang fails within a bound.
     """
-    context = mp.start_processes(_entry, args=(fn, world_size, free_port(), timeout_s, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
-    deadline = None if timeout_s is None else time.monotonic() + 4 * timeout_s
-    while not context.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
-        if deadline is not None and time.monotonic() >= deadline:
-            for p in context.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"{world_size} ranks still running after {4 * timeout_s:.0f} s (hung collective?)")
+    _start(_entry, world_size, (fn, world_size, free_port(), timeout_s, args), None if timeout_s is None else 4 * timeout_s)
+
+
+@dataclass
+class RankResult:
+    """What one rank's ``main`` returned and printed."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+
+def _train_entry(rank: int, world_size: int, port: int, argv: list[str], out_dir: str) -> None:
+    torch.set_num_threads(1)  # N processes share 2 cores
+    if world_size > 1:  # what torchrun sets; world 1 runs as a plain `python train.py` does
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from m6.train.cli import main
+
+    out, err, code = io.StringIO(), io.StringIO(), -1  # -1: main raised (the exception reaches the test)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+            {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}))
+
+
+def train_ranks(world_size: int, argv: list[str], limit_s: float = 240) -> list[RankResult]:
+    """m6's training entry point (train.py's ``main``) on ``world_size`` ranks with the environment a
+    one-node torchrun gives its workers, without torchrun's agent and fresh interpreters (the
+    launchers themselves are tested in tests/dist/test_train_world_sizes.py and tests/smoke).
+    Returns each rank's exit code and output; an exception a rank raises is re-raised here."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        _start(_train_entry, world_size, (world_size, free_port(), list(argv), out_dir), limit_s)
+        return [RankResult(**json.loads(Path(out_dir, f"rank{r}.json").read_text())) for r in range(world_size)]
 
 
 def flat_bucket_sums(sync) -> dict[int, torch.Tensor]:

@@ -1,6 +1,6 @@
-"""parallel.balance under torchrun on gloo: an uneven split of the same global batch trains the same
-curve as the even one (EP 1 and EP 2, with and without accumulation), resumes from even into
-uneven and back, and auto measures, agrees and logs."""
+"""parallel.balance on gloo (ranks with torchrun's environment; torchrun itself for the exit code): an
+uneven split of the same global batch trains the same curve as the even one (EP 1 and EP 2, with and
+without accumulation), resumes from even into uneven and back, and auto measures, agrees and logs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from dist_helpers import REPO, free_port
-from test_train_world_sizes import SMALL, TINY, torchrun, train_rows
+from test_train_world_sizes import SMALL, TINY, ranks, train_rows
 
 # The test_train_world_sizes model (dropless, fp32, no dropout) for 8 steps.
 STEPS = ["train.max_steps=8", "checkpoint.every=4"]
@@ -32,7 +32,7 @@ def even_run(tmp_path_factory):
     def run(ep: int):
         if ep not in made:
             made[ep] = tmp_path_factory.mktemp(f"even_ep{ep}")
-            torchrun(made[ep], 2, *STEPS, f"parallel.expert_parallel_size={ep}")
+            ranks(made[ep], 2, *STEPS, f"parallel.expert_parallel_size={ep}")
         return made[ep]
     return run
 
@@ -43,19 +43,19 @@ def test_uneven_split_trains_the_even_curve(tmp_path, even_run, ep=1):
     covered with accumulation below: two launches fewer for the suite's time.)"""
     par = f"parallel.expert_parallel_size={ep}"
     even_dir = even_run(ep)
-    proc = torchrun(tmp_path / "w21", 2, *STEPS, par, "parallel.balance=[2,1]")
+    stdout = ranks(tmp_path / "w21", 2, *STEPS, par, "parallel.balance=[2,1]")
     even, uneven = train_rows(even_dir), train_rows(tmp_path / "w21")
     assert len(even) == 8
     assert_same_curve(uneven, even)
     assert "balance  weights [2.0, 1.0], 1 micro-batch(es) per rank | rank 0 cpu (1 threads): 5 samples; " \
-           "rank 1 cpu (1 threads): 3 samples" in proc.stdout
+           "rank 1 cpu (1 threads): 3 samples" in stdout
     assert all(r["compute_s/rank0"] > 0 and r["compute_s/rank1"] > 0 for r in uneven)
     # Resume from even into uneven (step 4 of the even run), and from uneven back into even.
     ckpt = even_dir / "checkpoints" / "step_00000004"
-    torchrun(tmp_path / "r_uneven", 2, *STEPS, par, "parallel.balance=[1,3]", f"checkpoint.resume={ckpt}")
+    ranks(tmp_path / "r_uneven", 2, *STEPS, par, "parallel.balance=[1,3]", f"checkpoint.resume={ckpt}")
     assert_same_curve(train_rows(tmp_path / "r_uneven"), even[4:])
     ckpt = tmp_path / "w21" / "checkpoints" / "step_00000004"
-    torchrun(tmp_path / "r_even", 2, *STEPS, par, f"checkpoint.resume={ckpt}")
+    ranks(tmp_path / "r_even", 2, *STEPS, par, f"checkpoint.resume={ckpt}")
     assert_same_curve(train_rows(tmp_path / "r_even"), even[4:])
 
 
@@ -67,17 +67,17 @@ def test_uneven_accumulation_at_ep2_trains_the_even_lm_curve(tmp_path):
     LM loss and gradient norm must match."""
     args = (*STEPS, "parallel.expert_parallel_size=2", "train.micro_batch_size=2", "model.moe.aux_loss_coef=0",
             "model.moe.z_loss_coef=0")
-    torchrun(tmp_path / "even", 2, *args)
-    torchrun(tmp_path / "w21", 2, *args, "parallel.balance=[2,1]")
+    ranks(tmp_path / "even", 2, *args)
+    ranks(tmp_path / "w21", 2, *args, "parallel.balance=[2,1]")
     assert_same_curve(train_rows(tmp_path / "w21"), train_rows(tmp_path / "even"), keys=("loss", "lm_loss", "grad_norm"))
 
 
 def test_auto_measures_agrees_and_keeps_the_curve(tmp_path, even_run):
     """auto at EP 1: each rank's speed timed alone, the shares from them, the even curve; and a
     clear error at EP 2, where the all-to-all ties the ranks' timings together."""
-    proc = torchrun(tmp_path / "auto", 2, *STEPS, "parallel.expert_parallel_size=1", "parallel.balance=auto")
+    stdout = ranks(tmp_path / "auto", 2, *STEPS, "parallel.expert_parallel_size=1", "parallel.balance=auto")
     assert_same_curve(train_rows(tmp_path / "auto"), train_rows(even_run(1)))
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("balance  auto"))
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("balance  auto"))
     speeds = [float(part.split(", ")[1].split(" samples/s")[0]) for part in line.split("|")[1].split(";")]
     shares = [int(part.split(": ")[1].split(" samples")[0]) for part in line.split("|")[1].split(";")]
     assert len(speeds) == 2 and all(s > 0 for s in speeds) and sum(shares) == 8 and min(shares) >= 1

@@ -1,4 +1,4 @@
-"""Aux-loss-free balancing under torchrun on gloo: the expert bias follows the same trajectory at world
+"""Aux-loss-free balancing on gloo: the expert bias follows the same trajectory at world
 1, 2 and 4, EP 1 and 2, with accumulation, and after a resume that reshards to another layout."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_helpers import run_distributed
-from test_train_world_sizes import assert_same_curve, single, torchrun, train_rows
+from test_train_world_sizes import assert_same_curve, ranks, single, train_rows
 
 from m6.moe import MoELayer
 from m6.train.expert_bias import ExpertBiasUpdate
@@ -47,10 +47,10 @@ def test_bias_trajectory_is_world_size_and_layout_invariant(tmp_path):
     # World 1 accumulates 2 micro-batches of 4; world 2 (EP 1) one of 4 per rank; world 4 (EP 2,
     # resumed from world 2's step-3 checkpoint) one of 2 per rank.
     single(tmp_path / "w1", *AUX_FREE, "train.micro_batch_size=4")
-    torchrun(tmp_path / "w2", 2, *AUX_FREE, "parallel.expert_parallel_size=1")
+    ranks(tmp_path / "w2", 2, *AUX_FREE, "parallel.expert_parallel_size=1")
     run4 = tmp_path / "w4"
     run4.mkdir()
-    torchrun(run4, 4, *AUX_FREE, "parallel.expert_parallel_size=2",
+    ranks(run4, 4, *AUX_FREE, "parallel.expert_parallel_size=2",
              f"checkpoint.resume={tmp_path / 'w2' / 'checkpoints' / 'step_00000003'}")
     w1, w2, w4 = (train_rows(tmp_path / name) for name in ("w1", "w2", "w4"))
 

@@ -84,20 +84,31 @@ def test_resume_continues_identically(tmp_path):
     assert [h["grad_norm"] for h in first + second] == [h["grad_norm"] for h in straight]
 
 
-def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(tmp_path):
+def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(tmp_path, capsys):
     """Preemption: SIGTERM mid-run -> checkpoint of the current step, exit 0; the next run resumes
-    and the whole curve equals an uninterrupted run's (constant LR: max_steps differs)."""
+    and the whole curve equals an uninterrupted run's (constant LR: max_steps differs). The signal
+    goes to a train.py process; the straight and the resumed run are train.py's main in this
+    process, on one thread like the signalled one (the same sums in the same order)."""
     import signal
     import subprocess
     import sys
 
-    base = [sys.executable, str(Path(TINY).parents[1] / "train.py"), "--config", TINY, *SMALL, "train.eval_every=0",
-            "optim.schedule=constant", "logging.every=1", "logging.console=true", "checkpoint.every=0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run([*base, f"run.dir={tmp_path / 'straight'}", "train.max_steps=10"], check=True, env=env,
-                   capture_output=True, timeout=240)
+    args = ["--config", TINY, *SMALL, "train.eval_every=0", "optim.schedule=constant", "logging.every=1",
+            "logging.console=true", "checkpoint.every=0"]
+
+    def in_process(*extra: str) -> str:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            assert train_entry.main([*args, *extra]) == 0, capsys.readouterr().err[-2000:]
+        finally:
+            torch.set_num_threads(threads)
+        return capsys.readouterr().out
+
+    in_process(f"run.dir={tmp_path / 'straight'}", "train.max_steps=10")
     run = tmp_path / "preempted"
-    proc = subprocess.Popen([*base, f"run.dir={run}", "train.max_steps=1000"], env=env, text=True,
+    proc = subprocess.Popen([sys.executable, str(Path(TINY).parents[1] / "train.py"), *args, f"run.dir={run}",
+                             "train.max_steps=1000"], env=dict(os.environ, OMP_NUM_THREADS="1"), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     for line in proc.stdout:
         if line.startswith("step") and "/1000" in line and int(line.split()[1].split("/")[0]) >= 3:
@@ -109,9 +120,7 @@ def test_sigterm_saves_a_checkpoint_exits_cleanly_and_resume_continues(tmp_path)
     assert len(stopped) == 1, out[-2000:]
     step = int(stopped[0].split()[4])
     assert 3 <= step < 10 and (run / "checkpoints" / f"step_{step:08d}").is_dir()
-    resumed = subprocess.run([*base, f"run.dir={run}", "train.max_steps=10"], env=env, text=True,
-                             capture_output=True, timeout=240)
-    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-2000:]
+    assert "resumed from" in in_process(f"run.dir={run}", "train.max_steps=10")
     losses = {r["step"]: r["loss"] for r in read_metrics(run) if "loss" in r}
     assert losses == {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight") if "loss" in r}
 
