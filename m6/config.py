@@ -62,6 +62,10 @@ class MoEConfig:
     # before the loss is formed, so the loss does not depend on how the batch is split.
     aux_loss_scope: Literal["global", "local"] = "global"
     a2a_dtype: Optional[Literal["bf16"]] = None  # expert-parallel all-to-all payload precision
+    # Expert-parallel exchanges in this many chunks, each chunk's transfer overlapping the expert
+    # compute of its neighbours (1 = one blocking exchange each way; auto = from the payload size,
+    # m6.moe.chunked_all_to_all.auto_overlap_degree).
+    a2a_overlap_degree: Union[int, Literal["auto"]] = 1
     # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product
     # (on CUDA only in bf16 on compute capability 9.x/10.x, where torch has a fused kernel);
     # auto = grouped_mm on CUDA bf16 there (d_model/ffn_dim multiples of 8), else loop.
@@ -99,6 +103,11 @@ class MoEConfig:
             raise ConfigError(f"model.moe.router_dtype must be 'auto', 'fp32', 'tf32' or 'bf16', got {self.router_dtype!r}")
         if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
             raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
+        if self.a2a_overlap_degree != "auto" and (isinstance(self.a2a_overlap_degree, bool)
+                                                  or not isinstance(self.a2a_overlap_degree, int)
+                                                  or self.a2a_overlap_degree < 1):
+            raise ConfigError(f"model.moe.a2a_overlap_degree must be 'auto' or an integer >= 1, "
+                              f"got {self.a2a_overlap_degree!r}")
         if not (0 <= self.expert_bias_update_rate < math.inf):
             raise ConfigError(f"model.moe.expert_bias_update_rate must be a finite number >= 0 (0 = off), "
                               f"got {self.expert_bias_update_rate}")

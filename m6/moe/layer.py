@@ -172,9 +172,8 @@ class MoELayer(nn.Module):
         x_TD, token_mask_T = self._flatten(x, token_mask)
         routing = self.router(x_TD, self.expert_bias)
         plan = self.dispatch_plan(routing, token_mask_T, self._group_size(x))
-        x_ND, splits, handle = self.dispatcher.dispatch(x_TD, plan)
-        y_ND = self.experts(x_ND, splits)
-        y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
+        # dispatch -> experts -> combine (one call: an overlapping dispatcher interleaves them by chunk)
+        y_TD = self.dispatcher.dispatch_compute_combine(x_TD, plan, self.experts, x.dtype)
         aux_loss, self.stats = self.aux_loss_and_stats(routing, plan, token_mask_T)
         return y_TD.view(x.shape), aux_loss
 

@@ -33,7 +33,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     groups = create_process_groups(layout, cfg.parallel.timeout_s)
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
-    shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)
+    shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree)
     model.materialize(init_device or device, cfg.run.seed)
     sharded = classify_parameters(model, plan, groups)
     if cfg.parallel.shard != "none":
