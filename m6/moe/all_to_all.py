@@ -94,9 +94,13 @@ class AllToAllDispatcher(Dispatcher):
     """
 
     def __init__(self, group, num_experts: int, a2a_dtype: Optional[torch.dtype] = None,
-                 overlap_degree: OverlapDegree = 1) -> None:
+                 overlap_degree: OverlapDegree = 1, rank_nodes: Optional[list[int]] = None) -> None:
         self.group = group
         self.group_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        # Node of each rank of the group (from m6.parallel's layout): what the inter-node count needs.
+        self.rank_nodes = rank_nodes
+        self.inter_node_bytes = 0  # payload bytes this rank has put on inter-node links (forward + backward)
         if num_experts % self.group_size:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({self.group_size})")
         if overlap_degree != "auto" and (not isinstance(overlap_degree, int) or isinstance(overlap_degree, bool)
@@ -134,6 +138,16 @@ class AllToAllDispatcher(Dispatcher):
         )
         return splits, send, recv, totals
 
+    def count_inter_node(self, splits: Splits, row_bytes: int) -> None:
+        """Add one layer call's inter-node payload to ``inter_node_bytes``, counted from the split
+        sizes: the dispatch rows sent to and the combine rows sent back to ranks of other nodes,
+        and each again as gradients in backward (the reverse exchanges move the same rows)."""
+        if self.rank_nodes is None:
+            return
+        me = self.rank_nodes[self.group_rank]
+        rows = sum(s + r for s, r, node in zip(splits.send, splits.recv, self.rank_nodes) if node != me)
+        self.inter_node_bytes += 2 * rows * row_bytes
+
     def local_order(self, recv_counts_RL: torch.Tensor, num_received: int) -> torch.Tensor:
         """Received rows arrive [source rank][local expert]: the permutation that groups them by
         local expert (on the device; ``output_size`` spares repeat_interleave a host sync)."""
@@ -152,6 +166,7 @@ class AllToAllDispatcher(Dispatcher):
         """``dispatch`` once the counts are exchanged: the blocking token exchange."""
         kept = plan.kept(sum(splits.send))
         dtype = wire_dtype(x_TD, self.a2a_dtype)
+        self.count_inter_node(splits, x_TD.shape[-1] * dtype.itemsize)
         x_ND = permute_tokens(x_TD, kept).to(dtype)  # grouped by global expert = by destination rank
         x_recv = all_to_all(x_ND, splits.recv, splits.send, self.group)
         local_order_M = self.local_order(splits.recv_counts_RL, sum(splits.recv))
@@ -186,6 +201,7 @@ class AllToAllDispatcher(Dispatcher):
             # auto chose the blocking path: dispatch and combine, the counts already exchanged.
             x_ND, rows, handle = self.send_rows(x_TD, plan, splits)
             return self.combine(experts(x_ND, rows), handle, out_dtype)
+        self.count_inter_node(splits, x_TD.shape[-1] * dtype.itemsize)
         chunks = plan_chunks(send_RL, recv_RL, self.group_size, self.num_local, degree)
         kept = plan.kept(sum(splits.send))
         # Rows in chunk-major order, so each chunk is one contiguous slice to send, and the

@@ -106,6 +106,8 @@ class MoELayer(nn.Module):
         expert_kernel: ExpertKernel = "auto",
         router_dtype: RouterDtype = "auto",
         expert_bias_update_rate: float = 0.0,
+        node_groups: int = 1,
+        max_nodes_per_token: int = 0,
     ) -> None:
         super().__init__()
         # Each argument rule is checked in one place: here the sizes that router, experts and
@@ -137,7 +139,8 @@ class MoELayer(nn.Module):
         self.capacity_factor, self.min_capacity, self.capacity_group = capacity_factor, min_capacity, capacity_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = TopKRouter(d_model, num_experts, top_k, num_prototypes, score_function,
-                                 normalize_weights, router_jitter, force_balance, router_dtype)
+                                 normalize_weights, router_jitter, force_balance, router_dtype,
+                                 node_groups, max_nodes_per_token)
         if init_seed is None:
             # One draw from the global RNG, the same whatever the expert count: the layers that
             # follow initialise identically on every rank of any expert-parallel layout.

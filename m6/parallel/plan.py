@@ -20,6 +20,7 @@ from torch import nn
 from m6.moe import GlobalRoutingStats, GroupedExperts, MoELayer
 from m6.moe.all_to_all import AllToAllDispatcher, OverlapDegree
 from m6.parallel.layout import ParallelLayout, ProcessGroups
+from m6.parallel.node_groups import ep_group_nodes
 
 
 @dataclass
@@ -86,7 +87,8 @@ def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
         if aux_loss_scope == "global" and layout.world_size > 1:
             module.stats_reducer = GlobalRoutingStats(groups.world)
         if module in plan.split and layout.expert_parallel_size > 1:
-            module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype, a2a_overlap_degree)
+            module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype, a2a_overlap_degree,
+                                                     ep_group_nodes(layout))
 
 
 def keep_local_experts(plan: ParallelPlan, layout: ParallelLayout) -> None:
