@@ -1,6 +1,7 @@
 """The chunked, overlapped all-to-all (model.moe.a2a_overlap_degree > 1) against the blocking one on
 real gloo groups: the same outputs, input gradients, router and expert gradients and statistics, at
-world 2 and 4, for fixed edge cases and for random routings (one spawn per world runs them all)."""
+world 2 and 4, for fixed edge cases and for random routings (one spawn per world runs them all);
+and the inter-node bytes the dispatcher counts, against a count from the routing."""
 
 from __future__ import annotations
 
@@ -42,8 +43,23 @@ def _run(rank: int, world: int, case: dict, groups, degree) -> tuple:
     ((y * dy_all[mine]).sum() + aux).backward()
     router_grad = layer.router.weight.grad.clone()
     dist.all_reduce(router_grad)
+    if case["cf"] is None:  # dropless: every routed row is sent, so the byte count follows from the routing
+        _check_inter_node_bytes(rank, world, layer, case)
     return (y.detach(), x.grad, router_grad, layer.experts.w_in.grad, layer.experts.w_out.grad,
             layer.stats.tokens_per_expert, layer.dispatcher.last_degree)
+
+
+def _check_inter_node_bytes(rank: int, world: int, layer: MoELayer, case: dict) -> None:
+    """The dispatcher's counted inter-node bytes against a count from every rank's routing (ranks
+    [0, world/2) are node 0, the rest node 1)."""
+    counts = [torch.zeros_like(layer.stats.routed_local) for _ in range(world)]
+    dist.all_gather(counts, layer.stats.routed_local)
+    per_rank = case["experts"] // world
+    rows = [[int(counts[s][r * per_rank:(r + 1) * per_rank].sum()) for r in range(world)] for s in range(world)]
+    node = [r // (world // 2) for r in range(world)]
+    remote = sum(rows[rank][r] + rows[r][rank] for r in range(world) if node[r] != node[rank])
+    row_bytes = 16 * (case["a2a_dtype"] if case.get("a2a_dtype") else torch.float64).itemsize
+    assert layer.dispatcher.inter_node_bytes == 2 * remote * row_bytes, (case["name"], rank)
 
 
 FIXED = [  # world-independent parts; sizes are per rank and filled in below
@@ -74,7 +90,8 @@ def _cases(world: int) -> list[dict]:
 
 
 def _overlap_equals_blocking(rank: int, world: int) -> None:
-    groups = create_process_groups(build_layout(world, rank, world, 8 * world))
+    # Two "nodes" of world/2 ranks each: what the dispatcher's inter-node byte count is checked against.
+    groups = create_process_groups(build_layout(world, rank, world, 8 * world, local_world_size=world // 2))
     for case in _cases(world):
         blocking = _run(rank, world, case, groups, 1)
         assert blocking[-1] == 1
