@@ -114,10 +114,14 @@ def _summary(records: dict, min_util: float) -> dict:
     starved = {i for rec in records.values() for i in range(rounds) if min(rec["cpu_util"][i]) < min_util}
     kept = [i for i in range(rounds) if i not in starved]
     out = {"rounds": rounds, "rounds_dropped": len(starved), "settings": {}}
+    base = records["blocking"]["wall_s"]
     for name, rec in records.items():
         walls = [rec["wall_s"][i] for i in kept]
+        ratios = [rec["wall_s"][i] / base[i] for i in kept]  # paired with blocking in the same round
         out["settings"][name] = {
             "median_s": statistics.median(walls) if walls else None,
+            "median_ratio_to_blocking": statistics.median(ratios) if ratios else None,
+            "ratio_to_blocking_min_max": [min(ratios), max(ratios)] if ratios else None,
             "min_s": min(walls) if walls else None, "max_s": max(walls) if walls else None,
             "inter_node_bytes_per_step": statistics.median(rec["inter_node_bytes"]),
             "wall_s_all_rounds": rec["wall_s"], "cpu_util_all_rounds": rec["cpu_util"],
@@ -141,15 +145,17 @@ def _markdown(result: dict) -> str:
         f"{result['summary']['rounds_dropped']} dropped (a rank under {cfg['min_util']} of a core). CPU-time/wall "
         f"of every rank and round is in the json; a rank waiting on the link uses little CPU by design, so low "
         f"utilisation does not by itself mark a starved round here (hence --min-util 0 by default).", "",
-        "| setting | median step (s) | min-max (s) | vs blocking | inter-node bytes / step (counted) |",
-        "|---|---|---|---|---|",
+        "| setting | median step (s) | min-max (s) | median / blocking | per-round ratio to blocking: median (min-max) | inter-node bytes / step (counted) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, v in s.items():
         if v["median_s"] is None:
             continue
         rel = f"{v['median_s'] / base:.2f}x" if name != "exchanges_alone" else f"{v['median_s'] / base:.0%} of the blocking step"
         moved = f"{v['inter_node_bytes_per_step'] / 2**20:.2f} MiB" if name != "exchanges_alone" else "-"
-        lines.append(f"| {name} | {v['median_s']:.4f} | {v['min_s']:.4f}-{v['max_s']:.4f} | {rel} | {moved} |")
+        lo, hi = v["ratio_to_blocking_min_max"]
+        paired = f"{v['median_ratio_to_blocking']:.2f} ({lo:.2f}-{hi:.2f})"
+        lines.append(f"| {name} | {v['median_s']:.4f} | {v['min_s']:.4f}-{v['max_s']:.4f} | {rel} | {paired} | {moved} |")
     lines += ["", "exchanges_alone: the blocking layer's four payload exchanges per step (same splits, no "
               "compute), i.e. what the flat all-to-all alone costs on this link.", ""]
     return "\n".join(lines)
