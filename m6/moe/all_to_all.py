@@ -17,7 +17,7 @@ from typing import Callable, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 
-from m6.moe.chunked_all_to_all import auto_overlap_degree, exchange_compute_exchange, plan_chunks
+from m6.moe.chunked_all_to_all import auto_overlap_degree, chunk_major_order, exchange_compute_exchange, plan_chunks
 from m6.moe.dispatch import Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, host_ints, permute_tokens
 
 OverlapDegree = Union[int, Literal["auto"]]
@@ -206,11 +206,11 @@ class AllToAllDispatcher(Dispatcher):
         kept = plan.kept(sum(splits.send))
         # Rows in chunk-major order, so each chunk is one contiguous slice to send, and the
         # outputs that come back (in the same order) combine with the same reordered assignments.
-        order = torch.tensor(chunks.send_order, dtype=torch.int64, device=kept.token_idx_N.device)
+        order = chunk_major_order(plan.counts_E.view(self.group_size, self.num_local), degree, len(kept.token_idx_N))
         kept = KeptAssignments(kept.token_idx_N.index_select(0, order), kept.weights_N.index_select(0, order),
                                kept.num_tokens)
         x_send = permute_tokens(x_TD, kept).to(dtype)
         compute_dtype = None if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
-        y_send = exchange_compute_exchange(x_send, chunks, self.group_size, self.num_local, experts,
+        y_send = exchange_compute_exchange(x_send, chunks, splits.recv_counts_RL, self.local_order, experts,
                                            compute_dtype, self.group)
         return combine_tokens(y_send, kept, out_dtype)

@@ -120,16 +120,14 @@ def wait_exchange(pending: tuple[torch.Tensor, _ExchangeBox], out_splits: list[i
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """The host-side cut of one dispatch into C chunks (host ints from the counts exchange).
+    """The host-side cut of one dispatch into C chunks (host ints from the counts exchange: the
+    split sizes the exchanges and the expert GEMMs need).
 
-    send_order: positions (in the unchunked send order, grouped by destination rank) of the rows
-        in chunk-major order: chunk 0's rows for ranks 0..R-1, then chunk 1's, ...
     send[c][r], recv[c][r]: rows of chunk c sent to / received from rank r.
     recv_counts[c]: rows of chunk c from each source rank for each local expert, row-major [R, L].
     local_experts[c][l]: rows of chunk c for local expert l (all sources).
     """
 
-    send_order: list[int]
     send: list[list[int]]
     recv: list[list[int]]
     recv_counts: list[list[int]]
@@ -153,42 +151,57 @@ def plan_chunks(send_RL: list[int], recv_RL: list[int], num_ranks: int, num_loca
     """Cut the rows given by the counts exchange (``send_RL``/``recv_RL``: row-major [R, L] rows
     sent to / received from each rank for each of its / this rank's local experts) into ``degree`` chunks."""
     R, L = num_ranks, num_local
-    send_seg = [sum(send_RL[r * L:(r + 1) * L]) for r in range(R)]
-    send_start = [sum(send_seg[:r]) for r in range(R)]
-    send_cut = [chunk_bounds(n, degree) for n in send_seg]
+    send_cut = [chunk_bounds(sum(send_RL[r * L:(r + 1) * L]), degree) for r in range(R)]
     recv_cut = [chunk_bounds(sum(recv_RL[r * L:(r + 1) * L]), degree) for r in range(R)]
-    send_order, send, recv, recv_counts, local_experts = [], [], [], [], []
+    send, recv, recv_counts, local_experts = [], [], [], []
     for c in range(degree):
-        for r in range(R):
-            send_order.extend(range(send_start[r] + send_cut[r][c], send_start[r] + send_cut[r][c + 1]))
         send.append([send_cut[r][c + 1] - send_cut[r][c] for r in range(R)])
         recv.append([recv_cut[r][c + 1] - recv_cut[r][c] for r in range(R)])
         counts = [n for r in range(R)
                   for n in _segment_expert_counts(recv_RL[r * L:(r + 1) * L], recv_cut[r][c], recv_cut[r][c + 1])]
         recv_counts.append(counts)
         local_experts.append([sum(counts[r * L + e] for r in range(R)) for e in range(L)])
-    return ChunkPlan(send_order, send, recv, recv_counts, local_experts)
+    return ChunkPlan(send, recv, recv_counts, local_experts)
 
 
-def local_order(counts_RL: list[int], num_ranks: int, num_local: int, device: torch.device) -> torch.Tensor:
-    """Rows of a chunk arrive [source rank][local expert]: the permutation that groups them by local
-    expert (host ints are known here, so it is built on the host and copied once)."""
-    R, L = num_ranks, num_local
-    starts, pos = [], 0
-    for n in counts_RL:
-        starts.append(pos)
-        pos += n
-    order = [i for e in range(L) for r in range(R) for i in range(starts[r * L + e], starts[r * L + e] + counts_RL[r * L + e])]
-    return torch.tensor(order, dtype=torch.int64, device=device)
+def _chunk_of_rows(counts_RL: torch.Tensor, degree: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped [rank][expert] with ``counts_RL`` [R, L] (on the device): each row's rank
+    segment and its chunk (the cut of ``chunk_bounds``), both int64 [num_rows], with no host sync."""
+    R = counts_RL.shape[0]
+    seg_R = counts_RL.sum(dim=1)
+    seg_N = torch.repeat_interleave(torch.arange(R, device=counts_RL.device), seg_R, output_size=num_rows)
+    pos_N = torch.arange(num_rows, device=counts_RL.device) - (torch.cumsum(seg_R, 0) - seg_R).index_select(0, seg_N)
+    # chunk = how many of the cut points n*k//C (k = 1..C-1) lie at or before the row
+    cuts_NK = seg_R.index_select(0, seg_N).unsqueeze(1) * torch.arange(1, degree, device=counts_RL.device) // degree
+    return seg_N, (cuts_NK <= pos_N.unsqueeze(1)).sum(dim=1)
+
+
+def chunk_major_order(send_counts_RL: torch.Tensor, degree: int, num_rows: int) -> torch.Tensor:
+    """int64 [N]: the rows of a send buffer grouped [destination rank][expert] reordered chunk-major
+    (chunk 0's rows for ranks 0..R-1, then chunk 1's, ...), computed on the device."""
+    seg_N, chunk_N = _chunk_of_rows(send_counts_RL, degree, num_rows)
+    return torch.argsort(chunk_N * send_counts_RL.shape[0] + seg_N, stable=True)
+
+
+def chunk_counts(recv_counts_RL: torch.Tensor, degree: int, chunk: int) -> torch.Tensor:
+    """int64 [R, L] (device): rows of ``chunk`` from each source rank for each local expert, from the
+    received counts [R, L] (the device twin of ``ChunkPlan.recv_counts``, so no host-to-device copy)."""
+    seg_R1 = recv_counts_RL.sum(dim=1, keepdim=True)
+    lo_R1, hi_R1 = seg_R1 * chunk // degree, seg_R1 * (chunk + 1) // degree
+    start_RL = torch.cumsum(recv_counts_RL, 1) - recv_counts_RL
+    return (torch.minimum(hi_R1, start_RL + recv_counts_RL) - torch.maximum(lo_R1, start_RL)).clamp_min(0)
 
 
 ExpertCompute = Callable[[torch.Tensor, list[int]], torch.Tensor]
+LocalOrder = Callable[[torch.Tensor, int], torch.Tensor]  # (counts_RL [R, L], rows) -> grouping permutation
 
 
-def exchange_compute_exchange(x_send: torch.Tensor, chunks: ChunkPlan, num_ranks: int, num_local: int,
-                              experts: ExpertCompute, compute_dtype: Optional[torch.dtype], group) -> torch.Tensor:
-    """The pipeline: ``x_send`` [N, D] rows in ``chunks.send_order`` (already in the wire dtype) ->
-    the experts' outputs for them, same order, in the wire dtype.
+def exchange_compute_exchange(x_send: torch.Tensor, chunks: ChunkPlan, recv_counts_RL: torch.Tensor,
+                              local_order: LocalOrder, experts: ExpertCompute, compute_dtype: Optional[torch.dtype],
+                              group) -> torch.Tensor:
+    """The pipeline: ``x_send`` [N, D] rows in chunk-major order (``chunk_major_order``; already in
+    the wire dtype) -> the experts' outputs for them, same order, in the wire dtype.
+    ``recv_counts_RL`` [R, L] (device): rows received per source rank and local expert, all chunks.
 
     All C dispatch exchanges are issued at once (they run in order on the group's worker); chunk c
     is computed as soon as it has arrived, and its outputs start back while chunk c+1 computes.
@@ -202,7 +215,7 @@ def exchange_compute_exchange(x_send: torch.Tensor, chunks: ChunkPlan, num_ranks
     returning = []
     for c in range(chunks.degree):
         x_recv = wait_exchange(pending[c], chunks.recv[c], chunks.send[c], group)
-        order = local_order(chunks.recv_counts[c], num_ranks, num_local, x_send.device)
+        order = local_order(chunk_counts(recv_counts_RL, chunks.degree, c), sum(chunks.recv[c]))
         x_local = x_recv.index_select(0, order)
         if compute_dtype is not None:
             x_local = x_local.to(compute_dtype)

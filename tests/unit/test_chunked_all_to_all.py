@@ -11,7 +11,7 @@ import torch
 
 from m6.config import ConfigError, MoEConfig
 from m6.moe.chunked_all_to_all import (AUTO_CHUNK_BYTES, AUTO_MAX_DEGREE, auto_overlap_degree, chunk_bounds,
-                                       local_order, plan_chunks)
+                                       chunk_counts, chunk_major_order, plan_chunks)
 
 
 def test_chunk_bounds_cover_the_segment_in_near_equal_parts():
@@ -32,13 +32,17 @@ def test_chunks_agree_between_sender_and_receiver(seed):
         plans.append(plan_chunks(counts[me], recv, R, L, C))
     for me, plan in enumerate(plans):
         assert plan.degree == C
-        assert sorted(plan.send_order) == list(range(sum(counts[me])))  # each row in exactly one chunk
+        # The device-side reorder: chunk-major, each row once, against a slow reference.
+        order = chunk_major_order(torch.tensor(counts[me]).view(R, L), C, sum(counts[me])).tolist()
+        assert order == _chunk_major_reference(counts[me], R, L, C)
+        recv_RL = torch.tensor([n for s in range(R) for n in counts[s][me * L:(me + 1) * L]]).view(R, L)
         for c in range(C):
             for r in range(R):
                 assert plan.send[c][r] == plans[r].recv[c][me]  # the exchange's splits match
                 # the rows of chunk c that me sends to r are r's expert counts for chunk c from me
                 assert plans[r].recv_counts[c][me * L:(me + 1) * L] == _expert_counts_of_part(
                     counts[me][r * L:(r + 1) * L], c, C)
+            assert chunk_counts(recv_RL, C, c).reshape(-1).tolist() == plan.recv_counts[c]
             assert plan.local_experts[c] == [sum(plan.recv_counts[c][s * L + e] for s in range(R)) for e in range(L)]
         assert [sum(plan.local_experts[c][e] for c in range(C)) for e in range(L)] == \
             [sum(counts[s][me * L + e] for s in range(R)) for e in range(L)]
@@ -51,10 +55,12 @@ def _expert_counts_of_part(expert_counts, c, C):
     return [labels[lo:hi].count(e) for e in range(len(expert_counts))]
 
 
-def test_local_order_groups_rows_by_local_expert():
-    # 2 sources x 2 local experts: rows arrive [s0e0 x1, s0e1 x2, s1e0 x2, s1e1 x0]
-    order = local_order([1, 2, 2, 0], 2, 2, torch.device("cpu"))
-    assert order.tolist() == [0, 3, 4, 1, 2]
+def _chunk_major_reference(send_RL, R, L, C):
+    """Rows grouped by destination rank, listed chunk by chunk (part c of every rank's segment)."""
+    segs = [sum(send_RL[r * L:(r + 1) * L]) for r in range(R)]
+    starts = [sum(segs[:r]) for r in range(R)]
+    return [starts[r] + i for c in range(C) for r in range(R)
+            for i in range(chunk_bounds(segs[r], C)[c], chunk_bounds(segs[r], C)[c + 1])]
 
 
 def test_auto_degree_rule():
