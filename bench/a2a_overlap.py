@@ -161,6 +161,25 @@ def _markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def pool(paths: list[str]) -> str:
+    """Markdown: every setting's step time over the rounds of several runs, as a ratio to the
+    blocking step of the same round (median, quartiles, share of rounds faster than blocking)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    lines = [f"# Pooled rounds of {', '.join(Path(p).name for p in paths)} (bench/a2a_overlap.py --pool)", "",
+             f"Command: `python -m bench.a2a_overlap --pool {' '.join(paths)}`", "",
+             "| setting | rounds | per-round ratio to blocking: median | quartiles | rounds faster than blocking |",
+             "|---|---|---|---|---|"]
+    for name in runs[0]["summary"]["settings"]:
+        ratios = []
+        for run in runs:
+            settings = run["summary"]["settings"]
+            ratios += [w / b for w, b in zip(settings[name]["wall_s_all_rounds"], settings["blocking"]["wall_s_all_rounds"])]
+        q1, _, q3 = statistics.quantiles(ratios, n=4)
+        faster = sum(r < 1 for r in ratios) / len(ratios)
+        lines.append(f"| {name} | {len(ratios)} | {statistics.median(ratios):.2f} | {q1:.2f}-{q3:.2f} | {faster:.0%} |")
+    return "\n".join(lines + [""])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate-gbit", type=float, default=0.5)
@@ -173,11 +192,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-util", type=float, default=0.0)
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--stem", default="a2a_overlap")
+    parser.add_argument("--pool", nargs="+", metavar="JSON", help="pool the rounds of these result files "
+                        "(writes <out>/<stem>.md) instead of measuring")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--raw", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
+        return
+    if args.pool:
+        markdown = pool(args.pool)
+        Path(args.out, f"{args.stem}.md").write_text(markdown)
+        print(markdown)
         return
     from bench.harness import machine_info, write_results
     from bench.netbed import NetBed
