@@ -56,7 +56,7 @@ def _phases(layer: MoELayer, x_TD: torch.Tensor, group) -> dict[str, float]:
         plan = layer.dispatch_plan(routing, None, x_TD.shape[0])
         mark("route")
         d = layer.dispatcher
-        splits = d.exchange_counts(plan)
+        splits = d.exchange_counts(plan)[0]
         kept = plan.kept(sum(splits.send))
         x_ND = permute_tokens(x_TD, kept)
         mark("permute")

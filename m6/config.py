@@ -62,6 +62,15 @@ class MoEConfig:
     # before the loss is formed, so the loss does not depend on how the batch is split.
     aux_loss_scope: Literal["global", "local"] = "global"
     a2a_dtype: Optional[Literal["bf16"]] = None  # expert-parallel all-to-all payload precision
+    # Expert-parallel exchanges in this many chunks, each chunk's transfer overlapping the expert
+    # compute of its neighbours (1 = one blocking exchange each way; auto = from the payload size,
+    # m6.moe.chunked_all_to_all.auto_overlap_degree).
+    a2a_overlap_degree: Union[int, Literal["auto"]] = 1
+    # Node-limited routing (DeepSeek-V3): the experts form node_groups contiguous groups (m6.parallel
+    # places each group on one node when expert parallelism spans nodes) and each token picks its
+    # top_k among the experts of its max_nodes_per_token best groups; 0 or null = off.
+    node_groups: int = 1
+    max_nodes_per_token: Optional[int] = 0
     # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product
     # (on CUDA only in bf16 on compute capability 9.x/10.x, where torch has a fused kernel);
     # auto = grouped_mm on CUDA bf16 there (d_model/ffn_dim multiples of 8), else loop.
@@ -99,12 +108,34 @@ class MoEConfig:
             raise ConfigError(f"model.moe.router_dtype must be 'auto', 'fp32', 'tf32' or 'bf16', got {self.router_dtype!r}")
         if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
             raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
+        if self.a2a_overlap_degree != "auto" and (isinstance(self.a2a_overlap_degree, bool)
+                                                  or not isinstance(self.a2a_overlap_degree, int)
+                                                  or self.a2a_overlap_degree < 1):
+            raise ConfigError(f"model.moe.a2a_overlap_degree must be 'auto' or an integer >= 1, "
+                              f"got {self.a2a_overlap_degree!r}")
+        if self.max_nodes_per_token:
+            self._validate_node_limit()
         if not (0 <= self.expert_bias_update_rate < math.inf):
             raise ConfigError(f"model.moe.expert_bias_update_rate must be a finite number >= 0 (0 = off), "
                               f"got {self.expert_bias_update_rate}")
         if self.expert_bias_update_rate > 0 and self.force_balance:
             raise ConfigError("model.moe.expert_bias_update_rate > 0 and model.moe.force_balance=true exclude each "
                               "other: forced routing ignores the scores the bias steers")
+
+
+    def _validate_node_limit(self) -> None:
+        G, M = self.node_groups, self.max_nodes_per_token
+        if G < 1 or self.num_experts % G:
+            raise ConfigError(f"model.moe.node_groups ({G}) must be >= 1 and divide model.moe.num_experts "
+                              f"({self.num_experts})")
+        if not 1 <= M <= G:
+            raise ConfigError(f"model.moe.max_nodes_per_token ({M}) must be 0 (off) or 1..model.moe.node_groups ({G})")
+        if self.top_k > M * (self.num_experts // G):
+            raise ConfigError(f"model.moe.top_k ({self.top_k}) must not exceed model.moe.max_nodes_per_token ({M}) "
+                              f"x the {self.num_experts // G} experts of a node group")
+        if self.num_prototypes != 1 or self.force_balance:
+            raise ConfigError("model.moe.max_nodes_per_token needs model.moe.num_prototypes=1 and "
+                              "model.moe.force_balance=false")
 
 
 @dataclass

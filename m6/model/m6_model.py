@@ -37,6 +37,7 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
             router_jitter=moe.router_jitter, force_balance=moe.force_balance, aux_loss_coef=moe.aux_loss_coef,
             z_loss_coef=moe.z_loss_coef, init_std=cfg.init_std, expert_kernel=moe.expert_kernel,
             router_dtype=moe.router_dtype, expert_bias_update_rate=moe.expert_bias_update_rate,
+            node_groups=moe.node_groups, max_nodes_per_token=moe.max_nodes_per_token or 0,
         )
     return DenseMLP(cfg.d_model, cfg.ffn_dim)
 

@@ -5,18 +5,22 @@ expert-parallel group, N kept assignments sent by this rank, M rows received for
 
 The process group is an argument (installed by m6.parallel), never looked up here. Every rank
 issues the same collectives in the same order whatever the routing: one counts exchange and one
-token exchange in dispatch, one token exchange in combine (zero-row splits are legal).
+token exchange in dispatch, one token exchange in combine (zero-row splits are legal); with an
+overlap degree C > 1 the token exchanges are cut into C chunks each (m6.moe.chunked_all_to_all).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from m6.moe.chunked_all_to_all import auto_overlap_degree, chunk_major_order, exchange_compute_exchange, plan_chunks
 from m6.moe.dispatch import Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, host_ints, permute_tokens
+
+OverlapDegree = Union[int, Literal["auto"]]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -81,30 +85,68 @@ class AllToAllDispatcher(Dispatcher):
     The payload travels in ``wire_dtype``: the autocast compute dtype by default, ``a2a_dtype``
     (e.g. torch.bfloat16) to compress an fp32 run's payload; the combine still accumulates in fp32.
     One host sync per forward: the split sizes, after the counts exchange.
+
+    ``overlap_degree`` (model.moe.a2a_overlap_degree): 1 = one blocking exchange each way; C > 1 =
+    the exchanges in C chunks overlapped with the expert compute (``dispatch_compute_combine``);
+    "auto" = C from the sizes (``m6.moe.chunked_all_to_all.auto_overlap_degree`` of the largest
+    row count any rank of the group sends, which rides along in the counts exchange so every rank
+    picks the same C).
     """
 
-    def __init__(self, group, num_experts: int, a2a_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, group, num_experts: int, a2a_dtype: Optional[torch.dtype] = None,
+                 overlap_degree: OverlapDegree = 1, rank_nodes: Optional[list[int]] = None) -> None:
         self.group = group
         self.group_size = dist.get_world_size(group)
+        self.group_rank = dist.get_rank(group)
+        # Node of each rank of the group (from m6.parallel's layout): what the inter-node count needs.
+        self.rank_nodes = rank_nodes
+        self.inter_node_bytes = 0  # payload bytes this rank has put on inter-node links (forward + backward)
         if num_experts % self.group_size:
             raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({self.group_size})")
+        if overlap_degree != "auto" and (not isinstance(overlap_degree, int) or isinstance(overlap_degree, bool)
+                                         or overlap_degree < 1):
+            raise ValueError(f"overlap_degree (model.moe.a2a_overlap_degree) must be 'auto' or an integer >= 1, "
+                             f"got {overlap_degree!r}")
         self.num_experts = num_experts
         self.num_local = num_experts // self.group_size
         self.a2a_dtype = a2a_dtype
+        self.overlap_degree = overlap_degree
+        self.last_degree: Optional[int] = None  # the degree the last forward ran (auto resolves per call)
 
-    def exchange_counts(self, plan: DispatchPlan) -> Splits:
-        """The counts exchange and the layer's one host sync: how many rows go where."""
+    def exchange_counts(self, plan: DispatchPlan, with_totals: bool = False
+                        ) -> tuple[Splits, list[int], list[int], list[int]]:
+        """The counts exchange and the layer's one host sync: how many rows go where. Returns the
+        splits and the row-major [R, L] host counts sent and received; ``with_totals``: also the
+        largest number of rows any rank of the group sends (one more column in the same exchange)."""
         R, L = self.group_size, self.num_local
         send_counts_RL = plan.counts_E.view(R, L)
+        if with_totals:
+            total = plan.counts_E.sum().view(1, 1).expand(R, 1)
+            send_counts_RL = torch.cat([send_counts_RL, total], dim=1)
         recv_counts_RL = torch.empty_like(send_counts_RL)
         dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
-        send, recv = host_ints(send_counts_RL, recv_counts_RL)  # both row-major [R, L]
-        return Splits(
+        if with_totals:
+            send_counts_RL, recv_counts_RL, totals_R = send_counts_RL[:, :L], recv_counts_RL[:, :L], recv_counts_RL[:, L]
+            send, recv, totals = host_ints(send_counts_RL, recv_counts_RL, totals_R)
+        else:
+            (send, recv), totals = host_ints(send_counts_RL, recv_counts_RL), []
+        splits = Splits(
             recv_counts_RL=recv_counts_RL,
             send=[sum(send[r * L:(r + 1) * L]) for r in range(R)],
             recv=[sum(recv[r * L:(r + 1) * L]) for r in range(R)],
             local_experts=[sum(recv[r * L + e] for r in range(R)) for e in range(L)],
         )
+        return splits, send, recv, totals
+
+    def count_inter_node(self, splits: Splits, row_bytes: int) -> None:
+        """Add one layer call's inter-node payload to ``inter_node_bytes``, counted from the split
+        sizes: the dispatch rows sent to and the combine rows sent back to ranks of other nodes,
+        and each again as gradients in backward (the reverse exchanges move the same rows)."""
+        if self.rank_nodes is None:
+            return
+        me = self.rank_nodes[self.group_rank]
+        rows = sum(s + r for s, r, node in zip(splits.send, splits.recv, self.rank_nodes) if node != me)
+        self.inter_node_bytes += 2 * rows * row_bytes
 
     def local_order(self, recv_counts_RL: torch.Tensor, num_received: int) -> torch.Tensor:
         """Received rows arrive [source rank][local expert]: the permutation that groups them by
@@ -117,9 +159,14 @@ class AllToAllDispatcher(Dispatcher):
 
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], AllToAllHandle]:
         """Rows for this rank's local experts, grouped by local expert, and their counts."""
-        splits = self.exchange_counts(plan)
+        return self.send_rows(x_TD, plan, self.exchange_counts(plan)[0])
+
+    def send_rows(self, x_TD: torch.Tensor, plan: DispatchPlan, splits: Splits
+                  ) -> tuple[torch.Tensor, list[int], AllToAllHandle]:
+        """``dispatch`` once the counts are exchanged: the blocking token exchange."""
         kept = plan.kept(sum(splits.send))
         dtype = wire_dtype(x_TD, self.a2a_dtype)
+        self.count_inter_node(splits, x_TD.shape[-1] * dtype.itemsize)
         x_ND = permute_tokens(x_TD, kept).to(dtype)  # grouped by global expert = by destination rank
         x_recv = all_to_all(x_ND, splits.recv, splits.send, self.group)
         local_order_M = self.local_order(splits.recv_counts_RL, sum(splits.recv))
@@ -136,3 +183,34 @@ class AllToAllDispatcher(Dispatcher):
     def combine(self, y_local: torch.Tensor, handle: AllToAllHandle, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to their source ranks and token order, weighted by the router."""
         return combine_tokens(self.send_back(y_local, handle), handle.kept, out_dtype)
+
+    def dispatch_compute_combine(self, x_TD: torch.Tensor, plan: DispatchPlan,
+                                 experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+                                 out_dtype: torch.dtype) -> torch.Tensor:
+        """dispatch -> experts -> combine; with an overlap degree > 1 in chunks, each chunk's
+        exchanges overlapping the expert compute of its neighbours (m6.moe.chunked_all_to_all)."""
+        if self.overlap_degree == 1:
+            self.last_degree = 1
+            return super().dispatch_compute_combine(x_TD, plan, experts, out_dtype)
+        auto = self.overlap_degree == "auto"
+        splits, send_RL, recv_RL, totals = self.exchange_counts(plan, with_totals=auto)
+        dtype = wire_dtype(x_TD, self.a2a_dtype)
+        degree = auto_overlap_degree(max(totals), x_TD.shape[-1] * dtype.itemsize) if auto else self.overlap_degree
+        self.last_degree = degree
+        if degree == 1:
+            # auto chose the blocking path: dispatch and combine, the counts already exchanged.
+            x_ND, rows, handle = self.send_rows(x_TD, plan, splits)
+            return self.combine(experts(x_ND, rows), handle, out_dtype)
+        self.count_inter_node(splits, x_TD.shape[-1] * dtype.itemsize)
+        chunks = plan_chunks(send_RL, recv_RL, self.group_size, self.num_local, degree)
+        kept = plan.kept(sum(splits.send))
+        # Rows in chunk-major order, so each chunk is one contiguous slice to send, and the
+        # outputs that come back (in the same order) combine with the same reordered assignments.
+        order = chunk_major_order(plan.counts_E.view(self.group_size, self.num_local), degree, len(kept.token_idx_N))
+        kept = KeptAssignments(kept.token_idx_N.index_select(0, order), kept.weights_N.index_select(0, order),
+                               kept.num_tokens)
+        x_send = permute_tokens(x_TD, kept).to(dtype)
+        compute_dtype = None if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
+        y_send = exchange_compute_exchange(x_send, chunks, splits.recv_counts_RL, self.local_order, experts,
+                                           compute_dtype, self.group)
+        return combine_tokens(y_send, kept, out_dtype)

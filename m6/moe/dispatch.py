@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -203,6 +203,15 @@ class Dispatcher(Protocol):
     def combine(self, y_ND: torch.Tensor, handle: Any, out_dtype: torch.dtype) -> torch.Tensor:
         """[N, D] expert outputs -> [T, D] router-weighted sum per token, in ``out_dtype``."""
         ...
+
+    def dispatch_compute_combine(self, x_TD: torch.Tensor, plan: DispatchPlan,
+                                 experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+                                 out_dtype: torch.dtype) -> torch.Tensor:
+        """The layer's three middle phases: dispatch, ``experts(x_ND, splits)``, combine. A
+        dispatcher that overlaps its exchanges with the expert compute (chunked all-to-all)
+        overrides this; the result must equal these three calls."""
+        x_ND, splits, handle = self.dispatch(x_TD, plan)
+        return self.combine(experts(x_ND, splits), handle, out_dtype)
 
 
 class LocalDispatcher(Dispatcher):

@@ -106,6 +106,8 @@ class MoELayer(nn.Module):
         expert_kernel: ExpertKernel = "auto",
         router_dtype: RouterDtype = "auto",
         expert_bias_update_rate: float = 0.0,
+        node_groups: int = 1,
+        max_nodes_per_token: int = 0,
     ) -> None:
         super().__init__()
         # Each argument rule is checked in one place: here the sizes that router, experts and
@@ -137,7 +139,8 @@ class MoELayer(nn.Module):
         self.capacity_factor, self.min_capacity, self.capacity_group = capacity_factor, min_capacity, capacity_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = TopKRouter(d_model, num_experts, top_k, num_prototypes, score_function,
-                                 normalize_weights, router_jitter, force_balance, router_dtype)
+                                 normalize_weights, router_jitter, force_balance, router_dtype,
+                                 node_groups, max_nodes_per_token)
         if init_seed is None:
             # One draw from the global RNG, the same whatever the expert count: the layers that
             # follow initialise identically on every rank of any expert-parallel layout.
@@ -172,9 +175,8 @@ class MoELayer(nn.Module):
         x_TD, token_mask_T = self._flatten(x, token_mask)
         routing = self.router(x_TD, self.expert_bias)
         plan = self.dispatch_plan(routing, token_mask_T, self._group_size(x))
-        x_ND, splits, handle = self.dispatcher.dispatch(x_TD, plan)
-        y_ND = self.experts(x_ND, splits)
-        y_TD = self.dispatcher.combine(y_ND, handle, x.dtype)
+        # dispatch -> experts -> combine (one call: an overlapping dispatcher interleaves them by chunk)
+        y_TD = self.dispatcher.dispatch_compute_combine(x_TD, plan, self.experts, x.dtype)
         aux_loss, self.stats = self.aux_loss_and_stats(routing, plan, token_mask_T)
         return y_TD.view(x.shape), aux_loss
 

@@ -64,6 +64,22 @@ class _TF32Logits(torch.autograd.Function):
         return grad_x, grad_w
 
 
+def node_limited_choice(choice_TE: torch.Tensor, num_groups: int, max_groups: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's node-limited routing: [T, E] selection scores with every expert outside each
+    token's ``max_groups`` best expert groups set to -inf, so a top-k over them stays inside those groups.
+
+    The E experts form ``num_groups`` contiguous groups (model.moe.node_groups, mapped onto nodes
+    by m6.parallel); a group's score is the sum of its best ceil(top_k / max_groups) scores.
+    """
+    T, E = choice_TE.shape
+    per_group = E // num_groups
+    best_in_group = min(per_group, -(-top_k // max_groups))
+    group_score_TG = choice_TE.view(T, num_groups, per_group).topk(best_in_group, dim=-1).values.sum(dim=-1)
+    kept_TM = group_score_TG.topk(max_groups, dim=-1).indices
+    kept_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=choice_TE.device).scatter_(1, kept_TM, True)
+    return choice_TE.masked_fill(~kept_TG.repeat_interleave(per_group, dim=1), float("-inf"))
+
+
 @dataclass
 class Routing:
     """What the router decided for one batch of tokens.
@@ -80,12 +96,35 @@ class Routing:
     probs_TE: torch.Tensor
 
 
+def check_node_limit(num_experts: int, top_k: int, num_prototypes: int, node_groups: int, max_nodes_per_token: int,
+                     force_balance: bool = False) -> None:
+    """The rules node-limited routing needs (ValueError naming the model.moe keys)."""
+    if node_groups < 1 or num_experts % node_groups:
+        raise ValueError(f"model.moe.node_groups ({node_groups}) must be >= 1 and divide model.moe.num_experts "
+                         f"({num_experts})")
+    if not 1 <= max_nodes_per_token <= node_groups:
+        raise ValueError(f"model.moe.max_nodes_per_token ({max_nodes_per_token}) must be 0 (off) or 1.."
+                         f"model.moe.node_groups ({node_groups})")
+    if top_k > max_nodes_per_token * (num_experts // node_groups):
+        raise ValueError(f"model.moe.top_k ({top_k}) must not exceed model.moe.max_nodes_per_token "
+                         f"({max_nodes_per_token}) x the {num_experts // node_groups} experts of a node group")
+    if num_prototypes != 1:
+        raise ValueError(f"model.moe.max_nodes_per_token needs model.moe.num_prototypes 1, got {num_prototypes}")
+    if force_balance:
+        raise ValueError("model.moe.max_nodes_per_token and model.moe.force_balance exclude each other: forced "
+                         "routing ignores the scores")
+
+
 class TopKRouter(nn.Module):
     """Linear gate (fp32 weight, fp32 logits; the GEMM at ``router_dtype``) with top-k (optionally
     per-prototype) expert selection.
 
     With ``num_prototypes = P`` (M6-T expert prototyping) the E experts form P contiguous groups of
     E/P and each token picks ``top_k`` experts inside every group, so K = P * top_k assignments.
+
+    ``max_nodes_per_token = M > 0`` (node-limited routing, one prototype only): the E experts form
+    ``node_groups`` contiguous groups and each token's top-k is chosen among the experts of its M
+    best groups (``node_limited_choice``); the weights are the chosen experts' scores as without it.
     """
 
     def __init__(
@@ -99,9 +138,13 @@ class TopKRouter(nn.Module):
         jitter_eps: float = 0.0,
         force_balance: bool = False,
         router_dtype: RouterDtype = "auto",
+        node_groups: int = 1,
+        max_nodes_per_token: int = 0,
     ) -> None:
         super().__init__()
         router_gemm_precision(router_dtype, "cpu")  # checks the name
+        if max_nodes_per_token:
+            check_node_limit(num_experts, top_k, num_prototypes, node_groups, max_nodes_per_token, force_balance)
         if score_function not in ("softmax", "sigmoid"):
             raise ValueError(f"score_function must be 'softmax' or 'sigmoid', got {score_function!r}")
         if jitter_eps < 0:
@@ -114,6 +157,7 @@ class TopKRouter(nn.Module):
         self.jitter_eps = jitter_eps
         self.force_balance = force_balance
         self.router_dtype = router_dtype
+        self.node_groups, self.max_nodes_per_token = node_groups, max_nodes_per_token
         # The gate's weight and logits are always fp32: routing decisions are sensitive to rounding
         # (ties flip under bf16); only the GEMM's products follow router_dtype.
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, dtype=torch.float32))
@@ -171,9 +215,14 @@ class TopKRouter(nn.Module):
                 torch.arange(self.top_k, device=logits_TE.device).view(1, 1, self.top_k)
             top_local_TPk = (slots_T1k % (E // P)).expand(T, P, self.top_k)
             top_scores_TPk = scores_TPG.gather(-1, top_local_TPk)
-        elif selection_bias_E is not None:
-            # DeepSeek-V3: the bias steers which experts are chosen, never how much they weigh.
-            choice_TPG = scores_TPG + selection_bias_E.to(scores_TPG.dtype).view(P, E // P)
+        elif selection_bias_E is not None or self.max_nodes_per_token:
+            # DeepSeek-V3: the bias steers which experts (and nodes) are chosen, never how much they weigh.
+            choice_TPG = scores_TPG
+            if selection_bias_E is not None:
+                choice_TPG = scores_TPG + selection_bias_E.to(scores_TPG.dtype).view(P, E // P)
+            if self.max_nodes_per_token:  # P == 1 (checked at construction)
+                choice_TPG = node_limited_choice(choice_TPG.view(T, E), self.node_groups, self.max_nodes_per_token,
+                                                 self.top_k).view(T, P, E)
             top_local_TPk = torch.topk(choice_TPG, self.top_k, dim=-1).indices
             top_scores_TPk = scores_TPG.gather(-1, top_local_TPk)
         else:

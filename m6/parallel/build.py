@@ -10,6 +10,7 @@ from m6.model import M6Model
 from m6.parallel.fsdp import apply_sharding
 from m6.parallel.launch import DistEnv
 from m6.parallel.layout import build_layout, create_process_groups
+from m6.parallel.node_groups import check_node_groups
 from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
 
 
@@ -30,10 +31,11 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
         model = M6Model(m)
     layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
                           env.local_world_size)
+    check_node_groups(layout, m.moe.node_groups, m.moe.max_nodes_per_token)  # before any collective
     groups = create_process_groups(layout, cfg.parallel.timeout_s)
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
-    shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope)
+    shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree)
     model.materialize(init_device or device, cfg.run.seed)
     sharded = classify_parameters(model, plan, groups)
     if cfg.parallel.shard != "none":

@@ -109,26 +109,32 @@ def _expert_parallel_syncs_and_payload(rank: int, world: int) -> None:
         return real_a2a(output, input, *args, **kwargs)
 
     dist.all_to_all_single = observed_a2a
-    torch.manual_seed(0)
-    reference = MoELayer(16, 32, 4, top_k=2, capacity_factor=1.25, min_capacity=1)
-    layer = MoELayer(16, 32, 4, top_k=2, capacity_factor=1.25, min_capacity=1)
-    layer.load_state_dict(reference.state_dict())
-    apply_plan(layer, ParallelPlan(split=[layer]), create_process_groups(build_layout(world, rank, 2, 4)))
-    g = torch.Generator().manual_seed(1)
-    x_all, mask_all = torch.randn(4, 10, 16, generator=g), torch.rand(4, 10, generator=g) > 0.3
-    mine = slice(2 * rank, 2 * rank + 2)
-    recorder = SyncRecorder()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y_ref, _ = reference(x_all, mask_all)
-        with recorder:
-            y, aux = layer(x_all[mine].clone().requires_grad_(True), mask_all[mine])
-        forward_copies = len(copies)
-        with recorder:
-            (y.float().square().sum() + aux).backward()
-    assert recorder.syncing == [] and forward_copies == 1 and len(copies) == 1
-    torch.testing.assert_close(y, y_ref[mine], rtol=0, atol=0)  # same bf16 expert inputs as one process
-    token_payloads = [dtype for dtype, _ in payloads if dtype.is_floating_point]
-    assert token_payloads == [torch.bfloat16] * 4, payloads  # dispatch, combine, and their two backward exchanges
+    groups = create_process_groups(build_layout(world, rank, 2, 4))
+    # The chunked overlap (degree 2) too: its chunk indices are built on the device, not from host lists.
+    for degree, exchanges in ((1, 4), (2, 8), ("auto", 4)):
+        copies.clear()
+        payloads.clear()
+        torch.manual_seed(0)
+        reference = MoELayer(16, 32, 4, top_k=2, capacity_factor=1.25, min_capacity=1)
+        layer = MoELayer(16, 32, 4, top_k=2, capacity_factor=1.25, min_capacity=1)
+        layer.load_state_dict(reference.state_dict())
+        apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_overlap_degree=degree)
+        g = torch.Generator().manual_seed(1)
+        x_all, mask_all = torch.randn(4, 10, 16, generator=g), torch.rand(4, 10, generator=g) > 0.3
+        mine = slice(2 * rank, 2 * rank + 2)
+        recorder = SyncRecorder()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y_ref, _ = reference(x_all, mask_all)
+            with recorder:
+                y, aux = layer(x_all[mine].clone().requires_grad_(True), mask_all[mine])
+            forward_copies = len(copies)
+            with recorder:
+                (y.float().square().sum() + aux).backward()
+        assert recorder.syncing == [] and forward_copies == 1 and len(copies) == 1, (degree, recorder.syncing)
+        torch.testing.assert_close(y, y_ref[mine], rtol=0, atol=0)  # same bf16 expert inputs as one process
+        token_payloads = [dtype for dtype, _ in payloads if dtype.is_floating_point]
+        # dispatch, combine, and their two backward exchanges; each in `degree` chunks
+        assert token_payloads == [torch.bfloat16] * exchanges, (degree, payloads)
 
 
 def test_expert_parallel_forward_syncs_once_and_sends_the_compute_dtype():
