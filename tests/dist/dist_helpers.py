@@ -86,11 +86,11 @@ class RankResult:
     stderr: str
 
 
-def _train_entry(rank: int, world_size: int, port: int, argv: list[str], out_dir: str) -> None:
+def _train_entry(rank: int, world_size: int, local_world_size: int, port: int, argv: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)  # N processes share 2 cores
     if world_size > 1:  # what torchrun sets; world 1 runs as a plain `python train.py` does
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % local_world_size),
+                          LOCAL_WORLD_SIZE=str(local_world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from m6.train.cli import main
 
     out, err, code = io.StringIO(), io.StringIO(), -1  # -1: main raised (the exception reaches the test)
@@ -102,13 +102,16 @@ def _train_entry(rank: int, world_size: int, port: int, argv: list[str], out_dir
             {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}))
 
 
-def train_ranks(world_size: int, argv: list[str], limit_s: float = 240) -> list[RankResult]:
-    """m6's training entry point (train.py's ``main``) on ``world_size`` ranks with the environment a
-    one-node torchrun gives its workers, without torchrun's agent and fresh interpreters (the
-    launchers themselves are tested in tests/dist/test_train_world_sizes.py and tests/smoke).
+def train_ranks(world_size: int, argv: list[str], limit_s: float = 240,
+                local_world_size: int | None = None) -> list[RankResult]:
+    """m6's training entry point (train.py's ``main``) on ``world_size`` ranks with the environment
+    torchrun gives its workers, without torchrun's agents and fresh interpreters (the launchers
+    themselves are tested in tests/dist/test_train_world_sizes.py and tests/smoke).
+    ``local_world_size``: ranks per "node" (default all on one), as LOCAL_WORLD_SIZE says.
     Returns each rank's exit code and output; an exception a rank raises is re-raised here."""
+    local = local_world_size or world_size
     with tempfile.TemporaryDirectory() as out_dir:
-        _start(_train_entry, world_size, (world_size, free_port(), list(argv), out_dir), limit_s)
+        _start(_train_entry, world_size, (world_size, local, free_port(), list(argv), out_dir), limit_s)
         return [RankResult(**json.loads(Path(out_dir, f"rank{r}.json").read_text())) for r in range(world_size)]
 
 

@@ -1,12 +1,11 @@
-"""train.py with node-limited routing across two "nodes" (two torchrun agents, EP over both):
-the same losses as one process (routing is world-size invariant), with the chunked overlapped
-all-to-all on; and a launch whose nodes split a node group is refused with exit code 2."""
+"""train.py with node-limited routing across two "nodes" (ranks with LOCAL_WORLD_SIZE 1, EP over
+both): the same losses as one process (routing is world-size invariant), with the chunked
+overlapped all-to-all on; and a launch whose nodes split a node group is refused with exit code 2."""
 
 from __future__ import annotations
 
-import os
-
-from test_train_world_sizes import SMALL, TINY, agents_on_nodes, assert_same_curve, single, torchrun, train_rows
+from dist_helpers import train_ranks
+from test_train_world_sizes import SMALL, TINY, assert_same_curve, ranks, single, train_rows
 
 NODE_LIMITED = ["model.moe.node_groups=2", "model.moe.max_nodes_per_token=1", "model.moe.top_k=2",
                 "train.max_steps=4"]
@@ -14,7 +13,7 @@ NODE_LIMITED = ["model.moe.node_groups=2", "model.moe.max_nodes_per_token=1", "m
 
 def test_node_limited_two_nodes_match_one_process(tmp_path):
     single(tmp_path / "w1", *NODE_LIMITED)
-    torchrun(tmp_path / "w2", 1, *NODE_LIMITED, "model.moe.a2a_overlap_degree=2", nnodes=2)
+    ranks(tmp_path / "w2", 2, *NODE_LIMITED, "model.moe.a2a_overlap_degree=2", per_node=1)
     assert_same_curve(train_rows(tmp_path / "w2"), train_rows(tmp_path / "w1"))
 
 
@@ -22,9 +21,6 @@ def test_node_groups_that_span_nodes_are_refused(tmp_path):
     # 2 nodes x 1 process, EP 2: a single node group (all 4 experts) would span both nodes.
     args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "model.moe.node_groups=1",
             "model.moe.max_nodes_per_token=1"]
-    with agents_on_nodes(args, 1, 2, dict(os.environ, OMP_NUM_THREADS="1")) as procs:
-        outs = [p.communicate(timeout=120) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode != 0
-        assert "config error: model.moe.node_groups (1) does not match the launch" in err, err[-2000:]
-        assert "exitcode  : 2" in err, err[-2000:]  # the rank's own exit code, in torchrun's summary
+    for rank, result in enumerate(train_ranks(2, args, local_world_size=1)):
+        assert result.code == 2, (rank, result.stderr[-2000:])
+        assert "config error: model.moe.node_groups (1) does not match the launch" in result.stderr, result.stderr

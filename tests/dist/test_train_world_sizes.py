@@ -71,9 +71,11 @@ def agents_on_nodes(args: list[str], nproc: int, nnodes: int, env: dict):
         store.wait(timeout=30)
 
 
-def ranks(run_dir, nproc: int, *overrides: str) -> str:
-    """train.py's main on ``nproc`` ranks (1: a plain single process); rank 0's stdout."""
-    results = train_ranks(nproc, ["--config", TINY, *SMALL, f"run.dir={run_dir}", *overrides])
+def ranks(run_dir, nproc: int, *overrides: str, per_node: int | None = None) -> str:
+    """train.py's main on ``nproc`` ranks (1: a plain single process), ``per_node`` ranks per
+    "node" (default all on one); rank 0's stdout."""
+    results = train_ranks(nproc, ["--config", TINY, *SMALL, f"run.dir={run_dir}", *overrides],
+                          local_world_size=per_node)
     for rank, r in enumerate(results):
         assert r.code == 0, f"rank {rank} exited {r.code}: {r.stderr[-3000:]}"
     return results[0].stdout
