@@ -78,19 +78,42 @@ def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
     # After a step the device grads are gone (streamed), the masters updated and copied back.
     assert all(p.grad is None for p in params)
     assert all(torch.equal(off.master(p), p.detach()) for p in params)
-    # The gradient sync hands offload only the final micro-batch's (accumulated) gradient.
+    # A trial backward outside update.backward (recompute check, speed measurement) keeps its
+    # gradients on the device; a training backward streams them in every micro-batch (world 1:
+    # no parameter is shared) and the host sums them.
     batch = next(iter([tr.loader.next_step()[0][0].batch]))
     tr.update.begin_micro_batch(last=False)
     lm, aux = tr.forward_loss(batch)
     (lm + aux).backward()
     first = {id(p): p.grad.clone() for p in params}
     assert all(off.master(p).grad is None for p in params)
-    tr.update.begin_micro_batch(last=True)
-    lm, aux = tr.forward_loss(batch)
-    (lm + aux).backward()
-    assert all(p.grad is None for p in params)
+    tr.update.zero_grad()
+    for last in (False, False, True):
+        tr.update.begin_micro_batch(last=last)
+        lm, aux = tr.forward_loss(batch)
+        tr.update.backward(lm + aux)
+        assert all(p.grad is None for p in params)  # left for the host, micro-batch by micro-batch
+    tr.update.finish()
     for p in params:
-        torch.testing.assert_close(off.master(p).grad, 2 * first[id(p)], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(off.master(p).grad, 3 * first[id(p)], rtol=1e-5, atol=1e-8)
+    assert tr.update.grad_bytes_after_backward == 0
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "optimizer+params"])
+def test_gradients_stream_in_every_micro_batch_of_four(tmp_path, mode):
+    """Accumulation 4: the host sum equals the device's bitwise (same losses and weights as the
+    plain run), and no gradient is left on the device at the end of any backward (world 1)."""
+    plain = trainer(tmp_path / "plain", "train.micro_batch_size=2")
+    offloaded = trainer(tmp_path / "offloaded", "train.micro_batch_size=2", f"memory.offload={mode}")
+    assert plain.accum == offloaded.accum == 4
+    grad_bytes = sum(p.numel() * 4 for p in plain.model.parameters())
+    for _ in range(3):
+        a, b = plain.train_step(), offloaded.train_step()
+        assert a["loss"] == b["loss"]
+        # Before streaming, offload kept every gradient on the device until the last micro-batch.
+        assert a["grad_mb"] * 2**20 == grad_bytes and b["grad_mb"] == 0
+    for (k, v), w in zip(plain.model.state_dict().items(), offloaded.model.state_dict().values()):
+        assert torch.equal(v, w), k
 
 
 def test_offloaded_params_live_on_the_host_and_visit_the_device_per_block(tmp_path):
