@@ -211,6 +211,9 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         transients["backward transients"] = max(transients["backward transients"], streaming)
         if mode == "optimizer+params":
             blocks = list(getattr(model, "blocks", []))
+            chosen = cfg.memory.offload_blocks  # auto: counted as all (the least the device can hold)
+            if isinstance(chosen, list):
+                blocks = [blocks[i] for i in sorted(chosen)]
             streamed = sum(p.numel() for b in blocks for p in b.parameters())
             device_params = 4.0 * (numel - streamed + _streamed_window(blocks))
         else:

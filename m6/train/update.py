@@ -25,6 +25,8 @@ from m6.config import Config
 from m6.memory import GroupedApply, build_offload
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.live_bytes import grad_bytes
+from m6.memory.offload_blocks import resolve_offload_blocks
+from m6.model.param_groups import no_decay_ids
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
 from m6.parallel.fsdp import ShardedGradientSync, clip_sharded_grad_norm
 from m6.train.loss_scale import DynamicLossScale
@@ -43,7 +45,11 @@ class ParameterUpdate:
         self.trainable = trainable
         # The most gradient bytes the model's parameters held at the end of one of this step's backwards.
         self.grad_bytes_after_backward = 0
-        self.offload = build_offload(cfg.memory.offload, trainable, device, streamed_layers=list(model.blocks))
+        layout = sharded.groups.layout
+        streamed = resolve_offload_blocks(cfg, model, no_decay_ids(model), layout.world_size,
+                                          layout.expert_parallel_size, device, log)
+        self.offload = build_offload(cfg.memory.offload, trainable, device,
+                                     streamed_layers=[model.blocks[i] for i in streamed])
         # Sharded (FSDP2) units reduce-scatter their own gradients: m6's all-reduce must not add them again.
         self.sharded_dp = cfg.parallel.shard != "none"
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
