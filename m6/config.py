@@ -351,6 +351,10 @@ class MemoryConfig:
     """Memory features (Whale's tricks); each keeps the math unchanged."""
 
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    # optimizer+params: which blocks' weights live on the host and stream in (the next one
+    # prefetched); the rest stay on the device. all, a list of block indices, or auto (as many
+    # blocks kept on the device as the memory estimate fits in the CUDA device's memory).
+    offload_blocks: Union[Literal["all", "auto"], list[int]] = "all"
     # The optimizer of the offloaded (host) update: DeepSpeed's CPU Adam, torch's AdamW, or auto
     # (DeepSpeed when its C++ op builds or loads, else torch with one console line saying why).
     host_optimizer: Literal["auto", "deepspeed", "torch"] = "auto"
@@ -376,6 +380,14 @@ class MemoryConfig:
                               f"memory.activation_checkpointing=auto (it is {self.activation_checkpointing!r})")
         if self.check_checkpointing and self.activation_checkpointing == "none":
             raise ConfigError("memory.check_checkpointing needs memory.activation_checkpointing full or auto")
+        if self.offload_blocks != "all" and self.offload != "optimizer+params":
+            raise ConfigError(f"memory.offload_blocks={self.offload_blocks} only applies with "
+                              f"memory.offload=optimizer+params (it is {self.offload!r})")
+        if isinstance(self.offload_blocks, list) and (
+                len(set(self.offload_blocks)) != len(self.offload_blocks)
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.offload_blocks)):
+            raise ConfigError(f"memory.offload_blocks must be all, auto or a list of distinct block indices, "
+                              f"got {self.offload_blocks}")
         if self.host_optimizer == "deepspeed" and self.offload == "none":
             raise ConfigError("memory.host_optimizer=deepspeed only applies with memory.offload optimizer or "
                               "optimizer+params (without offload the update runs on the device with torch's AdamW)")
@@ -537,6 +549,10 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError("model.share_layers > 1 with memory.activation_checkpointing="
                           f"{cfg.memory.activation_checkpointing}: recompute of shared blocks is not supported yet; "
                           "use memory.activation_checkpointing=none")
+    blocks = cfg.memory.offload_blocks
+    if isinstance(blocks, list) and not all(0 <= i < m.num_layers for i in blocks):
+        raise ConfigError(f"memory.offload_blocks {blocks}: block indices must be in [0, model.num_layers = "
+                          f"{m.num_layers})")
     if d.seq_len > m.max_text_len:
         raise ConfigError(f"data.seq_len ({d.seq_len}) exceeds model.max_text_len ({m.max_text_len})")
     if m.vocab_size < BYTE_VOCAB_SIZE:

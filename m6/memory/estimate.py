@@ -25,6 +25,9 @@ and optimizer state when it stays on the device):
              holding every gradient is copied after they are gone;
   end of backward   every gradient + the buckets;
   update     every gradient + the step's temporaries (on the host when offloaded).
+Offloaded, the device's gradients are those other ranks share (held until their all-reduce in the
+last micro-batch) plus one transient gradient: the others stream to the host in every
+micro-batch's backward (m6.memory.grad_stream).
 DeepSpeed's CPU Adam (memory.host_optimizer=deepspeed) updates in place: no temporaries; auto
 counts torch's, as it falls back to torch where DeepSpeed's op does not build.
 
@@ -152,8 +155,8 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     """Per-process estimate for ``cfg`` with ``model`` (meta or real) holding this process's params.
 
     ``no_decay``: ids of the params in the optimizer's no-weight-decay group (torch updates each
-    param group in its own foreach call). ``world_size`` > 1: gradients are all-reduced on the
-    device before they may be offloaded, so the device holds all of them until then.
+    param group in its own foreach call). ``world_size`` > 1: gradients other ranks share are
+    all-reduced on the device before they may be offloaded, so the device holds those until then.
     ``expert_parallel_size``: the all-to-all's degree (None: 1); ``device_type``: where it runs
     (train.precision=auto computes in bf16 on cuda, fp32 on cpu).
     """
@@ -196,11 +199,21 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
             states["grads"] + states["optimizer step temporaries"], 0.0
         grads_end = states["grads"]
     else:
-        # Offloaded: a gradient leaves the device once final. Until then (accumulation, all-reduce)
-        # the device holds it; without either, only a transient tensor at a time (the largest one).
-        device_grads = 4.0 * numel if keeps_grads else 4.0 * max((p.numel() for p in params), default=0)
+        # Offloaded (gradient streaming, m6.memory.grad_stream): a gradient no other rank shares
+        # leaves the device as backward writes it, in every micro-batch: one transient tensor at a
+        # time (the largest, a backward transient). A shared one waits on the device for its
+        # all-reduce in the last micro-batch (accumulating there until then).
+        edp = world_size // ep
+        local = [p for p in params if world_size == 1 or (id(p) in expert_ids and edp == 1)]
+        shared_numel = numel - sum(p.numel() for p in local)
+        device_grads = 4.0 * shared_numel
+        streaming = 4.0 * max((p.numel() for p in local), default=0)
+        transients["backward transients"] = max(transients["backward transients"], streaming)
         if mode == "optimizer+params":
             blocks = list(getattr(model, "blocks", []))
+            chosen = cfg.memory.offload_blocks  # auto: counted as all (the least the device can hold)
+            if isinstance(chosen, list):
+                blocks = [blocks[i] for i in sorted(chosen)]
             streamed = sum(p.numel() for b in blocks for p in b.parameters())
             device_params = 4.0 * (numel - streamed + _streamed_window(blocks))
         else:
@@ -215,6 +228,8 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     # Gradients this backward allocates as it goes: all of them when none exist before it (no
     # accumulation); offloaded ones leave as they become final (one at a time at world 1).
     transient = max(acts.a2a_buffers, acts.backward_transient, redo)
+    if mode != "none":  # the unshared gradient being written and streamed
+        transient = max(transient, streaming)
     backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)),
                                                     grads_made=accum == 1 and (mode == "none" or keeps_grads),
                                                     offloaded=mode != "none")

@@ -1,6 +1,8 @@
-"""Peak live bytes of the tensors allocated inside a region, counted exactly on any device.
+"""Peak live bytes of the tensors allocated inside a region, counted exactly on any device; the
+bytes of the gradients parameters hold.
 
-Used to measure the optimizer step's temporaries (group-wise apply) in tests and bench/memory.py.
+Used to measure the optimizer step's temporaries (group-wise apply) in tests and bench/memory.py,
+and the device gradient bytes at the end of backward (the ``grad_mb`` metric).
 """
 
 from __future__ import annotations
@@ -8,8 +10,21 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def grad_bytes(params) -> int:
+    """Bytes of the live ``.grad`` tensors of ``params`` (each storage once): with offload, a
+    parameter's ``.grad`` is its device gradient (the host sum hangs off its master instead)."""
+    storages = {}
+    for p in params:
+        if p.grad is None:
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad  # FSDP2: this rank's shard
+        storages[grad.untyped_storage().data_ptr()] = grad.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 class LiveBytes(TorchDispatchMode):

@@ -2,13 +2,19 @@
 
 optimizer:        fp32 master weights, their gradients and the AdamW moments live in host memory
                   (pinned when CUDA is present, so copies are asynchronous). A gradient streams to
-                  the host as soon as it is final (``grads_final``, called by the gradient sync:
-                  per parameter in the last micro-batch's backward when no other rank shares it,
-                  after its bucket's all-reduce otherwise), since an unreduced gradient must not leave the device (so
-                  with accumulation the device keeps gradients until the last micro-batch). The copies
-                  overlap the backward; clipping needs the global norm, so they are all awaited once
-                  before the first group updates. The update runs on the CPU, group by group; group
-                  i's new weights copy back to the device (side stream) while group i + 1 updates.
+                  the host as soon as it is final for this micro-batch (``grads_final``, called by
+                  the gradient sync). One that no other rank shares (every parameter at world 1,
+                  the experts when the expert-data-parallel size is 1) leaves at the end of EVERY
+                  micro-batch's backward, parameter by parameter as backward writes it, and is
+                  summed on the host in fp32 (m6.memory.grad_stream): with accumulation the device
+                  never holds it past its own backward. A replicated gradient must be all-reduced
+                  first, and is reduced once per step, in the last micro-batch (reducing it in
+                  every micro-batch would multiply its traffic by the accumulation steps), so it
+                  accumulates on the device until then and leaves right after its bucket's
+                  all-reduce. The copies overlap the backward; clipping needs the global norm, so
+                  they are all awaited once before the first group updates. The update runs on the
+                  CPU, group by group; group i's new weights copy back to the device (side stream)
+                  while group i + 1 updates.
 optimizer+params: as above, and the parameters of the streamed layers (the transformer blocks)
                   live on the host too: a layer's weights are copied to the device just before its
                   forward (the next layer's copy is prefetched), released right after it, and
@@ -25,6 +31,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from m6.memory.grad_stream import HostGradAccumulator
 from m6.memory.grouped_apply import GroupedApply
 
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
@@ -200,6 +207,7 @@ class HostOffload:
         # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
         # this one is done all are, and the step waits once, not once per parameter.
         self._grads_copied: torch.cuda.Event | None = None
+        self._accumulator = HostGradAccumulator(device, self.copy_stream)  # micro-batch 2 on: host += device
 
     def master(self, p: nn.Parameter) -> torch.Tensor:
         return self.masters[id(p)]
@@ -213,13 +221,18 @@ class HostOffload:
 
     # ---- gradients: device -> host ------------------------------------------------------------
     def grads_final(self, params: Sequence[nn.Parameter]) -> None:
-        """Called by the gradient sync once these params' gradients are final: stream them now."""
+        """Called by the gradient sync once these params' gradients are final for this micro-batch:
+        stream them now (added to the host sum when an earlier micro-batch already streamed one)."""
         for p in params:
             if p.grad is not None and id(p) in self.masters:
                 self._stream_grad(p)
 
     def _stream_grad(self, p: nn.Parameter) -> None:
-        grad, buf = p.grad, self._grad_buffers[id(p)]
+        grad, buf, master = p.grad, self._grad_buffers[id(p)], self.masters[id(p)]
+        if master.grad is not None:  # this step's sum is on the host already: add to it
+            self._accumulator.add(grad, buf)
+            p.grad = None
+            return
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
@@ -243,9 +256,13 @@ class HostOffload:
         for p in self.params:
             if p.grad is not None:
                 self._stream_grad(p)
-        if self._grads_copied is not None:
-            self._grads_copied.synchronize()
-            self._grads_copied = None
+        if self.copy_stream is not None and (self._grads_copied is not None or self._accumulator.pending):
+            # One wait for the copy stream's last copy (it runs them in order), whichever kind it was.
+            last = torch.cuda.Event()
+            last.record(self.copy_stream)
+            last.synchronize()
+        self._grads_copied = None
+        self._accumulator.flush(copies_done=True)  # the later micro-batches' gradients added on the host
 
     def _copy_back(self, masters: Sequence[torch.Tensor]) -> None:
         ids = {id(m) for m in masters}
@@ -270,6 +287,7 @@ class HostOffload:
 
     def zero_grad(self) -> None:
         """Drop the host gradients (their buffers are kept) and any device gradient left over."""
+        self._accumulator.flush()  # an add still landing must not reach next step's sum
         for p in self.params:
             self.masters[id(p)].grad = None
             p.grad = None

@@ -105,8 +105,11 @@ class GradientSync:
     (e.g. CPU offload streaming gradients to the host) receives params once their gradients are
     final: each parameter as backward writes it when its group is this process alone (one
     process, or experts no other rank holds), a bucket's params when it is drained otherwise, so
-    nothing moves an unreduced gradient. One process is the same object with nothing to reduce
-    (and an unused parameter keeps no gradient, as without the sync).
+    nothing moves an unreduced gradient. With ``stream_local`` the local parameters go to
+    ``on_grads_final`` in the backwards that do not communicate too (the training micro-batches
+    before the last: offload sums them on the host); trial backwards (recompute check, speed
+    measurement) leave it off and keep their gradients. One process is the same object with
+    nothing to reduce (and an unused parameter keeps no gradient, as without the sync).
     """
 
     sharded: ShardedModel
@@ -115,6 +118,7 @@ class GradientSync:
     max_in_flight: int = 2  # buckets launched and not yet drained (each holds a flat copy)
     buckets: list[_Bucket] = field(default_factory=list)
     enabled: bool = True
+    stream_local: bool = False
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -210,7 +214,7 @@ class GradientSync:
         self._launch_complete()
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self.enabled:
+        if not (self.enabled or (self.stream_local and id(param) in self._local)):
             return
         if id(param) in self._local:
             # Nothing to add up: final as soon as backward wrote it, one parameter at a time (so

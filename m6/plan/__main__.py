@@ -1,7 +1,8 @@
 """Plan an m6 layout: the fastest predicted layout that fits, with its memory and time by component.
 
     python -m m6.plan configs/m6-10t.yaml --gpus 512 --gpu-memory 80GB --gpus-per-node 8 --gpu h100 \\
-        [--host-memory 1TB] [--intra-node-GBps X --inter-node-GBps Y] [--top 5] [--out plan.overrides]
+        [--host-memory 1TB] [--host-cores-per-gpu 12] [--intra-node-GBps X --inter-node-GBps Y] [--top 5]
+        [--out plan.overrides]
 
 Every number printed is PREDICTED; the GPU figures rest on the assumptions printed with them.
 """
@@ -21,6 +22,7 @@ from m6.plan.search import SHARD, Candidate, search
 from m6.plan.timing import GPUS, HostProfile, cpu_hardware
 
 GiB = 2**30
+HOST_CORES_PER_GPU = 12  # a 96-core, 8-GPU server
 
 
 def parse_size(text: str, flag: str) -> float:
@@ -36,7 +38,7 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
 
-def describe(c: Candidate, rank: int) -> str:
+def describe(c: Candidate, rank: int, ranks_per_node: int = 1) -> str:
     t, mem = c.time, c.memory
     lines = [f"#{rank}  EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}"
              + (f" (budget {c.budget_gb:.2f} GiB)" if c.budget_gb is not None else "")
@@ -47,7 +49,8 @@ def describe(c: Candidate, rank: int) -> str:
              f"update {t.update:.3f}" + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
              f"    per-GPU device memory peak {_gib(mem.peak_device)} GiB: "
              + ", ".join(f"{k} {_gib(v)}" for k, v in mem.device.items() if v),
-             f"    host memory per rank {_gib(mem.peak_host)} GiB"]
+             f"    host memory per rank {_gib(mem.peak_host)} GiB, per node of {ranks_per_node} ranks "
+             f"{_gib(mem.peak_host * ranks_per_node)} GiB: " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.host.items() if v)]
     return "\n".join(lines)
 
 
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inter-node-GBps", type=float, default=None)
     p.add_argument("--latency-us", type=float, default=None, help="per collective")
     p.add_argument("--cores", type=int, default=os.cpu_count(), help="--gpu cpu: cores of a node")
+    p.add_argument("--host-cores-per-gpu", type=int, default=HOST_CORES_PER_GPU,
+                   help="host cores running each GPU rank's offloaded update (default %(default)s: a 96-core "
+                        "8-GPU server); the update is timed here per core and divided by them")
     p.add_argument("--shard", choices=("config", "any", "none", "optimizer", "full"), default="config",
                    help="parallel.shard settings to consider: the config's (default), all three (any), or one")
     p.add_argument("--top", type=int, default=3)
@@ -98,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.latency_us is not None:
                 hw = dataclasses.replace(hw, latency_s=args.latency_us * 1e-6)
         threads = max(1, (args.cores or 1) // min(args.gpus, args.gpus_per_node))
-        profile = HostProfile(threads, concurrent=min(args.gpus, args.gpus_per_node) if args.gpu == "cpu" else 1)
+        if args.host_cores_per_gpu < 1:
+            raise ConfigError(f"--host-cores-per-gpu must be >= 1, got {args.host_cores_per_gpu}")
+        profile = HostProfile(threads, concurrent=min(args.gpus, args.gpus_per_node) if args.gpu == "cpu" else 1,
+                              host_cores_per_gpu=None if args.gpu == "cpu" else args.host_cores_per_gpu)
         result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1,
                         shard=SHARD if args.shard == "any" else
                         (cfg.parallel.shard if args.shard == "config" else args.shard,))
@@ -111,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"{args.config} on {args.gpus} x {hw.name} ({memory_gib:g} GiB), {args.gpus_per_node} per node: "
           f"{len(result.feasible)} of {result.considered} layouts fit ({time.perf_counter() - t0:.1f} s)")
-    if hw.assumed:
-        print("ASSUMED (not measured): " + "; ".join(hw.assumed))
+    assumed = list(hw.assumed)
+    if args.gpu != "cpu":
+        assumed.append(f"offloaded host update: a per-core rate timed on this host (1 thread) x "
+                       f"{args.host_cores_per_gpu} cores per GPU (--host-cores-per-gpu), scaling linearly")
+    if assumed:
+        print("ASSUMED (not measured): " + "; ".join(assumed))
     for i, c in enumerate(result.feasible[:args.top], 1):
-        print(describe(c, i))
+        print(describe(c, i, min(args.gpus, args.gpus_per_node)))
     best = result.feasible[0]
     with open(args.out, "w", encoding="utf-8") as f:
         f.write("\n".join(best.overrides()) + "\n")

@@ -96,7 +96,8 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                                                                shard):
             if wire is not None and ep == 1:
                 continue  # no all-to-all to compress
-            if sh != "none" and (off != "none" or rc == "auto" or world_size == 1):
+            if sh != "none" and (off != "none" or rc == "auto" or world_size == 1 or hw.precision == "fp16"
+                                 or cfg.optim.name == "adafactor"):
                 continue  # not combined yet (config errors), or nothing to shard over
             budget = None
             trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh)

@@ -16,12 +16,18 @@ small collectives  the step's scalar all-reduces, one latency each (world > 1): 
           routing statistics per MoE layer and micro-batch (aux_loss_scope global; local: one
           aux-loss sum per step), the gradient sync's reach check, loss and metric sums, the expert
           gradient norm (EP > 1) and the stop-signal flag, as m6.train.loop issues them.
-offload   host<->device bytes (gradients out, weights back, streamed blocks twice per micro-batch)
-          / the PCIe figure.
+offload   host<->device bytes / the PCIe figure, counted where the step waits for them: the
+          gradients streamed out (the unshared ones in every micro-batch) and the streamed blocks'
+          weights (fetched twice per micro-batch, the next block prefetched while one computes)
+          overlap the forward and backward, so only what exceeds the compute time shows; the
+          weights copied back overlap the update group by group (optim.apply_groups), so the last
+          group's copy, or what exceeds the update, shows.
 update    cpu: MEASURED on the rank's real parameters between the profiled steps. GPUs: on the
-          device, 28 B per parameter over the memory bandwidth; offloaded, the host update MEASURED
-          on this host (m6's gradient clipping + foreach AdamW: a per-tensor and a per-element
-          cost, for the rank's tensor count).
+          device, 28 B per parameter over the memory bandwidth; offloaded, the host update from a
+          per-core rate MEASURED on this host with one thread (m6's gradient clipping + torch's
+          foreach AdamW, or Adafactor with optim.name=adafactor: a per-tensor and a per-element
+          cost, for the rank's tensor count), divided by the host cores each GPU gets
+          (``--host-cores-per-gpu``; ASSUMED to scale linearly with the cores).
 """
 
 from __future__ import annotations
@@ -75,18 +81,19 @@ class Hardware:
 
 
 # Datasheet peaks (dense): H100 SXM bf16 989.4 TFLOP/s, 3.35 TB/s HBM3, NVLink 900 GB/s (450 per
-# direction); V100 SXM2 fp32 15.7 TFLOP/s (no bf16 unit, and m6 has no fp16 path), 900 GB/s HBM2,
-# NVLink 300 GB/s (150 per direction). Efficiencies and network figures are assumptions.
+# direction); V100 SXM2 fp16 tensor cores 125 TFLOP/s (no bf16 unit: m6 runs it in fp16 with loss
+# scaling), fp32 15.7, 900 GB/s HBM2, NVLink 300 GB/s (150 per direction). Efficiencies and
+# network figures are assumptions.
 GPUS = {
     "h100": Hardware("H100 SXM 80GB", 989.4, 0.40, 80.0, 300.0, 50.0, 50.0, 20e-6, 3350.0, "bf16",
                      ("compute efficiency 0.40 of 989.4 TFLOP/s", "NVLink 300 GB/s effective per GPU",
                       "inter-node 50 GB/s per GPU (400 Gb/s IB)", "PCIe5 50 GB/s", "collective latency 20 us"),
                      (("bf16", 989.4), ("tf32", 494.7), ("fp32", 67.0))),
-    "v100": Hardware("V100 SXM2 32GB", 15.7, 0.60, 32.0, 100.0, 12.5, 12.0, 30e-6, 900.0, "fp32",
-                     ("compute efficiency 0.60 of 15.7 TFLOP/s fp32 (m6 has no fp16 path; V100 has no bf16)",
-                      "NVLink 100 GB/s effective per GPU", "inter-node 12.5 GB/s per GPU (100 Gb/s RDMA)",
+    "v100": Hardware("V100 SXM2 32GB", 125.0, 0.40, 32.0, 100.0, 12.5, 12.0, 30e-6, 900.0, "fp16",
+                     ("compute efficiency 0.40 of 125 TFLOP/s fp16 tensor cores (train.precision fp16; V100 has "
+                      "no bf16)", "NVLink 100 GB/s effective per GPU", "inter-node 12.5 GB/s per GPU (100 Gb/s RDMA)",
                       "PCIe3 12 GB/s", "collective latency 30 us"),
-                     (("fp32", 15.7),)),
+                     (("fp16", 125.0), ("fp32", 15.7))),
 }
 
 
@@ -238,10 +245,12 @@ class HostProfile:
 
     CONCURRENT_RUNS = 8
 
-    def __init__(self, threads: int, concurrent: int = 1) -> None:
-        self.threads, self.concurrent = threads, concurrent
+    def __init__(self, threads: int, concurrent: int = 1, host_cores_per_gpu: Optional[int] = None) -> None:
+        """``host_cores_per_gpu``: the offloaded update of a GPU rank runs on that many cores of
+        its server, timed here per core (one thread) and divided by it; None: timed with ``threads``."""
+        self.threads, self.concurrent, self.host_cores_per_gpu = threads, concurrent, host_cores_per_gpu
         self._cache: dict[tuple, tuple[float, float]] = {}  # shape -> (forward+backward, update) seconds
-        self._step_costs: Optional[tuple[float, float]] = None  # (per tensor, per element)
+        self._step_costs: dict[str, tuple[float, float]] = {}  # optimizer -> (per tensor, per element)
 
     def forward_backward_s(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
                            recompute: frozenset) -> float:
@@ -279,34 +288,39 @@ class HostProfile:
             torch.set_num_threads(previous)
         return self._cache[key]
 
-    def host_step_s(self, num_tensors: int, numel: int) -> float:
-        """Seconds of the host's clip + foreach AdamW step over ``num_tensors`` tensors holding
-        ``numel`` elements: a per-element and a per-tensor cost, fitted to two measured shapes
-        (8 tensors of 512K elements; 512 of 1K), since a real model's many small tensors (norms,
-        biases) cost far more per element than one large buffer."""
-        if self._step_costs is None:
+    def host_step_s(self, num_tensors: int, numel: int, optimizer: str = "adamw") -> float:
+        """Seconds of the host's clip + foreach ``optimizer`` step over ``num_tensors`` tensors
+        holding ``numel`` elements: a per-element and a per-tensor cost, fitted to two measured
+        shapes (8 tensors of 512K elements; 512 of 1K), since a real model's many small tensors
+        (norms, biases) cost far more per element than one large buffer. With
+        ``host_cores_per_gpu``: timed on one thread, divided by the cores."""
+        if optimizer not in self._step_costs:
             previous = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
+            torch.set_num_threads(1 if self.host_cores_per_gpu else self.threads)
             try:
-                big, small = self._time_host_update(8, 2**19), self._time_host_update(512, 2**10)
+                big = self._time_host_update(8, 2**19, optimizer)
+                small = self._time_host_update(512, 2**10, optimizer)
             finally:
                 torch.set_num_threads(previous)
             # big = 8 a + 8*2^19 b ; small = 512 a + 512*2^10 b
             n1, e1, n2, e2 = 8, 8 * 2**19, 512, 512 * 2**10
             per_elem = max((big * n2 - small * n1) / (e1 * n2 - e2 * n1), 0.0)
             per_tensor = max((small - e2 * per_elem) / n2, 0.0)
-            self._step_costs = (per_tensor, per_elem)
-        per_tensor, per_elem = self._step_costs
-        return num_tensors * per_tensor + numel * per_elem
+            self._step_costs[optimizer] = (per_tensor, per_elem)
+        per_tensor, per_elem = self._step_costs[optimizer]
+        return (num_tensors * per_tensor + numel * per_elem) / (self.host_cores_per_gpu or 1)
 
     @staticmethod
-    def _time_host_update(num_tensors: int, size: int) -> float:
+    def _time_host_update(num_tensors: int, size: int, optimizer: str = "adamw") -> float:
         """Median of 3 (after one warm-up) host steps as the run makes them: m6's own gradient
-        clipping (a norm per tensor) and a foreach AdamW step."""
-        params = [torch.zeros(size, requires_grad=True) for _ in range(num_tensors)]
+        clipping (a norm per tensor) and a foreach AdamW (or Adafactor) step. Adafactor's state is
+        factored per matrix: the tensors are timed as 512-row matrices."""
+        shape = (512, size // 512) if optimizer == "adafactor" and size >= 512 * 2 else (size,)
+        params = [torch.zeros(shape, requires_grad=True) for _ in range(num_tensors)]
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        opt = torch.optim.Adafactor(params, lr=1e-3, foreach=True) if optimizer == "adafactor" \
+            else torch.optim.AdamW(params, lr=1e-3, foreach=True)
         times = []
         for _ in range(4):
             t0 = time.perf_counter()
@@ -356,7 +370,7 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     flops_mb = step_flops(rates, counts, kept)
     acts = activation_report(cfg, world_size, ep, "cpu" if hw.peak_tflops is None else "cuda")
     recompute = frozenset(recomputed_parts(cfg, acts))
-    c = 2 if hw.precision == "bf16" else 4
+    c = 2 if hw.precision in ("bf16", "fp16") else 4
     if hw.peak_tflops is None:
         ranks_here = min(world_size, gpus_per_node)
         # Profiled with every rank of the node running at once: their sharing is in the figure.
@@ -399,18 +413,23 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             scalars = per_step + 1  # the aux-loss sums, once per step
     small = scalars * hw.latency_s
     numel = numel_rep + numel_exp
-    offload = 0.0
-    if cfg.memory.offload != "none":
-        copy_GBps = hw.pcie_GBps if hw.pcie_GBps else 10.0
-        moved = 8.0 * numel  # gradients out, weights back
-        if cfg.memory.offload == "optimizer+params":
-            streamed = sum(p.numel() for b in model.blocks for p in b.parameters())
-            moved += 2 * 4.0 * streamed * accum
-        offload = moved / (copy_GBps * 1e9)
     if hw.peak_tflops is None:
         update = cpu_update
     elif cfg.memory.offload != "none":
-        update = host.host_step_s(sum(1 for p in model.parameters() if p.requires_grad), numel)
+        update = host.host_step_s(sum(1 for p in model.parameters() if p.requires_grad), numel, cfg.optim.name)
     else:
         update = 28.0 * numel / (hw.memory_GBps * 1e9 * 0.7)
+    offload = 0.0
+    if cfg.memory.offload != "none":
+        copy_Bps = (hw.pcie_GBps if hw.pcie_GBps else 10.0) * 1e9
+        # Gradients out: the unshared ones (the experts at EP = world, everything at world 1) in
+        # every micro-batch, the shared ones once after their all-reduce; all during backward.
+        local = numel if world_size == 1 else (numel_exp if world_size // ep == 1 else 0)
+        during_compute = 4.0 * (local * accum + numel - local)
+        if cfg.memory.offload == "optimizer+params":
+            streamed = sum(p.numel() for b in model.blocks for p in b.parameters())
+            during_compute += 2 * 4.0 * streamed * accum  # fetched for forward and for backward, prefetched
+        back = 4.0 * numel / copy_Bps  # new weights, group by group while the next group updates
+        groups = max(1, cfg.optim.apply_groups)
+        offload = max(0.0, during_compute / copy_Bps - compute) + max(back / groups, back - update * (groups - 1) / groups)
     return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small)

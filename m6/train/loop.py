@@ -300,6 +300,7 @@ class Trainer:
         grads_finite = not overflow_ranks and math.isfinite(grad_norm)
         # fp16: an overflow is the loss scale's search (skip, back off), a bad step only at its floor.
         bad = not loss_finite or (not grads_finite and not self.update.overflow_is_normal())
+        grad_mb = self.update.grad_bytes_after_backward / 2**20  # before step() drops the gradients
         self.update.step(apply=loss_finite and grads_finite)
         self.expert_bias.step(apply=loss_finite and grads_finite)
         self._count_step(skipped=not (loss_finite and grads_finite), bad=bad)
@@ -310,7 +311,7 @@ class Trainer:
             "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss_weighted": aux_total,
             "balance_loss_unweighted": balance, "z_loss_unweighted": z, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
             "samples_per_s": self.cfg.train.global_batch_size / dt, "step_time_s": dt,
-            "peak_mem_gb": peak_memory_gb(self.device), "skipped_steps": self.counters.skipped_steps,
+            "peak_mem_gb": peak_memory_gb(self.device), "grad_mb": grad_mb, "skipped_steps": self.counters.skipped_steps,
             "data_wait_s": data_wait, "skipped_records": self.skips.total,
             **self._throughput(flops, dt), **self.activations.end_step(self.step),
             **{f"compute_s/rank{r}": s for r, s in enumerate(rank_compute_s)},

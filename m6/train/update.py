@@ -24,6 +24,9 @@ import torch.distributed as dist
 from m6.config import Config
 from m6.memory import GroupedApply, build_offload
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
+from m6.memory.live_bytes import grad_bytes
+from m6.memory.offload_blocks import resolve_offload_blocks
+from m6.model.param_groups import no_decay_ids
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
 from m6.parallel.fsdp import ShardedGradientSync, clip_sharded_grad_norm
 from m6.train.loss_scale import DynamicLossScale
@@ -39,7 +42,14 @@ class ParameterUpdate:
         model = sharded.model
         self.device = device
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.offload = build_offload(cfg.memory.offload, trainable, device, streamed_layers=list(model.blocks))
+        self.trainable = trainable
+        # The most gradient bytes the model's parameters held at the end of one of this step's backwards.
+        self.grad_bytes_after_backward = 0
+        layout = sharded.groups.layout
+        streamed = resolve_offload_blocks(cfg, model, no_decay_ids(model), layout.world_size,
+                                          layout.expert_parallel_size, device, log)
+        self.offload = build_offload(cfg.memory.offload, trainable, device,
+                                     streamed_layers=[model.blocks[i] for i in streamed])
         # Sharded (FSDP2) units reduce-scatter their own gradients: m6's all-reduce must not add them again.
         self.sharded_dp = cfg.parallel.shard != "none"
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
@@ -85,7 +95,14 @@ class ParameterUpdate:
         if self.loss_scale is not None:
             loss = loss * self.loss_scale.scale
         self.sync.prepare(loss)
-        loss.backward()
+        # Offload: a gradient no other rank shares leaves for the host in every training backward
+        # (summed there), not only in the last; the trial backwards outside this method keep theirs.
+        self.sync.stream_local = self.offload is not None
+        try:
+            loss.backward()
+        finally:
+            self.sync.stream_local = False
+        self.grad_bytes_after_backward = max(self.grad_bytes_after_backward, grad_bytes(self.trainable))
 
     def finish(self) -> None:
         """After the last backward: gradients reduced, and on the host when offloaded (clipping
@@ -124,6 +141,7 @@ class ParameterUpdate:
         self.scheduler.step()
 
     def zero_grad(self) -> None:
+        self.grad_bytes_after_backward = 0
         self.optimizer.zero_grad(set_to_none=True)
         if self.offload:
             self.offload.zero_grad()

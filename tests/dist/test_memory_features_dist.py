@@ -57,13 +57,32 @@ def _variants(rank: int, world: int, root: str, reference: list[float]) -> None:
     plain_losses = [plain.train_step()["loss"] for _ in range(STEPS)]
     assert plain_losses == pytest.approx(reference, rel=1e-5)  # world 2 + EP 2 == world 1
     plain_weights = full_weights(plain)
+    grad_bytes = lambda params: sum(p.numel() * 4 for p in params)  # noqa: E731
+    all_bytes = grad_bytes(plain.model.parameters())
+    replicated_bytes = grad_bytes(plain.sharded.replicated_params.values())
     for i, extra in enumerate(VARIANTS):
         tr = trainer(f"{root}/v{i}", ep, *extra)
-        losses = [tr.train_step()["loss"] for _ in range(STEPS)]
-        assert losses == plain_losses, extra
+        steps = [tr.train_step() for _ in range(STEPS)]
+        assert [m["loss"] for m in steps] == plain_losses, extra
         weights = full_weights(tr)
         for k, v in weights.items():
             assert torch.equal(v, plain_weights[k]), (extra, k)
+        # Device gradient bytes at the end of backward (accumulation 2): with offload the experts'
+        # (no other rank holds them at EP 2) leave in every micro-batch; the replicated ones wait
+        # for their all-reduce in the last. Before gradient streaming both kept all of them.
+        streamed = any(e.startswith("memory.offload") for e in extra)
+        expected = replicated_bytes if streamed else all_bytes
+        assert all(m["grad_mb"] * 2**20 == expected for m in steps), (extra, steps[0]["grad_mb"], expected)
+    assert replicated_bytes < all_bytes  # the experts (here 2 of 4 per rank) are the difference
+    # Accumulation 4 (micro-batches of 1 row): offloaded equals plain bitwise.
+    plain4, offloaded4 = trainer(f"{root}/plain4", ep, "train.micro_batch_size=1"), \
+        trainer(f"{root}/offloaded4", ep, "train.micro_batch_size=1", "memory.offload=optimizer+params")
+    assert plain4.accum == offloaded4.accum == 4
+    for _ in range(3):
+        assert plain4.train_step()["loss"] == offloaded4.train_step()["loss"]
+    weights4 = full_weights(offloaded4)
+    for k, v in full_weights(plain4).items():
+        assert torch.equal(v, weights4[k]), k
     # Saved offloaded (host masters named after their params), resumed under another mode.
     first = trainer(f"{root}/resume", ep, "memory.offload=optimizer", "optim.apply_groups=2")
     losses = [first.train_step()["loss"] for _ in range(2)]

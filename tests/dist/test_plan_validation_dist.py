@@ -36,10 +36,21 @@ def _measure(rank: int, world: int, root: str, extra: list[str]) -> None:
     tr.train_step()  # the recompute plan and the optimizer state are made in the first step
     start = live_storage_bytes()
     with LiveBytes() as live:
-        tr.train_step()
+        metrics = tr.train_step()
     measured = start + live.peak
-    predicted = RankMemory(cfg, world, 2, "cpu").report(cfg).peak_shared
+    report = RankMemory(cfg, world, 2, "cpu").report(cfg)
+    predicted = report.peak_shared
     assert predicted == pytest.approx(measured, rel=0.10), (extra, rank, predicted, measured)
+    if tr.update.offload is not None:
+        # Device and host apart. Device gradients at the end of a backward (gradient streaming,
+        # accumulation 2): the replicated ones only, the experts streamed in every micro-batch.
+        assert report.device["grads"] == pytest.approx(metrics["grad_mb"] * 2**20, rel=0.10), (rank, report.device)
+        off, params = tr.update.offload, list(tr.model.parameters())
+        nbytes = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)  # noqa: E731
+        state = [v for st in tr.update.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        host = nbytes(off.masters_of(params)) + nbytes(off._grad_buffers.values()) + nbytes(state)
+        planned = sum(report.host[k] for k in ("params", "grads", "optimizer state"))
+        assert planned == pytest.approx(host, rel=0.10), (rank, planned, host)
 
 
 @pytest.mark.parametrize("extra", PLANS, ids=["plain", "offload-accumulation", "full-recompute"])

@@ -182,7 +182,10 @@ PRECISION_VARIANTS = {
     "bf16-autocast": ["train.precision=bf16-autocast"],
 }
 MEMORY_VARIANTS = {
-    "offload-optimizer": ["train.precision=bf16", "memory.offload=optimizer", "memory.host_optimizer=torch"],
+    # Accumulation 2: the experts' and every gradient's second micro-batch goes through the host
+    # accumulator's pinned ring (m6.memory.grad_stream) on the copy stream.
+    "offload-optimizer": ["train.precision=bf16", "memory.offload=optimizer", "memory.host_optimizer=torch",
+                          "train.micro_batch_size=4"],
     "offload-optimizer+params": ["train.precision=bf16", "memory.offload=optimizer+params",
                                  "memory.host_optimizer=torch"],
     "recompute-full": ["train.precision=bf16", "memory.activation_checkpointing=full"],

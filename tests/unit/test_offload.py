@@ -40,6 +40,8 @@ VARIANTS = {
     "offload_params_groups": ["memory.offload=optimizer+params", "optim.apply_groups=3"],
     # Recompute in backward reads the weights of a layer the streamer fetched back for it.
     "offload_params_checkpointing": ["memory.offload=optimizer+params", "memory.activation_checkpointing=full"],
+    # Granular: blocks 0 and 2 stream (2 prefetched while 0 computes), block 1 stays on the device.
+    "offload_some_blocks": ["memory.offload=optimizer+params", "memory.offload_blocks=[0,2]"],
 }
 STEPS = 5
 
@@ -78,19 +80,42 @@ def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
     # After a step the device grads are gone (streamed), the masters updated and copied back.
     assert all(p.grad is None for p in params)
     assert all(torch.equal(off.master(p), p.detach()) for p in params)
-    # The gradient sync hands offload only the final micro-batch's (accumulated) gradient.
+    # A trial backward outside update.backward (recompute check, speed measurement) keeps its
+    # gradients on the device; a training backward streams them in every micro-batch (world 1:
+    # no parameter is shared) and the host sums them.
     batch = next(iter([tr.loader.next_step()[0][0].batch]))
     tr.update.begin_micro_batch(last=False)
     lm, aux = tr.forward_loss(batch)
     (lm + aux).backward()
     first = {id(p): p.grad.clone() for p in params}
     assert all(off.master(p).grad is None for p in params)
-    tr.update.begin_micro_batch(last=True)
-    lm, aux = tr.forward_loss(batch)
-    (lm + aux).backward()
-    assert all(p.grad is None for p in params)
+    tr.update.zero_grad()
+    for last in (False, False, True):
+        tr.update.begin_micro_batch(last=last)
+        lm, aux = tr.forward_loss(batch)
+        tr.update.backward(lm + aux)
+        assert all(p.grad is None for p in params)  # left for the host, micro-batch by micro-batch
+    tr.update.finish()
     for p in params:
-        torch.testing.assert_close(off.master(p).grad, 2 * first[id(p)], rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(off.master(p).grad, 3 * first[id(p)], rtol=1e-5, atol=1e-8)
+    assert tr.update.grad_bytes_after_backward == 0
+
+
+@pytest.mark.parametrize("mode", ["optimizer", "optimizer+params"])
+def test_gradients_stream_in_every_micro_batch_of_four(tmp_path, mode):
+    """Accumulation 4: the host sum equals the device's bitwise (same losses and weights as the
+    plain run), and no gradient is left on the device at the end of any backward (world 1)."""
+    plain = trainer(tmp_path / "plain", "train.micro_batch_size=2")
+    offloaded = trainer(tmp_path / "offloaded", "train.micro_batch_size=2", f"memory.offload={mode}")
+    assert plain.accum == offloaded.accum == 4
+    grad_bytes = sum(p.numel() * 4 for p in plain.model.parameters())
+    for _ in range(3):
+        a, b = plain.train_step(), offloaded.train_step()
+        assert a["loss"] == b["loss"]
+        # Before streaming, offload kept every gradient on the device until the last micro-batch.
+        assert a["grad_mb"] * 2**20 == grad_bytes and b["grad_mb"] == 0
+    for (k, v), w in zip(plain.model.state_dict().items(), offloaded.model.state_dict().values()):
+        assert torch.equal(v, w), k
 
 
 def test_offloaded_params_live_on_the_host_and_visit_the_device_per_block(tmp_path):
@@ -204,3 +229,62 @@ def test_inspect_prints_device_and_host_bytes(capsys):
     line = next(l for l in out.splitlines() if l.strip().startswith("optimizer state") and "MiB" in l)
     device, host = line.split()[-4], line.split()[-2]
     assert float(device) == 0.0 and float(host) > 0.0  # moved to the host
+
+
+def test_offload_blocks_streams_only_the_listed_blocks(tmp_path):
+    tr = trainer(tmp_path / "some", "memory.offload=optimizer+params", "memory.offload_blocks=[2,0]")
+    streamer = tr.update.offload.streamer
+    blocks = list(tr.model.blocks)
+    assert [layer.params for layer in streamer.layers] == [
+        [p for p in blocks[i].parameters() if p.requires_grad] for i in (0, 2)]
+    resident = list(blocks[1].parameters())
+    before = [p.untyped_storage().data_ptr() for p in resident]
+    tr.train_step()
+    assert [p.untyped_storage().data_ptr() for p in resident] == before  # never released nor refetched
+    assert all(b.untyped_storage().nbytes() == 0 for layer in streamer.layers for b in layer.buffers)
+    # auto on a CPU device: one memory, nothing to stream; said so.
+    auto = trainer(tmp_path / "auto", "memory.offload=optimizer+params", "memory.offload_blocks=auto")
+    assert auto.update.offload.streamer is None
+    # The estimate counts the listed blocks as streamed: the others' weights stay on the device.
+    est = {blocks_: estimate_memory(load(None, [*SMALL, "memory.offload=optimizer+params",
+                                                f"memory.offload_blocks={blocks_}"]), tr.model, no_decay_ids(tr.model))
+           for blocks_ in ("all", "[0,2]", "[0]")}
+    sizes = [4 * sum(p.numel() for p in b.parameters()) for b in blocks]
+    total = 4 * sum(p.numel() for p in tr.model.parameters())
+    # On the device at once: the blocks not streamed + the two streamed ones adjacent in the list
+    # (the running one and the prefetched one): streaming 2 of 3 blocks saves nothing at the peak.
+    assert est["all"].device["params"] == total - sum(sizes) + max(a + b for a, b in zip(sizes, sizes[1:]))
+    assert est["[0,2]"].device["params"] == est["[0]"].device["params"] == total
+
+
+def test_offload_blocks_bad_index_is_a_config_error_naming_the_key(tmp_path):
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(root / "train.py"), "--config", str(root / "configs" / "tiny.yaml"),
+                          "memory.offload=optimizer+params", "memory.offload_blocks=[0,7]", f"run.dir={tmp_path}"],
+                         capture_output=True, text=True, cwd=root, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "memory.offload_blocks" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_offload_blocks_auto_keeps_what_fits_the_cuda_memory(tmp_path, monkeypatch):
+    """The auto rule on a (pretended) CUDA device of a given size: the estimate decides."""
+    from types import SimpleNamespace
+
+    from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, resolve_offload_blocks
+
+    cfg = load(None, [*SMALL, "memory.offload=optimizer+params", "memory.offload_blocks=auto"])
+    tr = trainer(tmp_path, "memory.offload=optimizer+params")
+    model, skip = tr.model, no_decay_ids(tr.model)
+
+    def peak(streamed):
+        c = load(None, [*SMALL, "memory.offload=optimizer+params", f"memory.offload_blocks={streamed}"])
+        return estimate_memory(c, model, skip, 1, 1, "cuda").peak_device
+
+    cuda, lines = torch.device("cuda"), []
+    for memory, expected in ((peak([0, 1, 2]) / AUTO_MEMORY_FRACTION, [0, 1, 2]), (1e15, [])):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, m=memory: SimpleNamespace(total_memory=m))
+        assert resolve_offload_blocks(cfg, model, skip, 1, 1, cuda, lines.append) == expected
+    assert peak([0, 1]) > peak([0, 1, 2])  # so the first device could keep no block resident
+    assert "memory.offload_blocks=auto: 0 of 3 blocks stay on the device" in lines[0]

@@ -137,6 +137,31 @@ def test_step_time_counts_one_latency_per_scalar_all_reduce():
     assert t.total == pytest.approx(t.compute + t.all_to_all + t.grad_sync + t.small_collectives + t.offload + t.update)
 
 
+def test_offloaded_update_runs_on_the_gpus_host_cores_and_its_copies_overlap():
+    from m6.plan.timing import GPUS, HostProfile, step_time
+    cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL + ["train.global_batch_size=16", "train.micro_batch_size=2",
+                                                        "memory.offload=optimizer+params", "optim.apply_groups=4"])
+    host = HostProfile(threads=1, host_cores_per_gpu=12)
+    host._step_costs["adamw"] = (2e-6, 3e-9)  # as if measured on one thread of this host
+    assert host.host_step_s(10, 1000) == pytest.approx((10 * 2e-6 + 1000 * 3e-9) / 12)
+    t = step_time(cfg, 4, 2, 8, GPUS["v100"], host)
+    from m6.plan.memory import rank_model
+    model, accum = rank_model(cfg, 4, 2), 16 // (4 * 2)
+    numel = sum(p.numel() for p in model.parameters())
+    streamed = sum(p.numel() for b in model.blocks for p in b.parameters())
+    # Less than all the copies one after the other (every gradient out in every micro-batch, the
+    # blocks in for forward and backward, the weights back): they overlap compute and the update.
+    serial = (4.0 * numel * accum + 8.0 * streamed * accum + 4.0 * numel) / (GPUS["v100"].pcie_GBps * 1e9)
+    assert 0 < t.offload < serial - min(t.compute, t.update)
+    assert t.update == pytest.approx(host.host_step_s(*_tensors_and_elements(cfg, 4, 2)))
+
+
+def _tensors_and_elements(cfg, world: int, ep: int) -> tuple[int, int]:
+    from m6.plan.memory import rank_model
+    params = [p for p in rank_model(cfg, world, ep).parameters() if p.requires_grad]
+    return len(params), sum(p.numel() for p in params)
+
+
 def test_the_planner_counts_the_checkpoint_staging_buffer_in_host_memory():
     """An asynchronous save's staging buffer (one host copy of the rank's weights and Adam moments,
     kept from the first save on) is in the host peak m6.plan checks per node: a node whose host

@@ -49,6 +49,9 @@ def test_planner_bytes_equal_the_sharded_model(name, world, ep):
     cfg = m6config.load(CONFIGS / f"{name}.yaml", [f"train.global_batch_size={2 * world}", "train.micro_batch_size=1"])
     t0 = time.perf_counter()
     planned = RankMemory(cfg, world, ep, "cuda").report(cfg)
+    offloaded = m6config.load(CONFIGS / f"{name}.yaml", [f"train.global_batch_size={4 * world}", "train.micro_batch_size=1",
+                                                          "memory.offload=optimizer"])
+    streamed = RankMemory(cfg, world, ep, "cuda").report(offloaded)
     for rank in (0, ep - 1, world - 1):
         sharded = real_shard(cfg, world, rank, ep)
         params = [p for p in sharded.model.parameters()]
@@ -58,4 +61,8 @@ def test_planner_bytes_equal_the_sharded_model(name, world, ep):
         assert planned.device["params"] == 4 * numel == sum(p.numel() * p.element_size() for p in params)
         assert planned.device["grads"] == 4 * numel
         assert planned.device["optimizer state"] == 8 * numel + 4 * len(params)
+        # Offloaded with accumulation (gradient streaming): the device keeps only the gradients
+        # other ranks share (every one at EP < world, the replicated ones at EP = world).
+        shared = numel - (sum(p.numel() for p in sharded.expert_params.values()) if ep == world else 0)
+        assert streamed.device["grads"] == 4 * shared
     assert time.perf_counter() - t0 < 60

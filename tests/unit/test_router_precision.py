@@ -112,5 +112,5 @@ def test_router_flops_are_their_own_share_and_the_planner_times_them_at_their_pr
     # The extra time over bf16 goes as (bf16 peak / router peak - 1): 989.4 / 67.0 fp32, / 494.7 tf32.
     assert (h100["fp32"] - h100["bf16"]) / (h100["tf32"] - h100["bf16"]) == pytest.approx(
         (989.4 / 67.0 - 1) / (989.4 / 494.7 - 1))
-    # A V100 runs the model in fp32 and has no TF32: the router costs the same either way.
+    # A V100 has no TF32 unit: an fp32 or tf32 router costs the same (its fp32 rate).
     assert compute_s("v100", "tf32") == pytest.approx(compute_s("v100", "fp32"))

@@ -1,0 +1,59 @@
+"""Which transformer blocks stream their weights from the host (``memory.offload_blocks``, with
+``memory.offload: optimizer+params``); the others stay on the device for the whole run.
+
+    all        every block (each on the device only around its forward and its backward)
+    [i, ...]   those blocks
+    auto       on CUDA, as many blocks kept on the device as the memory estimate (m6.memory.estimate)
+               fits in the device's total memory, ``AUTO_MEMORY_FRACTION`` of it (the allocator's
+               fragmentation and the CUDA context need the rest); kept from the last block down,
+               since backward starts there right after the forward, when a streamed block would
+               have to be fetched again at once. On a CPU device the device memory is the host's:
+               streaming saves nothing, so auto keeps every block (and says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+from torch import nn
+
+from m6.config import Config
+from m6.memory.estimate import estimate_memory
+
+AUTO_MEMORY_FRACTION = 0.9
+
+
+def streamed_block_indices(cfg: Config, num_blocks: int) -> list[int]:
+    """The blocks memory.offload_blocks names (all: every one); auto must be resolved first."""
+    blocks = cfg.memory.offload_blocks
+    assert blocks != "auto", "resolve memory.offload_blocks=auto with resolve_offload_blocks first"
+    return list(range(num_blocks)) if blocks == "all" else sorted(blocks)
+
+
+def resolve_offload_blocks(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int, ep: int,
+                           device: torch.device, log: Callable[[str], None]) -> list[int]:
+    """The indices of the blocks to stream for this run (see the module docstring)."""
+    num_blocks = len(model.blocks)
+    if cfg.memory.offload != "optimizer+params":
+        return []
+    if cfg.memory.offload_blocks != "auto":
+        return streamed_block_indices(cfg, num_blocks)
+    if device.type != "cuda":
+        log("memory.offload_blocks=auto on a CPU device: device and host memory are one, so every block stays "
+            "resident (nothing streamed)")
+        return []
+    budget = AUTO_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory
+
+    def peak(streamed: list[int]) -> float:
+        trial = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, offload_blocks=streamed))
+        return estimate_memory(trial, model, no_decay, world_size, ep, "cuda").peak_device
+
+    streamed = list(range(num_blocks))
+    while streamed and peak(streamed[:-1]) <= budget:  # keep the last streamed block on the device too
+        streamed = streamed[:-1]
+    log(f"memory.offload_blocks=auto: {num_blocks - len(streamed)} of {num_blocks} blocks stay on the device, "
+        f"{len(streamed)} stream from the host (estimated peak {peak(streamed) / 2**30:.2f} GiB of "
+        f"{budget / 2**30:.2f} GiB = {AUTO_MEMORY_FRACTION} of the device's memory)")
+    return streamed
