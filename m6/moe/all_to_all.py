@@ -1,7 +1,8 @@
 """Expert-parallel token dispatch: uneven all-to-all of expert-sorted tokens and back.
 
-Shape legend: T tokens, D d_model, E global experts, L = E / R local experts, R ranks in the
-expert-parallel group, N kept assignments sent by this rank, M rows received for local experts.
+Shape legend: T tokens, D d_model, E global experts, R ranks in the expert-parallel group, L this
+rank's local experts (E / R in the even layout; uneven layouts give rank r counts[r]), N kept
+assignments sent by this rank, M rows received for local experts.
 
 The process group is an argument (installed by m6.parallel), never looked up here. Every rank
 issues the same collectives in the same order whatever the routing: one counts exchange and one
@@ -11,6 +12,7 @@ token exchange in dispatch, one token exchange in combine (zero-row splits are l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Optional
 
 import torch
@@ -77,31 +79,43 @@ class AllToAllDispatcher(Dispatcher):
     """Sends each kept assignment to the rank that owns its expert and brings the result back
     (the expert-parallel implementation of the Dispatcher protocol; M plays the protocol's N).
 
-    Experts are laid out contiguously: rank r of the group owns global experts [r*L, (r+1)*L).
+    Experts are laid out contiguously: rank r of the group owns ``counts[r]`` global experts from
+    ``first[r] = counts[0] + ... + counts[r-1]`` on (even layout: counts[r] = E / R; parallel.balance
+    gives slower ranks fewer, m6.parallel.expert_ranges).
     The payload travels in ``wire_dtype``: the autocast compute dtype by default, ``a2a_dtype``
     (e.g. torch.bfloat16) to compress an fp32 run's payload; the combine still accumulates in fp32.
     One host sync per forward: the split sizes, after the counts exchange.
     """
 
-    def __init__(self, group, num_experts: int, a2a_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, group, num_experts: int, a2a_dtype: Optional[torch.dtype] = None,
+                 counts: Optional[list[int]] = None) -> None:
         self.group = group
         self.group_size = dist.get_world_size(group)
-        if num_experts % self.group_size:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({self.group_size})")
-        self.num_experts = num_experts
-        self.num_local = num_experts // self.group_size
+        if counts is None:
+            if num_experts % self.group_size:
+                raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel size "
+                                 f"({self.group_size})")
+            counts = [num_experts // self.group_size] * self.group_size
+        if len(counts) != self.group_size or sum(counts) != num_experts or min(counts) < 1:
+            raise ValueError(f"expert counts {counts} do not lay out {num_experts} experts over {self.group_size} "
+                             f"expert-parallel ranks, at least one each")
+        self.num_experts, self.counts = num_experts, list(counts)
+        self.num_local = self.counts[dist.get_rank(group)]
         self.a2a_dtype = a2a_dtype
 
     def exchange_counts(self, plan: DispatchPlan) -> Splits:
-        """The counts exchange and the layer's one host sync: how many rows go where."""
+        """The counts exchange and the layer's one host sync: how many rows go where. Rank r's
+        experts are counts[r] consecutive entries of counts_E, so the per-expert counts travel as an
+        uneven all-to-all of counts[r] values to rank r, L from each source back."""
         R, L = self.group_size, self.num_local
-        send_counts_RL = plan.counts_E.view(R, L)
-        recv_counts_RL = torch.empty_like(send_counts_RL)
-        dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
-        send, recv = host_ints(send_counts_RL, recv_counts_RL)  # both row-major [R, L]
+        recv_counts = plan.counts_E.new_empty(R * L)  # flat: the splits count entries of dim 0
+        dist.all_to_all_single(recv_counts, plan.counts_E.contiguous(), [L] * R, self.counts, group=self.group)
+        recv_counts_RL = recv_counts.view(R, L)
+        send, recv = host_ints(plan.counts_E, recv_counts_RL)  # [E] in expert order, [R, L] row-major
+        bounds = [0, *accumulate(self.counts)]
         return Splits(
             recv_counts_RL=recv_counts_RL,
-            send=[sum(send[r * L:(r + 1) * L]) for r in range(R)],
+            send=[sum(send[bounds[r]:bounds[r + 1]]) for r in range(R)],
             recv=[sum(recv[r * L:(r + 1) * L]) for r in range(R)],
             local_experts=[sum(recv[r * L + e] for r in range(R)) for e in range(L)],
         )
