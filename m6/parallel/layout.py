@@ -18,7 +18,8 @@ from typing import Optional, Union
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from m6.parallel.expert_ranges import ep_position_weights, even_counts, first_experts, weighted_counts
+from m6.parallel.expert_ranges import (describe_ranges, ep_position_weights, even_counts, first_experts,
+                                      weighted_counts)
 
 
 class LayoutError(ValueError):
@@ -70,9 +71,10 @@ class ParallelLayout:
             return list(self.expert_counts)
         return even_counts(num_experts, self.expert_parallel_size)
 
-    def rank_expert_counts(self) -> list[int]:
-        """Experts held by every rank of the job, in rank order (for the banner)."""
-        return [self.expert_counts[r % self.expert_parallel_size] for r in range(self.world_size)]
+    def expert_ranges_by_rank(self) -> list[str]:
+        """The experts every rank of the job holds, in rank order, as text (``0-4``; the banner's)."""
+        ranges = describe_ranges(list(self.expert_counts))
+        return [ranges[r % self.expert_parallel_size] for r in range(self.world_size)]
 
     @property
     def node(self) -> int:

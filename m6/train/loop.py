@@ -25,7 +25,6 @@ from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
 from m6.parallel import build_parallel, join_job
-from m6.parallel.expert_ranges import describe_ranges
 from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.balance import (BatchPlan, balance_line, finite_or_error, gather_objects, local_routing_stats,
@@ -227,9 +226,7 @@ class Trainer:
         if plan.mode != "even":
             self.loader.set_shares(plan.shares, plan.num_micro)
             layout = self.sharded.groups.layout
-            experts = None if layout.expert_parallel_size == 1 else [
-                describe_ranges(list(layout.expert_counts))[r % layout.expert_parallel_size]
-                for r in range(self.world_size)]
+            experts = None if layout.expert_parallel_size == 1 else layout.expert_ranges_by_rank()
             self.balance_line = balance_line(plan, gather_objects(device_label(self.device), self.world_size), experts)
             for note in split_notes(self.cfg, plan):
                 self._print_main(note)

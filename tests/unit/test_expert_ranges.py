@@ -38,7 +38,7 @@ def test_ranges_and_edp_columns():
     assert ep_position_weights([2, 1, 4, 1], 2) == [6, 2]
     layouts = [build_layout(4, r, 2, 8, local_world_size=4, rank_weights=[2, 1, 4, 1]) for r in range(4)]
     assert [(lay.first_local_expert, lay.experts_per_rank) for lay in layouts] == [(0, 6), (6, 2), (0, 6), (6, 2)]
-    assert layouts[0].rank_expert_counts() == [6, 2, 6, 2] and layouts[0].uneven_experts
+    assert layouts[0].expert_ranges_by_rank() == ["0-5", "6-7", "0-5", "6-7"] and layouts[0].uneven_experts
 
 
 def test_weights_at_ep1_or_equal_keep_the_even_layout():
