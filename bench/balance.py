@@ -16,6 +16,11 @@ machine's load average are recorded: on a shared machine they show which rounds 
 
     python -m bench.balance --rounds 3 --steps 14                 # an idle machine: 100% and 50%
     python -m bench.balance --speeds 12,6 --rounds 3 --steps 10   # a busy one
+    python -m bench.balance --speeds 15,10,5 --share-cores --name balance-cpu-2core-world3   # 3 ranks, 2 cores
+
+More ranks than cores (``--share-cores``): rank r is pinned to core r mod cores, so ranks share a
+core; every rank must then run under a quota, and the quotas of the ranks on one core must stay
+well below what the machine gives them, so that the quotas (not the sharing) set the speeds.
 """
 
 from __future__ import annotations
@@ -125,7 +130,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, groups: dict[int, SlowGroup]) -> dict:
+def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, groups: dict[int, SlowGroup],
+            extra: tuple[str, ...] = ()) -> dict:
     """One train.py job of len(speeds) ranks, rank r pinned to core r, slowed when speeds[r] < 100."""
     port, world = free_port(), len(speeds)
     procs = []
@@ -137,7 +143,7 @@ def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, groups: 
                        LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                        OMP_NUM_THREADS="1")
             cmd = ["taskset", "-c", str(rank % os.cpu_count()), sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs" / "tiny.yaml"), *MODEL,
-                   f"train.max_steps={steps}", f"parallel.balance={balance}", f"run.dir={run_dir}"]
+                   f"train.max_steps={steps}", f"parallel.balance={balance}", f"run.dir={run_dir}", *extra]
             if speed < 100:  # join the slow group before exec: every thread it ever makes is limited
                 cmd = ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(groups[speed].procs), *cmd]
             procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -168,10 +174,13 @@ def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, groups: 
                                    for k in range(world)],
               "cpu_s_per_rank": [round(c, 2) for c in cpu], "cpu_per_wall_per_rank": [round(c / wall, 3) for c in cpu],
               "final_loss": rows[-1]["loss"], "banner": line}
-    if line and balance == "auto":
+    if line and balance != "even":
         parts = line.split("|", 1)[1].split(";")
-        result["measured_samples_per_s"] = [float(re.search(r", ([\d.e+]+) samples/s", p).group(1)) for p in parts]
+        if balance == "auto":
+            result["measured_samples_per_s"] = [float(re.search(r", ([\d.e+]+) samples/s", p).group(1)) for p in parts]
         result["shares"] = [int(re.search(r": (\d+) samples", p).group(1)) for p in parts]
+        if "experts" in line:
+            result["experts"] = [re.search(r"experts ([\d-]+)", p).group(1) for p in parts]
     return result
 
 
@@ -182,11 +191,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--name", default="balance-cpu-2core")
+    ap.add_argument("--balance", default="auto", help="the setting compared with even: auto or weights, e.g. [2,1]")
+    ap.add_argument("--ep", type=int, default=1, help="parallel.expert_parallel_size (auto needs 1; weights at 2 "
+                                                      "also lay out the experts unevenly)")
+    ap.add_argument("--share-cores", action="store_true",
+                    help="more ranks than cores: rank r on core r mod cores, every rank under a quota")
     args = ap.parse_args(argv)
     speeds = [int(s) for s in args.speeds.split(",")]
-    if len(speeds) > (os.cpu_count() or 1):
+    cores = os.cpu_count() or 1
+    if len(speeds) > cores and not args.share_cores:
         print(f"bench.balance: {len(speeds)} ranks need {len(speeds)} cores to pin each to its own, this machine "
-              f"has {os.cpu_count()}", file=sys.stderr)
+              f"has {cores} (--share-cores pins rank r to core r mod {cores}, every rank under a quota)",
+              file=sys.stderr)
+        return 2
+    if args.balance == "auto" and args.ep > 1:
+        print("bench.balance: parallel.balance=auto needs --ep 1 (give weights, e.g. --balance [2,1])", file=sys.stderr)
+        return 2
+    per_core = [sum(s for r, s in enumerate(speeds) if r % cores == c) for c in range(cores)]
+    if len(speeds) > cores and (max(speeds) >= 100 or max(per_core) > 50):
+        print(f"bench.balance: ranks sharing a core must all run under quotas that add up to at most 50% of it "
+              f"(--speeds {args.speeds} gives {per_core} % per core), or the sharing, not the quotas, sets the "
+              f"speeds", file=sys.stderr)
         return 2
 
     exit_on_termination()
@@ -196,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             groups = {s: stack.enter_context(SlowGroup(s)) for s in sorted(set(speeds)) if s < 100}
             tmp = stack.enter_context(tempfile.TemporaryDirectory())
             for r in range(args.rounds):
-                order = ("even", "auto") if r % 2 == 0 else ("auto", "even")
-                for balance in order:
-                    res = run_job(Path(tmp) / f"r{r}-{balance}", speeds, balance, args.steps, groups)
+                order = ("even", args.balance) if r % 2 == 0 else (args.balance, "even")
+                for i, balance in enumerate(order):
+                    res = run_job(Path(tmp) / f"r{r}-{i}", speeds, balance, args.steps, groups,
+                                  (f"parallel.expert_parallel_size={args.ep}",))
                     res["round"] = r
                     runs.append(res)
                     print(json.dumps({k: res[k] for k in ("round", "balance", "step_time_s", "loadavg_1min_before")}),
@@ -225,33 +251,38 @@ def report(args, speeds: list[int], runs: list[dict]) -> int:
     clean_rounds = len({r["round"] for r in runs if r["clean"]})
     which = f"the {clean_rounds} clean rounds of {args.rounds}" if clean_rounds else \
         f"all {args.rounds} rounds, NONE of them clean"
-    med = {b: statistics.median(r["step_time_s"] for r in kept if r["balance"] == b) for b in ("even", "auto")}
-    med_all = {b: statistics.median(r["step_time_s"] for r in runs if r["balance"] == b) for b in ("even", "auto")}
+    u = args.balance  # the uneven setting compared with even
+    med = {b: statistics.median(r["step_time_s"] for r in kept if r["balance"] == b) for b in ("even", u)}
+    med_all = {b: statistics.median(r["step_time_s"] for r in runs if r["balance"] == b) for b in ("even", u)}
     paired = [e["step_time_s"] / a["step_time_s"] for e, a in zip([r for r in kept if r["balance"] == "even"],
-                                                                   [r for r in kept if r["balance"] == "auto"])]
+                                                                   [r for r in kept if r["balance"] == u])]
+    key = "auto" if u == "auto" else "weights"
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()[:12]
     command = "python -m bench.balance " + " ".join(sys.argv[1:])
     result = {"command": command, "speeds_percent_of_core": speeds, "rounds": args.rounds, "steps": args.steps,
-              "model_overrides": MODEL, "median_step_time_s": med, "speedup_auto_over_even": med["even"] / med["auto"],
+              "model_overrides": [*MODEL, f"parallel.expert_parallel_size={args.ep}"], "median_step_time_s": med,
+              f"speedup_{key}_over_even": med["even"] / med[u],
               "clean_rounds": sorted({r["round"] for r in runs if r["clean"]}), "median_step_time_s_all_rounds": med_all,
-              "speedup_all_rounds": med_all["even"] / med_all["auto"],
+              "speedup_all_rounds": med_all["even"] / med_all[u],
               "paired_speedups": paired, "runs": runs, "machine": machine_info(torch.device("cpu")), "lscpu": lscpu}
     lines = [f"# parallel.balance on the slowed-rank test bed ({len(speeds)} ranks at {speeds} % of a core)", "",
              f"Command: `{command}` (repository root, as root: it writes /sys/fs/cgroup/cpu).", "",
-             f"Machine: {result['machine']['cpu_model']}, {os.cpu_count()} cores, torch {torch.__version__}; each rank "
-             "pinned to its own core, one thread; other processes shared the machine (load average per run below).", "",
+             f"Machine: {result['machine']['cpu_model']}, {os.cpu_count()} cores, torch {torch.__version__}; "
+             + ("each rank pinned to its own core" if len(speeds) <= (os.cpu_count() or 1) else
+                f"rank r pinned to core r mod {os.cpu_count()} (ranks share cores; every rank under its quota)")
+             + ", one thread; other processes shared the machine (load average per run below).", "",
              "| setting | median step time (s) |", "|---|---|",
-             f"| even | {med['even']:.3f} |", f"| auto | {med['auto']:.3f} |", "",
-             f"auto is {med['even'] / med['auto']:.2f}x faster than even (each run's median step, median over {which}; "
+             f"| even | {med['even']:.3f} |", f"| {u} | {med[u]:.3f} |", "",
+             f"{u} is {med['even'] / med[u]:.2f}x faster than even (each run's median step, median over {which}; "
              f"per round: {', '.join(f'{p:.2f}x' for p in paired)}; over all {args.rounds} rounds "
-             f"{med_all['even'] / med_all['auto']:.2f}x). A round is clean when the slowest rank's CPU seconds per wall "
+             f"{med_all['even'] / med_all[u]:.2f}x). A round is clean when the slowest rank's CPU seconds per wall "
              "second in the even run reached 80% of its quota; in the others, other processes on the machine, not the "
              "quota, set its speed, and the ranks were not of unequal speed as the test bed means them to be.", "",
-             "| round | clean | setting | step time (s) | compute s per rank | shares | measured samples/s | CPU s / wall per rank | load avg before |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| round | clean | setting | step time (s) | compute s per rank | shares | experts | measured samples/s | CPU s / wall per rank | load avg before |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         lines.append(f"| {r['round']} | {r['clean']} | {r['balance']} | {r['step_time_s']:.3f} | {r['compute_s_median']} | "
-                     f"{r.get('shares', 'even')} | {r.get('measured_samples_per_s', '-')} | {r['cpu_per_wall_per_rank']} | "
+                     f"{r.get('shares', 'even')} | {r.get('experts', '-')} | {r.get('measured_samples_per_s', '-')} | {r['cpu_per_wall_per_rank']} | "
                      f"{r['loadavg_1min_before']:.2f} |")
     write_results(args.out, args.name, result, "\n".join(lines) + "\n")
     return 0

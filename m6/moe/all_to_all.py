@@ -1,7 +1,8 @@
 """Expert-parallel token dispatch: uneven all-to-all of expert-sorted tokens and back.
 
-Shape legend: T tokens, D d_model, E global experts, L = E / R local experts, R ranks in the
-expert-parallel group, N kept assignments sent by this rank, M rows received for local experts.
+Shape legend: T tokens, D d_model, E global experts, R ranks in the expert-parallel group, L this
+rank's local experts (E / R in the even layout; uneven layouts give rank r counts[r]), N kept
+assignments sent by this rank, M rows received for local experts.
 
 The process group is an argument (installed by m6.parallel), never looked up here. Every rank
 issues the same collectives in the same order whatever the routing: one counts exchange and one
@@ -12,6 +13,7 @@ overlap degree C > 1 the token exchanges are cut into C chunks each (m6.moe.chun
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Literal, Optional, Union
 
 import torch
@@ -81,7 +83,9 @@ class AllToAllDispatcher(Dispatcher):
     """Sends each kept assignment to the rank that owns its expert and brings the result back
     (the expert-parallel implementation of the Dispatcher protocol; M plays the protocol's N).
 
-    Experts are laid out contiguously: rank r of the group owns global experts [r*L, (r+1)*L).
+    Experts are laid out contiguously: rank r of the group owns ``counts[r]`` global experts from
+    ``first[r] = counts[0] + ... + counts[r-1]`` on (even layout: counts[r] = E / R; parallel.balance
+    gives slower ranks fewer, m6.parallel.expert_ranges).
     The payload travels in ``wire_dtype``: the autocast compute dtype by default, ``a2a_dtype``
     (e.g. torch.bfloat16) to compress an fp32 run's payload; the combine still accumulates in fp32.
     One host sync per forward: the split sizes, after the counts exchange.
@@ -94,45 +98,61 @@ class AllToAllDispatcher(Dispatcher):
     """
 
     def __init__(self, group, num_experts: int, a2a_dtype: Optional[torch.dtype] = None,
-                 overlap_degree: OverlapDegree = 1, rank_nodes: Optional[list[int]] = None) -> None:
+                 overlap_degree: OverlapDegree = 1, rank_nodes: Optional[list[int]] = None,
+                 counts: Optional[list[int]] = None) -> None:
         self.group = group
         self.group_size = dist.get_world_size(group)
         self.group_rank = dist.get_rank(group)
         # Node of each rank of the group (from m6.parallel's layout): what the inter-node count needs.
         self.rank_nodes = rank_nodes
         self.inter_node_bytes = 0  # payload bytes this rank has put on inter-node links (forward + backward)
-        if num_experts % self.group_size:
-            raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({self.group_size})")
+        if counts is None:
+            if num_experts % self.group_size:
+                raise ValueError(f"num_experts ({num_experts}) must be divisible by the expert-parallel size "
+                                 f"({self.group_size})")
+            counts = [num_experts // self.group_size] * self.group_size
+        if len(counts) != self.group_size or sum(counts) != num_experts or min(counts) < 1:
+            raise ValueError(f"expert counts {counts} do not lay out {num_experts} experts over {self.group_size} "
+                             f"expert-parallel ranks, at least one each")
         if overlap_degree != "auto" and (not isinstance(overlap_degree, int) or isinstance(overlap_degree, bool)
                                          or overlap_degree < 1):
             raise ValueError(f"overlap_degree (model.moe.a2a_overlap_degree) must be 'auto' or an integer >= 1, "
                              f"got {overlap_degree!r}")
-        self.num_experts = num_experts
-        self.num_local = num_experts // self.group_size
+        if overlap_degree != 1 and len(set(counts)) > 1:
+            # The chunk plan cuts each destination's segment by the same L experts on every rank.
+            raise ValueError(f"overlap_degree (model.moe.a2a_overlap_degree) {overlap_degree!r} needs the same number "
+                             f"of experts on every expert-parallel rank, got {counts}")
+        self.num_experts, self.counts = num_experts, list(counts)
+        self.num_local = self.counts[self.group_rank]
         self.a2a_dtype = a2a_dtype
         self.overlap_degree = overlap_degree
         self.last_degree: Optional[int] = None  # the degree the last forward ran (auto resolves per call)
 
     def exchange_counts(self, plan: DispatchPlan, with_totals: bool = False
                         ) -> tuple[Splits, list[int], list[int], list[int]]:
-        """The counts exchange and the layer's one host sync: how many rows go where. Returns the
-        splits and the row-major [R, L] host counts sent and received; ``with_totals``: also the
-        largest number of rows any rank of the group sends (one more column in the same exchange)."""
+        """The counts exchange and the layer's one host sync: how many rows go where. Rank r's
+        experts are counts[r] consecutive entries of counts_E, so the per-expert counts travel as an
+        uneven all-to-all of counts[r] values to rank r, L from each source back. Returns the splits
+        and the host counts sent ([E], expert order: row-major [R, L] when every rank holds L) and
+        received (row-major [R, L]); ``with_totals`` (even layouts: the overlap's auto degree): also
+        the largest number of rows any rank of the group sends (one more column in the same exchange)."""
         R, L = self.group_size, self.num_local
-        send_counts_RL = plan.counts_E.view(R, L)
         if with_totals:
             total = plan.counts_E.sum().view(1, 1).expand(R, 1)
-            send_counts_RL = torch.cat([send_counts_RL, total], dim=1)
-        recv_counts_RL = torch.empty_like(send_counts_RL)
-        dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
-        if with_totals:
+            send_counts_RL = torch.cat([plan.counts_E.view(R, L), total], dim=1)
+            recv_counts_RL = torch.empty_like(send_counts_RL)
+            dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
             send_counts_RL, recv_counts_RL, totals_R = send_counts_RL[:, :L], recv_counts_RL[:, :L], recv_counts_RL[:, L]
             send, recv, totals = host_ints(send_counts_RL, recv_counts_RL, totals_R)
         else:
-            (send, recv), totals = host_ints(send_counts_RL, recv_counts_RL), []
+            recv_counts = plan.counts_E.new_empty(R * L)  # flat: the splits count entries of dim 0
+            dist.all_to_all_single(recv_counts, plan.counts_E.contiguous(), [L] * R, self.counts, group=self.group)
+            recv_counts_RL = recv_counts.view(R, L)
+            (send, recv), totals = host_ints(plan.counts_E, recv_counts_RL), []
+        bounds = [0, *accumulate(self.counts)]
         splits = Splits(
             recv_counts_RL=recv_counts_RL,
-            send=[sum(send[r * L:(r + 1) * L]) for r in range(R)],
+            send=[sum(send[bounds[r]:bounds[r + 1]]) for r in range(R)],
             recv=[sum(recv[r * L:(r + 1) * L]) for r in range(R)],
             local_experts=[sum(recv[r * L + e] for r in range(R)) for e in range(L)],
         )

@@ -9,7 +9,7 @@ from m6.config import Config
 from m6.model import M6Model
 from m6.parallel.fsdp import apply_sharding
 from m6.parallel.launch import DistEnv
-from m6.parallel.layout import build_layout, create_process_groups
+from m6.parallel.layout import LayoutError, build_layout, create_process_groups
 from m6.parallel.node_groups import check_node_groups
 from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
 
@@ -29,9 +29,21 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     m = cfg.model
     with torch.device("meta"):
         model = M6Model(m)
+    # parallel.balance as weights also sizes each expert-parallel rank's range of experts (auto is
+    # measured on the built model, too late to lay out the experts: those stay even).
+    weights = cfg.parallel.balance if isinstance(cfg.parallel.balance, list) else None
     layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
-                          env.local_world_size)
+                          env.local_world_size, rank_weights=weights)
     check_node_groups(layout, m.moe.node_groups, m.moe.max_nodes_per_token)  # before any collective
+    if layout.uneven_experts and cfg.parallel.shard != "none":
+        raise LayoutError(f"parallel.shard={cfg.parallel.shard} with uneven experts per rank (parallel.balance="
+                          f"{cfg.parallel.balance} at parallel.expert_parallel_size={layout.expert_parallel_size}) "
+                          f"is not supported: use parallel.shard=none or parallel.balance=even")
+    if layout.uneven_experts and m.moe.a2a_overlap_degree != 1:
+        raise LayoutError(f"model.moe.a2a_overlap_degree={m.moe.a2a_overlap_degree} with uneven experts per rank "
+                          f"(parallel.balance={cfg.parallel.balance} at parallel.expert_parallel_size="
+                          f"{layout.expert_parallel_size}): the chunked exchange needs the same experts on every "
+                          f"rank; use model.moe.a2a_overlap_degree=1 or parallel.balance=even")
     groups = create_process_groups(layout, cfg.parallel.timeout_s)
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None

@@ -59,18 +59,21 @@ class _Bucket:
     flat: torch.Tensor | None = None  # alive from launch to drain
     work: object = None
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(p.numel() for p in self.params) * self.dtype.itemsize
+    nominal_bytes: float = 0.0  # the size the bucket is cut by (the same on every rank; see _make_buckets)
 
     @property
     def complete(self) -> bool:
         return self.ready == len(self.params)
 
     def signature(self) -> tuple:
-        """What must be equal on every rank for the all-reduces to match."""
+        """What must be equal on every rank of the bucket's group for the all-reduces to match."""
         return (self.group_name, self.group_size, str(self.dtype),
                 tuple((n, tuple(p.shape)) for n, p in zip(self.names, self.params)))
+
+    def order_signature(self) -> tuple:
+        """What must be equal on every rank of the job: the buckets' sequence, shapes aside (with
+        uneven experts per rank an expert bucket's shapes differ between EP ranks)."""
+        return (self.group_name, self.group_size, str(self.dtype), tuple(self.names))
 
 
 def _describe(signature: tuple | None) -> str:
@@ -165,27 +168,36 @@ class GradientSync:
             bucket = open_buckets.setdefault(key, _Bucket([], [], group, group_name, size, p.dtype))
             bucket.params.append(p)
             bucket.names.append(name)
-            if bucket.num_bytes >= self.bucket_bytes:
+            # Expert tensors are cut by their even-layout size: with uneven experts per rank
+            # (parallel.balance) every rank then closes its buckets at the same parameters, so all
+            # ranks launch the world group's buckets in the same place among the expert ones.
+            bucket.nominal_bytes += (p.numel() / p.shape[0] * layout.num_experts / layout.expert_parallel_size
+                                     if id(p) in experts else p.numel()) * p.dtype.itemsize
+            if bucket.nominal_bytes >= self.bucket_bytes:
                 self.buckets.append(open_buckets.pop(key))
         self.buckets.extend(open_buckets.values())
 
     def _check_same_layout(self) -> None:
-        """Every rank must hold the same buckets in the same order (one collective, at construction)."""
-        mine = [b.signature() for b in self.buckets]
+        """Every rank must hold the same buckets in the same order (one collective, at construction):
+        the same sequence on every rank, the same shapes on the ranks holding the same experts (rank
+        r and the first rank of its expert-data-parallel group, r % EP)."""
+        mine = [(b.order_signature(), b.signature()) for b in self.buckets]
         world = self.sharded.groups.world
         everyone: list = [None] * dist.get_world_size(world)
         dist.all_gather_object(everyone, mine, group=world)
+        ep = self.sharded.groups.layout.expert_parallel_size
         for rank, theirs in enumerate(everyone):
-            if theirs == everyone[0]:
-                continue
-            i = next(i for i in range(max(len(theirs), len(everyone[0])))
-                     if i >= len(theirs) or i >= len(everyone[0]) or theirs[i] != everyone[0][i])
-            at = lambda buckets: buckets[i] if i < len(buckets) else None  # noqa: E731
-            raise GradientLayoutError(
-                f"gradient buckets differ between ranks: rank {rank}'s bucket {i} holds {_describe(at(theirs))}; "
-                f"rank 0's holds {_describe(at(everyone[0]))} ({len(theirs)} vs {len(everyone[0])} buckets). Every "
-                f"rank must build the same model (parameter names, shapes, dtypes, requires_grad) with the same "
-                f"parallel.bucket_size_mb, or their all-reduces would not match")
+            for what, ref in ((0, 0), (1, rank % ep)):
+                a, b = [x[what] for x in theirs], [x[what] for x in everyone[ref]]
+                if a == b:
+                    continue
+                i = next(i for i in range(max(len(a), len(b))) if i >= len(a) or i >= len(b) or a[i] != b[i])
+                at = lambda buckets: buckets[i][1] if i < len(buckets) else None  # noqa: E731
+                raise GradientLayoutError(
+                    f"gradient buckets differ between ranks: rank {rank}'s bucket {i} holds {_describe(at(theirs))}; "
+                    f"rank {ref}'s holds {_describe(at(everyone[ref]))} ({len(a)} vs {len(b)} buckets). Every "
+                    f"rank must build the same model (parameter names, shapes, dtypes, requires_grad) with the same "
+                    f"parallel.bucket_size_mb, or their all-reduces would not match")
 
     def _reset(self) -> None:
         for b in self.buckets:

@@ -11,12 +11,15 @@ process without torch.distributed is the trivial layout (world 1, EP 1) with no 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional, Union
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from m6.parallel.expert_ranges import (describe_ranges, ep_position_weights, even_counts, first_experts,
+                                      weighted_counts)
 
 
 class LayoutError(ValueError):
@@ -32,6 +35,13 @@ class ParallelLayout:
     expert_parallel_size: int
     num_experts: int
     local_world_size: int  # processes per node (torchrun's LOCAL_WORLD_SIZE)
+    # Experts held by each EP rank, contiguous in EP rank order (m6.parallel.expert_ranges); empty = even.
+    expert_counts: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.expert_counts:
+            object.__setattr__(self, "expert_counts", tuple(even_counts(self.num_experts, self.expert_parallel_size)))
+        assert len(self.expert_counts) == self.expert_parallel_size and sum(self.expert_counts) == self.num_experts
 
     @property
     def ep_rank(self) -> int:
@@ -43,11 +53,28 @@ class ParallelLayout:
 
     @property
     def experts_per_rank(self) -> int:
-        return self.num_experts // self.expert_parallel_size
+        """The experts this rank holds (uneven layouts: not the same on every EP rank)."""
+        return self.expert_counts[self.ep_rank]
 
     @property
     def first_local_expert(self) -> int:
-        return self.ep_rank * self.experts_per_rank
+        return first_experts(list(self.expert_counts))[self.ep_rank]
+
+    @property
+    def uneven_experts(self) -> bool:
+        return len(set(self.expert_counts)) > 1
+
+    def counts_for(self, num_experts: int) -> list[int]:
+        """Experts per EP rank of a layer with ``num_experts`` experts: the layout's counts for the
+        model's layers, the even split for a layer of another size (a user's own plan)."""
+        if num_experts == self.num_experts:
+            return list(self.expert_counts)
+        return even_counts(num_experts, self.expert_parallel_size)
+
+    def expert_ranges_by_rank(self) -> list[str]:
+        """The experts every rank of the job holds, in rank order, as text (``0-4``; the banner's)."""
+        ranges = describe_ranges(list(self.expert_counts))
+        return [ranges[r % self.expert_parallel_size] for r in range(self.world_size)]
 
     @property
     def node(self) -> int:
@@ -72,18 +99,32 @@ def resolve_expert_parallel_size(setting: Union[int, str], world_size: int, num_
 
 
 def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
-                 local_world_size: Optional[int] = None) -> ParallelLayout:
-    """Validate the degrees and return this rank's layout (pure: no communication)."""
+                 local_world_size: Optional[int] = None,
+                 rank_weights: Optional[list[float]] = None) -> ParallelLayout:
+    """Validate the degrees and return this rank's layout (pure: no communication).
+
+    ``rank_weights`` (parallel.balance as a list, one weight per rank): with expert parallelism,
+    each EP rank holds experts in proportion to its weight (m6.parallel.expert_ranges); None = even.
+    """
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     ep = resolve_expert_parallel_size(expert_parallel_size, world_size, num_experts)
     if world_size % ep:
         raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the number of processes ({world_size})")
-    if num_experts % ep:
-        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide model.moe.num_experts ({num_experts})")
     if world_size % local_world_size:
         raise LayoutError(f"LOCAL_WORLD_SIZE ({local_world_size}) must divide WORLD_SIZE ({world_size})")
-    return ParallelLayout(world_size, rank, ep, num_experts, local_world_size)
+    if rank_weights is None or ep == 1:
+        if num_experts % ep:
+            raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide model.moe.num_experts ({num_experts})")
+        return ParallelLayout(world_size, rank, ep, num_experts, local_world_size)
+    if len(rank_weights) != world_size:
+        raise LayoutError(f"parallel.balance has {len(rank_weights)} weights, the job has {world_size} ranks: give "
+                          f"one weight per rank")
+    try:
+        counts = weighted_counts(num_experts, ep_position_weights(rank_weights, ep))
+    except ValueError as e:
+        raise LayoutError(f"parallel.balance={rank_weights} at parallel.expert_parallel_size={ep}: {e}") from e
+    return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tuple(counts))
 
 
 MESH_DIMS = ("edp", "ep")  # expert-data-parallel (same experts), expert-parallel (all-to-all)

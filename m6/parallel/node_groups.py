@@ -20,11 +20,12 @@ def check_node_groups(layout: ParallelLayout, node_groups: int, max_nodes_per_to
     if not max_nodes_per_token:
         return
     ep, lws = layout.expert_parallel_size, layout.local_world_size
-    per_group, per_rank = layout.num_experts // node_groups, layout.experts_per_rank
+    per_group = layout.num_experts // node_groups
+    owner = [j for j, count in enumerate(layout.expert_counts) for _ in range(count)]  # EP rank of each expert
     for first in range(0, layout.world_size, ep):
         nodes = [(first + j) // lws for j in range(ep)]
         for group in range(node_groups):
-            spanned = {nodes[e // per_rank] for e in range(group * per_group, (group + 1) * per_group)}
+            spanned = {nodes[owner[e]] for e in range(group * per_group, (group + 1) * per_group)}
             if len(spanned) > 1:
                 num_nodes = len(set(nodes))
                 raise LayoutError(

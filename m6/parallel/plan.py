@@ -49,6 +49,8 @@ class ShardedModel:
     expert_params: dict[str, nn.Parameter]  # name -> param, sharded by expert id (dim 0)
     replicated_params: dict[str, nn.Parameter]
     expert_offsets: dict[str, int]  # name -> global id of local expert 0
+    # name -> the layer's experts over all EP ranks (dim 0 of the global tensor a checkpoint stores)
+    global_experts: dict[str, int] = field(default_factory=dict)
 
     def first_expert(self, name: str) -> int:
         return self.expert_offsets[name]
@@ -88,7 +90,7 @@ def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
             module.stats_reducer = GlobalRoutingStats(groups.world)
         if module in plan.split and layout.expert_parallel_size > 1:
             module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype, a2a_overlap_degree,
-                                                     ep_group_nodes(layout))
+                                                   ep_group_nodes(layout), layout.counts_for(module.num_experts))
 
 
 def keep_local_experts(plan: ParallelPlan, layout: ParallelLayout) -> None:
@@ -96,29 +98,28 @@ def keep_local_experts(plan: ParallelPlan, layout: ParallelLayout) -> None:
     process group needed, so the planner sizes any rank of any layout with it on ``meta``)."""
     sharded: dict[int, GroupedExperts] = {}  # layers that share experts (model.share_layers) keep sharing them
     for module in plan.split:
-        if module.num_experts % layout.expert_parallel_size:
-            raise ValueError(f"model.moe.num_experts ({module.num_experts}) must be divisible by "
-                             f"parallel.expert_parallel_size ({layout.expert_parallel_size})")
-        count = module.num_experts // layout.expert_parallel_size
+        counts = layout.counts_for(module.num_experts)  # uneven with parallel.balance (m6.parallel.expert_ranges)
+        first = sum(counts[:layout.ep_rank])
         if id(module.experts) not in sharded:
-            sharded[id(module.experts)] = _shard_experts(module.experts, layout.ep_rank * count, count)
+            sharded[id(module.experts)] = _shard_experts(module.experts, first, counts[layout.ep_rank])
         module.experts = sharded[id(module.experts)]
 
 
 def classify_parameters(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups) -> ShardedModel:
     """Which parameters are expert-split (synced over their EDP group) and which are replicated."""
-    expert_params, offsets, replicated = {}, {}, {}
-    split_expert_modules = {id(m.experts) for m in plan.split}
+    expert_params, offsets, replicated, global_experts = {}, {}, {}, {}
+    split_expert_modules = {id(m.experts): m.num_experts for m in plan.split}
     for mod_name, module in model.named_modules():
         if id(module) in split_expert_modules:
             for pname, p in module.named_parameters(recurse=False):
                 full = f"{mod_name}.{pname}" if mod_name else pname
                 expert_params[full] = p
                 offsets[full] = module.first_expert
+                global_experts[full] = split_expert_modules[id(module)]
     for name, p in model.named_parameters():
         if name not in expert_params:
             replicated[name] = p
-    return ShardedModel(model, groups, expert_params, replicated, offsets)
+    return ShardedModel(model, groups, expert_params, replicated, offsets, global_experts)
 
 
 def apply_plan(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,

@@ -12,26 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import sys
 import time
 
 from m6 import config as m6config
 from m6.config_loader import ConfigError
+from m6.plan.mixed import describe_mixed, parse_inventory, plan_mixed, read_inventory
 from m6.plan.search import SHARD, Candidate, search
+from m6.plan.sizes import parse_size
 from m6.plan.timing import GPUS, HostProfile, cpu_hardware
 
 GiB = 2**30
 HOST_CORES_PER_GPU = 12  # a 96-core, 8-GPU server
-
-
-def parse_size(text: str, flag: str) -> float:
-    """'80GB', '80GiB', '1TB', '512M' -> GiB (binary units whatever the spelling)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)i?[bB]?\s*", text)
-    if not m:
-        raise ConfigError(f"{flag}: cannot read {text!r} as a size (e.g. 80GB, 1TB)")
-    scale = {"": 1.0, "k": 2**-20, "m": 2**-10, "g": 1.0, "t": 1024.0}[m.group(2).lower()]
-    return float(m.group(1)) * scale
 
 
 def _gib(n: float) -> str:
@@ -70,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied before planning")
-    p.add_argument("--gpus", type=int, required=True, help="ranks of the job")
+    p.add_argument("--gpus", default=None, help="ranks of the job (a number), or a mixed inventory: 8xh100,8xv100[:16GB]")
+    p.add_argument("--inventory", default=None, help="a file of a mixed inventory, one COUNTxKIND[:MEMORY] a line")
     p.add_argument("--gpu-memory", default="80GB", help="device memory per rank")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--host-memory", default="1TB", help="host memory per node")
@@ -88,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="plan.overrides", help="file of key=value lines for train.py")
     args = p.parse_intermixed_args(argv)
     t0 = time.perf_counter()
+    if args.inventory is not None or (args.gpus is not None and not args.gpus.strip().isdigit()):
+        return plan_inventory(args)
+    if args.gpus is None:
+        p.error("--gpus (a number or COUNTxKIND,...) or --inventory FILE is required")
+    args.gpus = int(args.gpus)
     try:
         cfg = m6config.load(args.config, args.overrides)
         if args.gpus <= 0 or cfg.train.global_batch_size % args.gpus:
@@ -135,6 +133,29 @@ def main(argv: list[str] | None = None) -> int:
                f"{min(args.gpus, args.gpus_per_node)}"
     print(f"wrote {args.out}; run:\n  {launcher} train.py --config {args.config} "
           + " ".join(list(args.overrides) + best.overrides()))
+    return 0
+
+
+def plan_inventory(args: argparse.Namespace) -> int:
+    """A mixed inventory: each kind's share and experts (m6.plan.mixed), written as overrides."""
+    try:
+        if args.inventory is not None and args.gpus is not None:
+            raise ConfigError("give the devices by --gpus or by --inventory, not both")
+        inventory = read_inventory(args.inventory) if args.inventory else parse_inventory(args.gpus)
+        cfg = m6config.load(args.config, args.overrides)
+        plan = plan_mixed(cfg, inventory)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    world = sum(k.count for k in inventory)
+    print(f"{args.config} on a mixed inventory of {world} devices: "
+          + ", ".join(f"{k.count} x {k.hw.name} ({k.hw.memory_gib:g} GiB)" for k in inventory)
+          + f"; EP {plan.expert_parallel_size}, {plan.num_micro} micro-batch(es) per rank")
+    print("ASSUMED (not measured): " + "; ".join(dict.fromkeys(a for k in inventory for a in k.hw.assumed)))
+    print("\n".join(describe_mixed(plan)))
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write("\n".join(plan.overrides()) + "\n")
+    print(f"wrote {args.out} (train.py rounds each share to whole samples: docs/heterogeneous.md)")
     return 0
 
 

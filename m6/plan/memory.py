@@ -15,11 +15,14 @@ from m6.parallel.layout import build_layout
 from m6.parallel.plan import default_plan, keep_local_experts
 
 
-def rank_model(cfg: Config, world_size: int, expert_parallel_size: int, rank: int = 0) -> M6Model:
-    """The model ``rank`` holds at this layout, on ``meta`` (its experts only; nothing allocated)."""
+def rank_model(cfg: Config, world_size: int, expert_parallel_size: int, rank: int = 0,
+               rank_weights: list[float] | None = None) -> M6Model:
+    """The model ``rank`` holds at this layout, on ``meta`` (its experts only; nothing allocated);
+    ``rank_weights``: parallel.balance's weights, which size each EP rank's experts."""
     with torch.device("meta"):
         model = M6Model(cfg.model)
-    layout = build_layout(world_size, rank, expert_parallel_size, cfg.model.moe.num_experts, world_size)
+    layout = build_layout(world_size, rank, expert_parallel_size, cfg.model.moe.num_experts, world_size,
+                          rank_weights=rank_weights)
     keep_local_experts(default_plan(model), layout)
     return model
 

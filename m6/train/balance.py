@@ -175,12 +175,14 @@ def gather_objects(value, world_size: int) -> list:
     return out
 
 
-def balance_line(plan: BatchPlan, devices: list[str]) -> str:
-    """The banner's line: each rank's device, measured speed (auto), share and micro-batches."""
+def balance_line(plan: BatchPlan, devices: list[str], experts: list[str] | None = None) -> str:
+    """The banner's line: each rank's device, measured speed (auto), share and micro-batches, and
+    with expert parallelism the global ids of the experts it holds (``experts``, one per rank)."""
     parts = []
     for r, (device, share) in enumerate(zip(devices, plan.shares)):
         speed = f", {plan.speeds[r]:.3g} samples/s" if plan.speeds else ""
-        parts.append(f"rank {r} {device}{speed}: {share} samples")
+        held = f", experts {experts[r]}" if experts else ""
+        parts.append(f"rank {r} {device}{speed}: {share} samples{held}")
     how = {"even": "even", "weights": f"weights {plan.weights}", "auto": "auto (measured speeds)"}[plan.mode]
     return f"balance  {how}, {plan.num_micro} micro-batch(es) per rank | " + "; ".join(parts)
 

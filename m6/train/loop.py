@@ -225,7 +225,9 @@ class Trainer:
         self.balance_line = None
         if plan.mode != "even":
             self.loader.set_shares(plan.shares, plan.num_micro)
-            self.balance_line = balance_line(plan, gather_objects(device_label(self.device), self.world_size))
+            layout = self.sharded.groups.layout
+            experts = None if layout.expert_parallel_size == 1 else layout.expert_ranges_by_rank()
+            self.balance_line = balance_line(plan, gather_objects(device_label(self.device), self.world_size), experts)
             for note in split_notes(self.cfg, plan):
                 self._print_main(note)
 

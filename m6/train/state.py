@@ -143,11 +143,11 @@ def first_row(sharded: ShardedModel, name: str, t: torch.Tensor) -> int:
 
 
 def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor) -> torch.Size:
-    """The shape of ``name`` over all ranks: expert tensors hold 1/EP of the experts (dim 0)
-    (``t`` a DTensor: its shape is already that over its shards)."""
+    """The shape of ``name`` over all ranks: expert tensors hold this rank's range of the layer's
+    experts (dim 0), even or uneven (``t`` a DTensor: its other dims are already those over its shards)."""
     if name not in sharded.expert_params:
         return t.shape
-    return torch.Size([t.shape[0] * sharded.groups.layout.expert_parallel_size, *t.shape[1:]])
+    return torch.Size([sharded.global_experts[name], *t.shape[1:]])
 
 
 # The per-parameter state tensors each optim.name keeps (besides its step count).
