@@ -72,9 +72,43 @@ class MemoryReport:
         return sum(getattr(self, where).values())
 
 
-def _streamed_window(blocks: list[nn.Module]) -> int:
+class ModelFacts:
+    """What the estimate reads off a model, walked once: its trainable parameters and which are
+    experts, its state_dict's tensor sizes, and (per layout, cached) the gradient-sync buckets.
+    The planner sizes thousands of candidates on one rank model: walking its modules for each
+    took most of a search. Valid while the model's parameters stay as they were when made."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.numel = sum(p.numel() for p in self.params)
+        self.expert_ids = {id(p) for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
+        self.replicated = [p for p in self.params if id(p) not in self.expert_ids]
+        self.experts = [p for p in self.params if id(p) in self.expert_ids]
+        self.state_sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+        self.block_numels = [sum(p.numel() for p in b.parameters()) for b in getattr(model, "blocks", [])]
+        self._walks: dict[tuple, _BackwardWalk] = {}
+        self._largest_call: dict[tuple, int] = {}
+
+    def walk(self, world_size: int, ep: int, bucket_bytes: float) -> "_BackwardWalk":
+        key = (world_size, ep, bucket_bytes)
+        if key not in self._walks:
+            self._walks[key] = _BackwardWalk(self.model, self.expert_ids, world_size, ep, bucket_bytes)
+        return self._walks[key]
+
+    def largest_call(self, apply_groups: int, no_decay: set[int]) -> int:
+        """Elements of the largest foreach optimizer call: per (apply group x decay group)."""
+        key = (apply_groups, frozenset(no_decay))
+        if key not in self._largest_call:
+            groups = split_apply_groups(self.replicated, self.experts, apply_groups) if apply_groups > 1 \
+                else [self.params]
+            self._largest_call[key] = max((sum(p.numel() for p in g if (id(p) in no_decay) == nd)
+                                           for g in groups for nd in (False, True)), default=0)
+        return self._largest_call[key]
+
+
+def _streamed_window_of(sizes: list[int]) -> int:
     """Elements of the two adjacent blocks resident at once (the one running + the prefetched one)."""
-    sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
     if len(sizes) < 2:
         return sum(sizes)
     return max(a + b for a, b in zip(sizes, sizes[1:]))
@@ -138,38 +172,36 @@ def optimizer_state_sizes(optimizer_name: str, p: nn.Parameter) -> tuple[int, ..
     return (4 * n, 4)
 
 
-def staging_bytes(cfg: Config, model: nn.Module, params: list[nn.Parameter]) -> float:
+def staging_bytes(cfg: Config, model: nn.Module, params: list[nn.Parameter],
+                  state_sizes: Optional[list[int]] = None) -> float:
     """Host bytes of the buffer an asynchronous checkpoint save copies this rank's model and
     optimizer tensors into (m6.checkpoint.staging.StagingBuffer): its weights, and per trained
     parameter its optimizer state tensors, each padded to STAGING_ALIGN (the RNG states, ~10 KB,
     not counted). 0 with checkpoint.async_save false."""
     if not cfg.checkpoint.async_save:
         return 0.0
-    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    sizes = list(state_sizes) if state_sizes is not None else \
+        [t.numel() * t.element_size() for t in model.state_dict().values()]
     sizes += [n for p in params for n in optimizer_state_sizes(cfg.optim.name, p)]
     return float(sum(-(-n // STAGING_ALIGN) * STAGING_ALIGN for n in sizes))
 
 
 def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int = 1,
-                    expert_parallel_size: Optional[int] = None, device_type: str = "cuda") -> MemoryReport:
+                    expert_parallel_size: Optional[int] = None, device_type: str = "cuda",
+                    facts: Optional[ModelFacts] = None) -> MemoryReport:
     """Per-process estimate for ``cfg`` with ``model`` (meta or real) holding this process's params.
 
     ``no_decay``: ids of the params in the optimizer's no-weight-decay group (torch updates each
     param group in its own foreach call). ``world_size`` > 1: gradients other ranks share are
     all-reduced on the device before they may be offloaded, so the device holds those until then.
     ``expert_parallel_size``: the all-to-all's degree (None: 1); ``device_type``: where it runs
-    (train.precision=auto computes in bf16 on cuda, fp32 on cpu).
+    (train.precision=auto computes in bf16 on cuda, fp32 on cpu). ``facts``: ``ModelFacts(model)``
+    made once by a caller that sizes many configs on one model (the planner).
     """
     ep = expert_parallel_size or 1
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
-    expert_ids = {id(p) for m in model.modules() if isinstance(m, MoELayer) for p in m.experts.parameters()}
-    replicated = [p for p in params if id(p) not in expert_ids]
-    experts = [p for p in params if id(p) in expert_ids]
-    groups = split_apply_groups(replicated, experts, cfg.optim.apply_groups) if cfg.optim.apply_groups > 1 \
-        else [params]
-    largest_call = max((sum(p.numel() for p in g if (id(p) in no_decay) == nd) for g in groups for nd in (False, True)),
-                       default=0)
+    facts = facts if facts is not None else ModelFacts(model)
+    params, numel, expert_ids = facts.params, facts.numel, facts.expert_ids
+    largest_call = facts.largest_call(cfg.optim.apply_groups, no_decay)
 
     acts = activation_report(cfg, world_size, ep, device_type)
     kept, redo = kept_activations(cfg, acts)
@@ -178,7 +210,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     accum = accumulation_steps(cfg.train, world_size)
     # Gradients summed over other ranks travel in flat bucket copies: replicated ones whenever
     # world > 1, expert ones when another rank holds the same experts.
-    walk = _BackwardWalk(model, expert_ids, world_size, ep, cfg.parallel.bucket_size_mb * 2**20)
+    walk = facts.walk(world_size, ep, cfg.parallel.bucket_size_mb * 2**20)
     buckets = walk.most_in_flight()
     transients = {"activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
                   "backward transients": max(acts.backward_transient, redo), "gradient-sync buckets": buckets}
@@ -210,12 +242,11 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         streaming = 4.0 * max((p.numel() for p in local), default=0)
         transients["backward transients"] = max(transients["backward transients"], streaming)
         if mode == "optimizer+params":
-            blocks = list(getattr(model, "blocks", []))
+            sizes = facts.block_numels
             chosen = cfg.memory.offload_blocks  # auto: counted as all (the least the device can hold)
             if isinstance(chosen, list):
-                blocks = [blocks[i] for i in sorted(chosen)]
-            streamed = sum(p.numel() for b in blocks for p in b.parameters())
-            device_params = 4.0 * (numel - streamed + _streamed_window(blocks))
+                sizes = [sizes[i] for i in sorted(chosen)]
+            device_params = 4.0 * (numel - sum(sizes) + _streamed_window_of(sizes))
         else:
             device_params = 4.0 * numel
         device = {"params": device_params, "grads": device_grads, **transients}
@@ -233,7 +264,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)),
                                                     grads_made=accum == 1 and (mode == "none" or keeps_grads),
                                                     offloaded=mode != "none")
-    staging = staging_bytes(cfg, model, params)
+    staging = staging_bytes(cfg, model, params, facts.state_sizes)
     if staging:
         host["checkpoint staging"] = staging  # from the first save on, for the rest of the run
     phases_device = max(backward, grads_end + buckets, update_device)

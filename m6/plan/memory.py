@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from m6.config import Config
-from m6.memory.estimate import MemoryReport, estimate_memory
+from m6.memory.estimate import MemoryReport, ModelFacts, estimate_memory
 from m6.model.m6_model import M6Model
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.layout import build_layout
@@ -28,16 +28,17 @@ def rank_model(cfg: Config, world_size: int, expert_parallel_size: int, rank: in
 
 
 class RankMemory:
-    """Memory of any candidate at one (world size, EP size): the rank model is built once."""
+    """Memory of any candidate at one (world size, EP size): the rank model is built and walked once."""
 
     def __init__(self, cfg: Config, world_size: int, expert_parallel_size: int, device_type: str) -> None:
         self.world_size, self.expert_parallel_size, self.device_type = world_size, expert_parallel_size, device_type
         self.model = rank_model(cfg, world_size, expert_parallel_size)
         self.no_decay = no_decay_ids(self.model)
+        self.facts = ModelFacts(self.model)
 
     def report(self, cfg: Config) -> MemoryReport:
         """m6.memory.estimate for ``cfg`` (its train/memory/optim/moe settings) at this layout."""
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     expert_parallel_size=self.expert_parallel_size))
         return estimate_memory(cfg, self.model, self.no_decay, self.world_size, self.expert_parallel_size,
-                               self.device_type)
+                               self.device_type, self.facts)
