@@ -21,19 +21,16 @@ When ``<out>/grad_stream_memory-<machine>-before.json`` exists, the markdown com
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.grad_sync_memory import code_version
 from bench.harness import machine_info, machine_tag, write_results
+from bench.local_ranks import run_ranks
 from bench.memory import COMMON, MODEL
 from m6.config import load
 from m6.train.loop import Trainer
@@ -69,10 +66,7 @@ def measured_step(tr: Trainer) -> dict:
     return {"loss": metrics["loss"], "after_each_backward": after, "grad_mb_metric": metrics.get("grad_mb")}
 
 
-def _worker(rank: int, port: int, model: list[str], root: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)  # two processes on the machine's cores
+def measure(model: list[str], rank: int, world: int, root: str) -> dict:
     rows = {}
     for mode in OFFLOAD:
         cfg = load("configs/tiny.yaml", [*COMMON, *model, *LAYOUT, "train.device=cpu", f"run.dir={root}/{mode}",
@@ -93,26 +87,14 @@ def _worker(rank: int, port: int, model: list[str], root: str, queue) -> None:
         del tr
         if rank == 0:
             print(f"offload={mode}: measured", file=sys.stderr, flush=True)
-    gathered = [None] * WORLD
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        queue.put(gathered)
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as train.py's workers leave: no process-group teardown
+    return rows
 
 
 def run(quick: bool) -> dict:
     model = MODEL["quick" if quick else "full"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    root = tempfile.mkdtemp(prefix="m6-bench-grad-stream-")
-    mp.start_processes(_worker, args=(port, model, root, queue), nprocs=WORLD, join=True, start_method="spawn")
+    ranks = run_ranks(functools.partial(measure, model), WORLD, "m6-bench-grad-stream-")
     return {"model_overrides": model, "layout_overrides": LAYOUT, "common_overrides": COMMON, "world_size": WORLD,
-            "warmup_steps": WARMUP, "measured_steps": MEASURED, "ranks": queue.get()}
+            "warmup_steps": WARMUP, "measured_steps": MEASURED, "ranks": ranks}
 
 
 def _mib(b: float) -> str:

@@ -27,20 +27,17 @@ When ``<out>/grad_sync_memory-<machine>-before.json`` exists, the markdown compa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import os
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.harness import machine_info, machine_tag, write_results
+from bench.local_ranks import run_ranks
 from bench.memory import COMMON, MODEL, ModelStateBytes
 from m6.config import load
 from m6.memory.live_bytes import LiveBytes
@@ -110,10 +107,7 @@ def instrumented_step(tr: Trainer) -> dict:
     return rec
 
 
-def _worker(rank: int, port: int, model: list[str], root: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD))
-    torch.set_num_threads(1)  # two processes on the machine's cores
+def measure(model: list[str], rank: int, world: int, root: str) -> dict:
     rows = {}
     for mb in BUCKET_MB:
         for mode in OFFLOAD:
@@ -139,16 +133,7 @@ def _worker(rank: int, port: int, model: list[str], root: str, queue) -> None:
             del tr
             if rank == 0:
                 print(f"{name}: measured", file=sys.stderr, flush=True)
-    gathered = [None] * WORLD
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        queue.put(gathered)
-    dist.barrier()
-    # Leave as train.py's workers do: no process-group teardown or C++ static destructors (where a
-    # finished rank sometimes aborted).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return rows
 
 
 def code_version() -> str:
@@ -163,14 +148,7 @@ def code_version() -> str:
 
 def run(args) -> dict:
     model = MODEL["quick" if args.quick else "full"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    root = tempfile.mkdtemp(prefix="m6-bench-grad-sync-")
-    mp.start_processes(_worker, args=(port, model, root, queue), nprocs=WORLD, join=True, start_method="spawn")
-    per_rank = queue.get()
+    per_rank = run_ranks(functools.partial(measure, model), WORLD, "m6-bench-grad-sync-")
     return {"model_overrides": model, "common_overrides": COMMON, "world_size": WORLD, "warmup_steps": WARMUP,
             "measured_steps": MEASURED, "ranks": per_rank}
 

@@ -22,17 +22,12 @@ Exact byte counts: the machine's load does not change them. Step time is not com
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
-import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from bench.grad_sync_memory import code_version
 from bench.harness import machine_info, write_results
+from bench.local_ranks import run_ranks
 from bench.plan_measure import COMMON, DenseSamples, live_storage_bytes
 from m6.config import load
 from m6.memory.live_bytes import LiveBytes
@@ -77,32 +72,12 @@ def measure(world: int, rank: int, extra: list[str], root: str) -> dict:
     return row
 
 
-def _worker(rank: int, world: int, port: int, root: str, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    rows = {name: measure(world, rank, extra, f"{root}/w{world}-{i}") for i, (name, extra) in enumerate(LAYOUTS.items())}
-    if world > 1:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, rows)
-        if rank == 0:
-            queue.put(gathered)
-        dist.barrier()
-    else:
-        queue.put([rows])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as train.py's workers leave: no process-group teardown
+def measure_layouts(rank: int, world: int, root: str) -> dict:
+    return {name: measure(world, rank, extra, f"{root}/w{world}-{i}") for i, (name, extra) in enumerate(LAYOUTS.items())}
 
 
 def run_world(world: int) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    root = tempfile.mkdtemp(prefix="m6-bench-plan-bytes-")
-    mp.start_processes(_worker, args=(world, port, root, queue), nprocs=world, join=True, start_method="spawn")
-    return queue.get()
+    return run_ranks(measure_layouts, world, "m6-bench-plan-bytes-")
 
 
 def render(result: dict) -> str:

@@ -32,16 +32,10 @@ FILES = ["data.kind=files", "data.num_workers=2", "data.eval_samples=8", "model.
          f'{{path: "{REPO}/data/sample/text.txt", format: text, weight: 0.1}}]']
 
 
-def torchrun(run_dir, nproc: int, *overrides: str, nnodes: int = 1, timeout: int = 240) -> subprocess.CompletedProcess:
-    """Launch train.py on ``nnodes`` x ``nproc`` local processes (nnodes > 1: separate torchrun agents)."""
+def torchrun_nodes(run_dir, nproc: int, *overrides: str, nnodes: int, timeout: int = 240) -> None:
+    """Launch train.py as ``nnodes`` torchrun agents of ``nproc`` workers each ("nodes" on this machine)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = ["--config", TINY, *SMALL, f"run.dir={run_dir}", *overrides]
-    if nnodes == 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-               "--master_port", str(free_port()), str(REPO / "train.py"), *args]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return proc
     with agents_on_nodes(args, nproc, nnodes, env) as procs:
         outs = [p.communicate(timeout=timeout) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -113,16 +107,10 @@ def reference(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("nproc, ep", [(2, "auto"), (4, "auto")])
+@pytest.mark.parametrize("nproc, ep", [(2, "auto"), (4, "auto"), (4, 2)])
 def test_world_size_invariance(reference, tmp_path, nproc, ep):
+    # (4, 2): experts split over pairs of ranks, each pair an expert-data-parallel replica.
     ranks(tmp_path, nproc, "train.max_steps=10", f"parallel.expert_parallel_size={ep}")
-    assert_same_curve(train_rows(tmp_path), train_rows(reference))
-
-
-def test_torchrun_at_world_4_with_expert_data_parallel_replicas(reference, tmp_path):
-    """train.py under torchrun itself; EP 2 of 4: experts split over pairs of ranks, each pair an
-    expert-data-parallel replica."""
-    torchrun(tmp_path, 4, "train.max_steps=10", "parallel.expert_parallel_size=2")
     assert_same_curve(train_rows(tmp_path), train_rows(reference))
 
 
@@ -182,7 +170,7 @@ def test_sigterm_to_one_rank_stops_every_rank_with_one_checkpoint(tmp_path):
 
 
 def test_two_nodes_match_single_node(reference, tmp_path):
-    torchrun(tmp_path, 2, "train.max_steps=10", nnodes=2)
+    torchrun_nodes(tmp_path, 2, "train.max_steps=10", nnodes=2)
     assert_same_curve(train_rows(tmp_path), train_rows(reference))
 
 
