@@ -1,4 +1,5 @@
-"""The report's one picture: loss, lr, throughput, grad norm and MoE panels, drawn with matplotlib's Agg canvas.
+"""The report's one picture: loss, lr, throughput, grad norm, per-rank compute and MoE panels, drawn with
+matplotlib's Agg canvas.
 
 Panels read only a RunRecord; a metric the run did not log gives a panel that says so, and a
 dense model gets no MoE rows. No pyplot: a Figure with its own canvas keeps no global state.
@@ -21,7 +22,8 @@ from m6.report.run_files import ExpertBias, ExpertLoad, RunRecord
 MAX_EXPERT_ROWS = 64  # above this, neighbouring experts share a heatmap row: ~3 px a row at 100 dpi
 MAX_STEP_COLUMNS = 400  # above this, neighbouring logged steps share a heatmap column
 LOAD_RANGE_LOG2 = 3  # heatmap colours span 1/8x .. 8x the uniform share (1/E); beyond is clipped
-MAX_LEGEND_LAYERS = 8  # more MoE layers than this: dropped-fraction lines coloured by depth, no legend
+MAX_LEGEND_LAYERS = 8  # more MoE layers (ranks) than this: lines coloured by depth (rank), no legend
+RANK_COMPUTE_PREFIX = "compute_s/rank"  # each rank's step compute time (m6.train.balance)
 LOG_Y_SPAN = 8.0  # loss and grad norm get a log y axis when they span more than this factor
 MARKERS_BELOW = 25  # series with fewer points get a marker on each, so one logged step still shows
 PANEL_W, PANEL_H, HEATMAP_H = 7.0, 2.9, 2.4  # inches
@@ -125,6 +127,36 @@ def _dropped_panel(ax: Axes, run: RunRecord, layers: list[str]) -> None:
         ax.legend(fontsize=8, loc="best", ncols=2 if len(drawn) > 4 else 1)
     else:
         ax.set_title(f"assignments dropped (%), {len(drawn)} layers: dark {drawn[0][0]} .. light {drawn[-1][0]}")
+
+
+def rank_compute_keys(run: RunRecord) -> list[str]:
+    """The ``compute_s/rank<r>`` metrics a multi-rank run logged (parallel.balance), in rank order."""
+    keys = {key for row in run.rows for key in row if key.startswith(RANK_COMPUTE_PREFIX)}
+    return sorted(keys, key=lambda key: int(key[len(RANK_COMPUTE_PREFIX):]))
+
+
+def _rank_compute_panels(ax_time: Axes, ax_spread: Axes, run: RunRecord, keys: list[str]) -> None:
+    """Each rank's compute time per step, and the slowest over the fastest at each step: an even
+    split on mixed devices shows a wide spread, a balanced one a spread near 1."""
+    ax_time.set_title("step compute time per rank (s)")
+    series = {key: dict(zip(*run.series(key))) for key in keys}
+    cmap = colormaps["viridis"]
+    for i, key in enumerate(keys):
+        steps, values = run.series(key)
+        color = f"C{i}" if len(keys) <= MAX_LEGEND_LAYERS else cmap(i / max(1, len(keys) - 1))
+        _plot(ax_time, steps, values, color=color, label=key[len("compute_s/"):])
+    if len(keys) <= MAX_LEGEND_LAYERS:
+        ax_time.legend(fontsize=8, loc="best", ncols=2 if len(keys) > 4 else 1)
+    common = sorted(set.intersection(*(set(v) for v in series.values())))
+    spread = [(step, max(v[step] for v in series.values()) / min(v[step] for v in series.values()))
+              for step in common if min(v[step] for v in series.values()) > 0]
+    if not spread:
+        ax_spread.set_title("slowest / fastest rank")
+        _no_data(ax_spread, "no step with every rank's compute time")
+        return
+    steps, ratios = np.array(spread).T
+    ax_spread.set_title(f"slowest / fastest rank's compute time (median {np.median(ratios):.3g}x)")
+    _plot(ax_spread, steps, ratios, color="C0")
 
 
 def _bin_edges(steps: np.ndarray) -> np.ndarray:
@@ -234,14 +266,16 @@ def _expert_ticks(num_experts: int) -> list[float]:
 
 
 def build_figure(run: RunRecord) -> Figure:
-    """The whole picture of ``run``: six panels over steps, then one expert-load heatmap per MoE layer."""
+    """The whole picture of ``run``: six panels over steps (eight when it logged each rank's compute
+    time), then one expert-load heatmap per MoE layer."""
     layers = run.moe_layers()
     loads = [(name, run.expert_load[name]) for name in layers if name in run.expert_load]
     # Aux-free balancing: each layer's bias heatmap beside its load heatmap (one layer a row).
     biases = [run.expert_bias.get(name) for name, _ in loads] if run.expert_bias else []
     heat_cols = 2 if biases else (1 if len(loads) == 1 else 2)
     heat_rows = len(loads) if biases else math.ceil(len(loads) / heat_cols)
-    panel_rows = 3
+    rank_keys = rank_compute_keys(run)
+    panel_rows = 4 if rank_keys else 3
     height = panel_rows * PANEL_H + heat_rows * HEATMAP_H + (0.9 if loads else 0.0) + 0.6
     fig = Figure(figsize=(2 * PANEL_W, height), dpi=DPI, layout="constrained")
     steps = np.array(run.steps, dtype=np.float64)
@@ -267,6 +301,8 @@ def build_figure(run: RunRecord) -> Figure:
     else:
         axes[2, 1].set_title("MoE")
         _no_data(axes[2, 1], "dense model: no MoE layers logged")
+    if rank_keys:
+        _rank_compute_panels(axes[3, 0], axes[3, 1], run, rank_keys)
     for ax in axes.flat:
         if ax.get_xticks().size:  # a no-data note keeps no axis
             _step_axis(ax, x_range)

@@ -17,7 +17,8 @@ from PIL import Image
 
 from m6.config import load
 from m6.report.cli import main
-from m6.report.figure import MAX_EXPERT_ROWS, bias_image, build_figure, group_extreme, group_mean, load_image
+from m6.report.figure import (MAX_EXPERT_ROWS, bias_image, build_figure, group_extreme, group_mean, load_image,
+                              rank_compute_keys)
 from m6.report.page import human_count
 from m6.report.run_files import ExpertLoad, RunRecord, read_run
 from m6.train.loop import Trainer
@@ -125,6 +126,27 @@ def test_expert_bias_heatmap_beside_each_load_heatmap(tmp_path: Path) -> None:
 def test_mfu_panel_when_the_peak_is_known(tmp_path: Path) -> None:
     run = read_run(train(tmp_path, "train.max_steps=2", "train.peak_tflops=1.0"))
     assert run.has("mfu") and titles(run)[3].startswith("MFU (%)")
+
+
+def test_each_ranks_compute_time_and_their_spread_when_logged(moe_run: Path, tmp_path: Path) -> None:
+    """A run that logged compute_s/rank<r> (multi-rank, parallel.balance) gets a row of two more
+    panels: each rank's compute time, and the slowest over the fastest at each step."""
+    def with_ranks(row: dict) -> dict:
+        if "loss" in row:  # rank 1 twice as slow as rank 0 at odd steps, as fast at even ones
+            row = {**row, "compute_s/rank0": 0.2, "compute_s/rank1": 0.4 if row["step"] % 2 else 0.2,
+                   "compute_s/rank10": 0.3}
+        return row
+    run = read_run(copy_run(moe_run, tmp_path / "ranks", with_ranks))
+    assert rank_compute_keys(run) == ["compute_s/rank0", "compute_s/rank1", "compute_s/rank10"]
+    fig = build_figure(run)
+    by_title = {ax.get_title(): ax for ax in fig.axes}
+    lines = by_title["step compute time per rank (s)"].get_lines()
+    assert [line.get_label() for line in lines] == ["rank0", "rank1", "rank10"]
+    spread = by_title["slowest / fastest rank's compute time (median 1.75x)"].get_lines()[0]
+    assert spread.get_ydata().tolist() == pytest.approx([2.0 if step % 2 else 1.5 for step in run.steps])
+    assert main([str(run.run_dir), "--out", str(tmp_path / "out")]) == 0
+    check_outputs(tmp_path / "out", run)
+    assert not any("compute time" in t for t in titles(read_run(moe_run)))  # one rank: no such row
 
 
 def test_dense_model_gets_a_page_without_moe_panels(tmp_path: Path) -> None:
