@@ -16,7 +16,10 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+import warnings
 import xml.etree.ElementTree as ET
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -33,7 +36,13 @@ def device_info(device: torch.device) -> dict:
     """Device name, torch, CUDA and driver versions: stamped on every part's result."""
     info = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
             "cuda_runtime": torch.version.cuda, "host": platform.node()}
+    from m6.moe.expert_gemm import fused_grouped_mm_on, grouped_mm_op
+
+    op = grouped_mm_op()
+    info["grouped_mm"] = None if op is None else f"{op.__module__}.{op.__name__}"
     if device.type == "cuda":
+        info["grouped_mm_fused"] = fused_grouped_mm_on(device)
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None
         props = torch.cuda.get_device_properties(device)
         info.update(name=props.name, capability=f"{props.major}.{props.minor}", sm_count=props.multi_processor_count,
                     memory_gib=round(props.total_memory / 2**30, 1))
@@ -205,7 +214,7 @@ def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[st
     cmd = [sys.executable, "-m", "bench.moe_layer", "--device", device.type, "--stages", "timing",
            "--skip-glibc-compare", "--out", str(sub)]
     cmd += ["--quick", "--rounds", "1", "--max-rounds", "2", "--no-drop", "--experts", "4", "--top-k", "2"] if args.smoke \
-        else ["--shapes", "gpu", "--rounds", "3", "--max-rounds", "4"]
+        else ["--shapes", "gpu", "--rounds", "10", "--max-rounds", "12"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     (out / "moe_layer.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -264,7 +273,7 @@ def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[st
               "tokens_per_s_median": med("tokens_per_s"), "mfu_median": med("mfu"), "tflops_median": med("tflops"),
               "step_time_s_median": med("step_time_s"), "peak_mem_gb_max": max(h["peak_mem_gb"] for h in history),
               "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"]}
-    result["profile_top15"] = profile_steps(args, device, out, overrides)
+    result["profile_top15"], result["host_syncs"] = profile_steps(args, device, out, overrides)
     mfu = result["mfu_median"]
     md = [f"`python {result['command']}`",
           f"- steps {len(history)} (median over the last {len(steady)}): {result['tokens_per_s_median']:.0f} tokens/s, "
@@ -272,12 +281,69 @@ def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[st
           f"step {result['step_time_s_median']:.3f} s, peak memory {result['peak_mem_gb_max']:.2f} GB, "
           f"loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}",
           f"- torch profiler, top-15 kernels by device time: {result['profile_top15']}"]
+    md += host_sync_markdown(result["host_syncs"])
     return result, md
 
 
-def profile_steps(args, device: torch.device, out: Path, overrides: list[str]) -> str:
+def innermost_m6_site(stack: list[traceback.FrameSummary]) -> str:
+    """'m6/file.py:function' of the innermost m6 frame of a stack (the allow-list's key), else the
+    innermost frame's own file:function."""
+    root = Path(__file__).resolve().parents[1]
+    for frame in reversed(stack):
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(root / "m6"):
+            return f"{path.relative_to(root).as_posix()}:{frame.name}"
+    outside = [f for f in stack if Path(f.filename).name != "warnings.py" and f.filename != __file__]
+    return f"{outside[-1].filename}:{outside[-1].name}" if outside else "?"
+
+
+def count_host_syncs(fn: Callable[[], None]) -> Counter:
+    """Syncs torch.cuda.set_sync_debug_mode('warn') reports while ``fn`` runs, by innermost m6 site.
+    (A sync inside backward is reported when backward returns, at its caller.)"""
+    sites: Counter = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            sites[innermost_m6_site(traceback.extract_stack()[:-1])] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sites
+
+
+def allowed_host_syncs(moe_forwards: int, logging: bool) -> dict[str, int]:
+    """The documented allow-list's budget for one single-GPU, no-offload training step
+    (tests/simcuda/host_sync_allow_list.py, docs/simulated-cuda.md)."""
+    allowed = {"m6/moe/dispatch.py:host_ints": moe_forwards, "m6/train/loop.py:train_step": 2,
+               "m6/parallel/grad_sync.py:clip_grad_norm": 1}
+    if logging:
+        allowed["m6/train/metrics.py:expert_load"] = 1
+    return allowed
+
+
+def host_sync_markdown(syncs: dict | None) -> list[str]:
+    if syncs is None:
+        return ["- host syncs: counted on CUDA only (torch.cuda.set_sync_debug_mode)"]
+    lines = [f"- host syncs per step (torch.cuda.set_sync_debug_mode, {syncs['steps']} steps, "
+             f"{syncs['moe_forwards_per_step']} MoE layer forwards per step): "
+             f"{syncs['per_step_total']:.1f} measured vs {syncs['allowed_per_step_total']} allowed; "
+             + ("within the allow-list" if not syncs["over_allow_list"] else f"OVER at {syncs['over_allow_list']}")]
+    lines += [f"  - {site}: {n / syncs['steps']:.1f}/step (allowed {syncs['allowed_per_step'].get(site, 0)})"
+              for site, n in sorted(syncs["sites"].items())]
+    return lines
+
+
+def profile_steps(args, device: torch.device, out: Path, overrides: list[str]) -> tuple[str, dict | None]:
     """Two profiled train steps of the same configuration (after two warm-ups); the top 15 kernels
-    by self device time (CPU: self CPU time) go to profile_top15.txt."""
+    by self device time (CPU: self CPU time) go to profile_top15.txt. On CUDA, then two more steps
+    with the sync debug mode on: host syncs per step by site, against the allow-list."""
     from torch.profiler import ProfilerActivity, profile
 
     from m6.config import load
@@ -298,7 +364,18 @@ def profile_steps(args, device: torch.device, out: Path, overrides: list[str]) -
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15)
     path = out / "profile_top15.txt"
     path.write_text(table)
-    return path.name
+    if device.type != "cuda":
+        return path.name, None
+    steps = 2
+    sites = count_host_syncs(lambda: [trainer.train_step() for _ in range(steps)])
+    moe_forwards = sum(1 for m in trainer.model.modules() if type(m).__name__ == "MoELayer") * \
+        (cfg.train.global_batch_size // cfg.train.micro_batch_size)
+    allowed = allowed_host_syncs(moe_forwards, logging=cfg.logging.every == 1)
+    over = {site: n / steps for site, n in sites.items() if n / steps > allowed.get(site, 0)}
+    syncs = {"steps": steps, "moe_forwards_per_step": moe_forwards, "sites": dict(sites),
+             "per_step_total": sum(sites.values()) / steps, "allowed_per_step": allowed,
+             "allowed_per_step_total": sum(allowed.values()), "over_allow_list": over}
+    return path.name, syncs
 
 
 # ---------------------------------------------------------------------------------------------
