@@ -408,6 +408,24 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     apply_groups: int = 1  # run the update over N size-balanced parameter groups, one after another
+    # AdamW's kernels: fused = one kernel per group reading each tensor once (torch's fused AdamW,
+    # no temporaries); foreach = torch's multi-tensor ops (a pass per op, temporaries of the largest
+    # call); auto = fused where the update runs on CUDA, foreach elsewhere (the host update included).
+    implementation: Literal["auto", "foreach", "fused"] = "auto"
+
+    def adamw_kernel(self, on_cuda: bool) -> str:
+        """'fused' or 'foreach': the AdamW kernels of an update whose tensors are on CUDA or not.
+
+        auto takes the fused kernel on CUDA: one pass over param, grad and both moments per tensor
+        (on an H100 the foreach update of a 2.7B-parameter model took 80 ms of a 272 ms step). On
+        the host it keeps foreach, whose results the CPU tests compare bitwise with DeepSpeed's
+        and the device's. Adafactor is always foreach.
+        """
+        if self.name != "adamw":
+            return "foreach"
+        if self.implementation == "auto":
+            return "fused" if on_cuda else "foreach"
+        return self.implementation
 
     def validate(self) -> None:
         """Check the optim keys on their own."""
@@ -421,6 +439,9 @@ class OptimConfig:
             raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
         if self.apply_groups <= 0:
             raise ConfigError(f"optim.apply_groups must be >= 1, got {self.apply_groups}")
+        if self.name == "adafactor" and self.implementation == "fused":
+            raise ConfigError("optim.implementation=fused is AdamW's (torch.optim.Adafactor has no fused kernel): "
+                              "use auto or foreach with optim.name=adafactor")
         if self.name == "adafactor":
             defaults = OptimConfig()
             changed = [f"optim.{k}={getattr(self, k)}" for k in ("beta1", "beta2", "eps")
@@ -463,6 +484,9 @@ class LoggingConfig:
 @dataclass
 class CheckpointConfig:
     every: int = 100  # 0 = only at the end
+    # false: no checkpoint is written (benchmark runs: a 2.7B model's final save is 30 GiB); a
+    # SIGTERM then stops after the step without one. Resuming from earlier checkpoints still works.
+    enabled: bool = True
     keep: int = 2
     # "auto": continue from the latest checkpoint in run.dir if there is one (a requeued or
     # restarted job picks up where it stopped); "none": start fresh (and say so when run.dir
@@ -541,6 +565,9 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.train.delink_at_step and m.share_layers == 1:
         raise ConfigError(f"train.delink_at_step={cfg.train.delink_at_step} needs model.share_layers > 1 (blocks "
                           f"that share weights to delink)")
+    if cfg.train.delink_at_step and not cfg.checkpoint.enabled:
+        raise ConfigError(f"train.delink_at_step={cfg.train.delink_at_step} with checkpoint.enabled=false: the "
+                          f"delink goes through a checkpoint of the pseudo giant; enable checkpoints")
     if m.share_layers > 1 and cfg.memory.offload == "optimizer+params":
         raise ConfigError("model.share_layers > 1 with memory.offload=optimizer+params: parameter streaming moves "
                           "each block's weights on its own and a shared weight belongs to several blocks; use "

@@ -219,7 +219,9 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         "params": 4.0 * numel,
         "grads": 4.0 * numel,
         "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params)),
-        "optimizer step temporaries": 4.0 * largest_call,
+        # The fused AdamW kernel (optim.implementation, auto on a CUDA device update) keeps none.
+        "optimizer step temporaries": 0.0 if cfg.optim.adamw_kernel(device_type == "cuda" and cfg.memory.offload == "none")
+        == "fused" else 4.0 * largest_call,
     }
     mode = cfg.memory.offload
     keeps_grads = accum > 1 or world_size > 1

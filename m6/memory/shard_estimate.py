@@ -98,7 +98,8 @@ def sharded_states(cfg: Config, layout: ShardLayout, world_size: int, device_typ
         "params": 4.0 * layout.shard_numel,
         "grads": 4.0 * layout.shard_numel,
         "optimizer state": 8.0 * layout.shard_numel + 4.0 * layout.num_tensors,
-        "optimizer step temporaries": 4.0 * layout.largest_update_call,
+        "optimizer step temporaries": 0.0 if cfg.optim.adamw_kernel(device_type == "cuda" and cfg.memory.offload == "none")
+        == "fused" else 4.0 * layout.largest_update_call,
         "gathered parameters": float(gathered),
         "unsharded gradients": float(unsharded),
     }

@@ -16,6 +16,7 @@ from m6.config import ModelConfig, expert_ffn_dim
 from m6.model.block import DenseMLP, TransformerBlock
 from m6.model.cast_on_use import linear
 from m6.model.embeddings import PatchEmbedding, TextEmbedding
+from m6.model.host_drawn_init import HostDrawnInit
 from m6.model.mask import prefix_lm_mask
 from m6.model.recomputable import RecomputablePart
 from m6.model.shared_blocks import share_block_weights
@@ -82,16 +83,19 @@ class M6Model(nn.Module):
 
         Every submodule re-runs its own reset_parameters in module order, then the model-level
         init; experts draw from their own (layer seed, global id) generators. So the values do not
-        depend on which experts this process holds.
+        depend on which experts this process holds, nor on ``device`` (every draw is the host's).
         """
         self.to_empty(device=device)
         for index, layer in enumerate(self.moe_layers().values()):
             layer.experts.init_seed = seed * 100_003 + index  # per layer, from the run seed alone
         torch.manual_seed(seed)
-        for module in self.modules():
-            if module is not self and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-        self.reset_parameters()
+        # Drawn on the host wherever the weights live: the same seed gives the same model on any
+        # device and offload setting (m6.model.host_drawn_init).
+        with HostDrawnInit():
+            for module in self.modules():
+                if module is not self and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
+            self.reset_parameters()
 
     def recomputable_parts(self) -> list[RecomputablePart]:
         """Every region that may be recomputed in backward, in forward order: each block's

@@ -121,8 +121,9 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
         *_data_lines(cfg, facts),
         f"run      {facts.run_dir} | {facts.start} | {t.max_steps} steps | metrics.jsonl"
         f"{', W&B ' + facts.wandb if facts.wandb else ''}"
-        f"{f', TensorBoard {facts.tensorboard}' if facts.tensorboard else ''} | checkpoint every "
-        f"{cfg.checkpoint.every or 'end only'}{', async' if cfg.checkpoint.async_save else ''}",
+        f"{f', TensorBoard {facts.tensorboard}' if facts.tensorboard else ''} | "
+        + (f"checkpoint every {cfg.checkpoint.every or 'end only'}{', async' if cfg.checkpoint.async_save else ''}"
+           if cfg.checkpoint.enabled else "checkpoints OFF (checkpoint.enabled=false)"),
     ]
     return "\n".join(lines)
 

@@ -459,7 +459,7 @@ class Trainer:
                                     expert_bias=biases)
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
-                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last:
+                if cfg.checkpoint.enabled and ((cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last):
                     self.save_checkpoint()
                 self.checkpoints.poll()  # a background save that has finished writing: put it in place
                 if stop.requested():
@@ -493,6 +493,10 @@ class Trainer:
 
     def _stop_with_checkpoint(self, signal_name: str) -> None:
         """Save this step (unless just saved), wait until it is on disk on every rank, and say so."""
+        if not self.cfg.checkpoint.enabled:
+            self._print_main(f"{signal_name}: stopped after step {self.step} of {self.cfg.train.max_steps} without a "
+                             f"checkpoint (checkpoint.enabled=false)")
+            return
         if self.last_saved_step != self.step:
             self.save_checkpoint(wait=True)
         self.checkpoints.wait()  # a background save of this step: in place before the process ends

@@ -20,8 +20,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
 
     ``master`` maps a model parameter to the tensor the optimizer updates instead (CPU offload's
     host copy); the groups and their order stay those of the model, so checkpoints keep one layout.
-    torch's multi-tensor (foreach) implementation on every device: the same kernels on CPU and
-    GPU, offloaded or not, and its temporaries are what ``optim.apply_groups`` bounds; or, for
+    AdamW's kernels by ``optim.implementation`` (OptimConfig.adamw_kernel: fused on CUDA, foreach elsewhere by
+    default; foreach's temporaries are what ``optim.apply_groups`` bounds); or, for
     host masters with ``host_optimizer="deepspeed"``, DeepSpeed's CPU Adam (same hyper-parameters
     and state layout, m6.memory.deepspeed_adam). ``optim.name=adafactor``: torch.optim.Adafactor
     (foreach), on the device or on the host masters alike; lr and weight_decay as for AdamW.
@@ -42,7 +42,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
         from m6.memory.deepspeed_adam import DeepSpeedHostAdamW
         return DeepSpeedHostAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     assert host_optimizer == "torch", host_optimizer
+    tensors = decay + no_decay
+    if cfg.adamw_kernel(on_cuda=bool(tensors) and all(t.is_cuda for t in tensors)) == "fused":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=True)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=True)
+
 
 
 def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:

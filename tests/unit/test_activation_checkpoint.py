@@ -188,7 +188,10 @@ def _fit(tmp_path, name: str, *extra: str) -> Trainer:
 def test_full_and_auto_train_exactly_like_no_checkpointing(tmp_path, capsys):
     plain = _fit(tmp_path, "plain")
     full = _fit(tmp_path, "full", "memory.activation_checkpointing=full")
-    auto = _fit(tmp_path, "auto", "memory.activation_checkpointing=auto", "memory.activation_budget_fraction=0.6")
+    # 0.9 of the no-recompute bytes: a real choice on either device. Recomputing all four parts
+    # keeps 0.41 of them on the CPU but 0.68 on an H100 (its flash attention saves no score
+    # matrix), where 0.6 could only be missed by recomputing everything.
+    auto = _fit(tmp_path, "auto", "memory.activation_checkpointing=auto", "memory.activation_budget_fraction=0.9")
     out = capsys.readouterr().out
     assert "activation checkpointing: recompute 4/4 parts" in out and "budget none (full)" in out
     losses = [h["loss"] for h in plain.history]
@@ -202,7 +205,7 @@ def test_full_and_auto_train_exactly_like_no_checkpointing(tmp_path, capsys):
     assert full.activations.plan.recompute == tuple(full.activations.recompute.parts)
     plan = auto.activations.plan
     assert 0 < len(plan.recompute) < len(auto.activations.recompute.parts)  # a real choice: some parts, not all
-    assert plan.budget_bytes == int(0.6 * plan.no_checkpoint_bytes)
+    assert plan.budget_bytes == int(0.9 * plan.no_checkpoint_bytes)
     assert plan.predicted_bytes <= plan.budget_bytes
     for trainer in (full, auto):
         kept = [h["activation_saved_mb"] * 2**20 for h in trainer.history]

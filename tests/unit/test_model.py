@@ -403,3 +403,49 @@ def test_conv_patch_embedding_forward_backward():
         grad = model.patch_embed.get_parameter(name).grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
     assert num_patches(cfg) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisation does not depend on the device
+
+
+def _materialized(device: torch.device, redirect_all: bool = False, redirected: list | None = None) -> dict[str, torch.Tensor]:
+    cfg = small_cfg(patch_embed="conv")  # nn.Conv2d: kaiming_uniform_ (uniform_) besides normal_
+    with torch.device("meta"):
+        model = M6Model(cfg)
+    if redirect_all:  # every fill through the host-drawn path, CPU tensors too
+        from m6.model import host_drawn_init
+        original = host_drawn_init.HostDrawnInit.__init__
+
+        def patched(self, redirect=None):
+            original(self, redirect=lambda t: redirected.append(tuple(t.shape)) or True)
+        host_drawn_init.HostDrawnInit.__init__ = patched
+        try:
+            model.materialize(device, seed=3)
+        finally:
+            host_drawn_init.HostDrawnInit.__init__ = original
+    else:
+        model.materialize(device, seed=3)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def test_the_host_drawn_init_path_draws_what_a_cpu_init_draws():
+    """The path every off-CPU random fill takes (drawn on the host, copied in) gives the CPU init
+    bit for bit: same generator, same order."""
+    fills: list = []
+    plain = _materialized(torch.device("cpu"))
+    redirected = _materialized(torch.device("cpu"), redirect_all=True, redirected=fills)
+    # Every weight matrix, embedding and conv kernel went through it (experts draw on their own).
+    assert len(fills) >= sum(1 for k, v in plain.items() if v.dim() >= 2 and "experts" not in k), fills
+    assert plain.keys() == redirected.keys()
+    for k in plain:
+        assert torch.equal(plain[k], redirected[k]), k
+    assert len({float(v.float().std()) for k, v in plain.items() if v.dim() == 2}) > 3  # really random
+
+
+def test_the_same_seed_gives_the_same_model_on_every_device(device):
+    """pytest --device cuda: the weights materialized on the GPU equal the CPU's bitwise (torch's
+    CUDA generator draws other numbers; m6 draws on the host: m6.model.host_drawn_init)."""
+    here, cpu = _materialized(device), _materialized(torch.device("cpu"))
+    for k in cpu:
+        assert torch.equal(here[k], cpu[k]), k

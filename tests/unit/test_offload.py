@@ -46,6 +46,24 @@ VARIANTS = {
 STEPS = 5
 
 
+def assert_same_run(losses, want_losses, weights, want_weights) -> None:
+    """On the CPU, offload trains bitwise like the plain run (the same torch AdamW kernels on the
+    host). On a GPU the plain run's AdamW runs CUDA's fused kernel and the offloaded one the host's
+    foreach, whose roundings differ in the last bits: equal to fp32 rounding there (losses to 1e-5,
+    weights to 1e-5 relative); the gradients and the forward are the same."""
+    if _DEVICE[0] == "cpu":
+        assert losses == want_losses
+        assert weights.keys() == want_weights.keys()
+        for k, v in weights.items():
+            assert torch.equal(v, want_weights[k]), k
+        return
+    assert losses[0] == want_losses[0]  # the first forward: same weights, same kernels
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert weights.keys() == want_weights.keys()
+    for k, v in weights.items():
+        torch.testing.assert_close(v.cpu(), want_weights[k].cpu(), rtol=1e-5, atol=1e-7, msg=k)
+
+
 def trainer(tmp_path, *extra: str) -> Trainer:
     return Trainer(load(None, [*SMALL, f"train.device={_DEVICE[0]}", f"run.dir={tmp_path}", *extra]))
 
@@ -63,10 +81,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name", VARIANTS)
 def test_variant_equals_the_plain_run_bitwise(reference, tmp_path, name):
     losses, weights = run(trainer(tmp_path, *VARIANTS[name]))
-    assert losses == reference[0]
-    assert weights.keys() == reference[1].keys()
-    for k, v in weights.items():
-        assert torch.equal(v, reference[1][k]), k
+    assert_same_run(losses, reference[0], weights, reference[1])
 
 
 def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
@@ -79,7 +94,7 @@ def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
     tr.train_step()
     # After a step the device grads are gone (streamed), the masters updated and copied back.
     assert all(p.grad is None for p in params)
-    assert all(torch.equal(off.master(p), p.detach()) for p in params)
+    assert all(torch.equal(off.master(p), p.detach().to(off.master(p).device)) for p in params)
     # A trial backward outside update.backward (recompute check, speed measurement) keeps its
     # gradients on the device; a training backward streams them in every micro-batch (world 1:
     # no parameter is shared) and the host sums them.
@@ -87,7 +102,7 @@ def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
     tr.update.begin_micro_batch(last=False)
     lm, aux = tr.forward_loss(batch)
     (lm + aux).backward()
-    first = {id(p): p.grad.clone() for p in params}
+    first = {id(p): p.grad.to(off.master(p).device, copy=True) for p in params}
     assert all(off.master(p).grad is None for p in params)
     tr.update.zero_grad()
     for last in (False, False, True):
@@ -109,13 +124,14 @@ def test_gradients_stream_in_every_micro_batch_of_four(tmp_path, mode):
     offloaded = trainer(tmp_path / "offloaded", "train.micro_batch_size=2", f"memory.offload={mode}")
     assert plain.accum == offloaded.accum == 4
     grad_bytes = sum(p.numel() * 4 for p in plain.model.parameters())
+    plain_losses, offloaded_losses = [], []
     for _ in range(3):
         a, b = plain.train_step(), offloaded.train_step()
-        assert a["loss"] == b["loss"]
+        plain_losses.append(a["loss"])
+        offloaded_losses.append(b["loss"])
         # Before streaming, offload kept every gradient on the device until the last micro-batch.
         assert a["grad_mb"] * 2**20 == grad_bytes and b["grad_mb"] == 0
-    for (k, v), w in zip(plain.model.state_dict().items(), offloaded.model.state_dict().values()):
-        assert torch.equal(v, w), k
+    assert_same_run(offloaded_losses, plain_losses, offloaded.model.state_dict(), plain.model.state_dict())
 
 
 def test_offloaded_params_live_on_the_host_and_visit_the_device_per_block(tmp_path):
@@ -168,9 +184,7 @@ def test_resume_is_exact_across_offload_settings(reference, tmp_path, saver, res
     resumed = trainer(tmp_path, resumer, "checkpoint.resume=auto", f"train.max_steps={STEPS}")
     assert resumed.step == 2
     more, weights = run(resumed, STEPS - 2)
-    assert losses + more == reference[0]
-    for k, v in weights.items():
-        assert torch.equal(v, reference[1][k]), k
+    assert_same_run(losses + more, reference[0], weights, reference[1])
 
 
 def test_non_finite_step_is_skipped_with_offload(tmp_path):
@@ -207,7 +221,8 @@ def test_memory_report_matches_the_tensors_of_a_step(tmp_path):
         tr.update.apply.step()
     assert counter.peak <= est.host["optimizer step temporaries"] + 1024
     assert counter.peak >= est.host["optimizer step temporaries"]
-    plain = estimate_memory(load(None, [*SMALL, f"run.dir={tmp_path}"]), model, no_decay_ids(model))
+    # The plain run's device update on a CPU (foreach; CUDA's fused AdamW would keep no temporaries).
+    plain = estimate_memory(load(None, [*SMALL, f"run.dir={tmp_path}"]), model, no_decay_ids(model), device_type="cpu")
     assert est.host["optimizer step temporaries"] < 0.5 * plain.device["optimizer step temporaries"]
     assert "optimizer state" not in est.device and set(plain.host) == {"checkpoint staging"}
     # The checkpoint staging buffer (async save): one copy of every weight and optimizer tensor,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from m6.config import OptimConfig
+from m6.config import ConfigError, OptimConfig
 from m6.memory.live_bytes import LiveBytes
 from m6.memory.grouped_apply import GroupedApply, partition_contiguous, split_apply_groups
 from m6.train.optim import build_optimizer, build_scheduler
@@ -85,10 +85,11 @@ class ManyTensors(nn.Module):
         return self.norm(x)
 
 
-def make(num_groups: int, seed: int = 0):
+def make(num_groups: int, seed: int = 0, implementation: str = "auto"):
     torch.manual_seed(seed)
     model = ManyTensors()
-    cfg = OptimConfig(lr=1e-2, warmup_steps=2, weight_decay=0.1, apply_groups=num_groups)
+    cfg = OptimConfig(lr=1e-2, warmup_steps=2, weight_decay=0.1, apply_groups=num_groups,
+                      implementation=implementation)
     opt = build_optimizer(model, cfg)
     sched = build_scheduler(opt, cfg, max_steps=10)
     params = list(model.parameters())
@@ -129,9 +130,9 @@ def test_grouped_apply_equals_a_single_apply_bitwise(num_groups):
     assert sched.get_last_lr() == ref[2].get_last_lr()
 
 
-def step_temporaries(num_groups: int) -> tuple[int, GroupedApply]:
+def step_temporaries(num_groups: int, implementation: str = "auto") -> tuple[int, GroupedApply]:
     """Peak live bytes allocated during the second update (moments exist already)."""
-    model, opt, sched, apply = make(num_groups)
+    model, opt, sched, apply = make(num_groups, implementation=implementation)
     train_steps(model, opt, sched, apply, steps=1)
     model(torch.randn(16, 48)).square().mean().backward()
     with LiveBytes() as counter:
@@ -162,3 +163,35 @@ def test_apply_groups_cut_the_update_temporaries():
         bound = 4 * max(sum(p.numel() for p in g) for g in apply.groups)
         assert peak <= bound <= 1.05 * peak
     assert peak_8 <= 0.4 * peak_1, (peak_1, peak_8)  # >= 60 % less
+
+
+# ---------------------------------------------------------------------------------------------
+# optim.implementation: the fused AdamW kernel
+
+
+def test_auto_takes_fused_adamw_on_cuda_and_foreach_on_the_host():
+    assert OptimConfig().adamw_kernel(on_cuda=True) == "fused"
+    assert OptimConfig().adamw_kernel(on_cuda=False) == "foreach"
+    assert OptimConfig(implementation="foreach").adamw_kernel(on_cuda=True) == "foreach"
+    assert OptimConfig(implementation="fused").adamw_kernel(on_cuda=False) == "fused"
+    assert OptimConfig(name="adafactor").adamw_kernel(on_cuda=True) == "foreach"
+    with pytest.raises(ConfigError, match="optim.implementation=fused is AdamW's"):
+        OptimConfig(name="adafactor", implementation="fused").validate()
+    # The optimizer built: the CPU test model's tensors are on the host (auto: foreach).
+    assert make(1)[1].defaults["foreach"] and not make(1)[1].defaults["fused"]
+    assert make(1, implementation="fused")[1].defaults["fused"]
+
+
+def test_fused_adamw_trains_like_foreach_and_keeps_no_temporaries():
+    """torch's fused AdamW (here its CPU kernel; auto takes the CUDA one on a GPU) reaches the
+    foreach update's weights to fp32 rounding, with the same state layout, and allocates nothing
+    tensor-sized during the step, so the memory report counts no step temporaries for it."""
+    ref = make(8)
+    train_steps(*ref)
+    fused = make(8, implementation="fused")
+    train_steps(*fused)
+    for a, b in zip(ref[0].parameters(), fused[0].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)  # 0.1% of one update (lr 1e-2)
+    assert ref[1].state_dict()["param_groups"][0].keys() == fused[1].state_dict()["param_groups"][0].keys()
+    peak, apply = step_temporaries(1, implementation="fused")
+    assert peak <= 0.05 * largest_foreach_call_bytes(apply), peak
