@@ -213,7 +213,7 @@ def test_full_and_auto_train_exactly_like_no_checkpointing(tmp_path, capsys):
         assert len(set(kept)) > 1  # the batches differ in padding, so in what they keep
     assert [h["activation_extra_recomputes"] for h in auto.history] == [0] * len(auto.history)
     assert "activation_extra_recomputes" not in full.history[0]
-    batch = auto.loader.next_step()[0][0].batch.densest()
+    batch = auto.loader.next_step()[0][0].batch.densest().to(auto.device)
     for trainer in (full, auto):
         with SavedActivationMeter(trainer.model.parameters()) as meter:
             out = trainer.forward_loss(batch)

@@ -98,7 +98,7 @@ def test_offload_keeps_separate_host_masters_and_streams_gradients(tmp_path):
     # A trial backward outside update.backward (recompute check, speed measurement) keeps its
     # gradients on the device; a training backward streams them in every micro-batch (world 1:
     # no parameter is shared) and the host sums them.
-    batch = next(iter([tr.loader.next_step()[0][0].batch]))
+    batch = tr.loader.next_step()[0][0].batch.to(tr.device)
     tr.update.begin_micro_batch(last=False)
     lm, aux = tr.forward_loss(batch)
     (lm + aux).backward()
