@@ -1,13 +1,13 @@
 """Exhaustive search over the layouts m6 can run: EP size, micro-batch x accumulation, recompute,
-offload, optim.apply_groups and the all-to-all dtype; infeasible ones dropped, the rest ranked by
-predicted tokens/s."""
+offload, optim.apply_groups, the all-to-all dtype and (GPUs, EP > 1) its overlap degree;
+infeasible ones dropped, the rest ranked by predicted tokens/s."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 from m6.config import Config, num_patches
 from m6.memory.estimate import MemoryReport
@@ -18,6 +18,7 @@ RECOMPUTE = ("none", "auto", "full")
 OFFLOAD = ("none", "optimizer", "optimizer+params")
 SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding only offload none (m6.config)
 APPLY_GROUPS = (1, 2, 4, 8)
+OVERLAP = (1, 2, 4)  # model.moe.a2a_overlap_degree, searched on GPUs at EP > 1 (m6.plan.timing)
 
 
 @dataclass
@@ -37,6 +38,7 @@ class Candidate:
     budget_gb: Optional[float] = None
     shortfall: float = 0.0  # largest of device peak / device memory and a node's host peak / host memory
     shard: str = "none"  # parallel.shard
+    a2a_overlap_degree: Union[int, str] = 1  # model.moe.a2a_overlap_degree
 
     def overrides(self) -> list[str]:
         """The train.py ``key=value`` overrides that run this layout."""
@@ -44,16 +46,18 @@ class Candidate:
                f"train.micro_batch_size={self.micro_batch}",
                f"memory.activation_checkpointing={self.recompute}",
                f"memory.offload={self.offload}", f"optim.apply_groups={self.apply_groups}",
-               f"model.moe.a2a_dtype={self.a2a_dtype or 'null'}", f"parallel.shard={self.shard}"]
+               f"model.moe.a2a_dtype={self.a2a_dtype or 'null'}", f"parallel.shard={self.shard}",
+               f"model.moe.a2a_overlap_degree={self.a2a_overlap_degree}"]
         if self.budget_gb is not None:
             out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
         return out
 
 
 def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, groups: int,
-                 a2a: Optional[str], budget_gb: Optional[float], precision: str, shard: Optional[str] = None) -> Config:
+                 a2a: Optional[str], budget_gb: Optional[float], precision: str, shard: Optional[str] = None,
+                 overlap: Optional[int] = None) -> Config:
     """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``
-    None keeps cfg's parallel.shard)."""
+    and ``overlap`` None keep cfg's parallel.shard and model.moe.a2a_overlap_degree)."""
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard or cfg.parallel.shard),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
@@ -61,7 +65,9 @@ def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, gr
                                    activation_budget_gb=budget_gb if recompute == "auto" else None,
                                    activation_budget_fraction=None),
         optim=dataclasses.replace(cfg.optim, apply_groups=groups),
-        model=dataclasses.replace(cfg.model, moe=dataclasses.replace(cfg.model.moe, a2a_dtype=a2a)))
+        model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
+            cfg.model.moe, a2a_dtype=a2a,
+            a2a_overlap_degree=cfg.model.moe.a2a_overlap_degree if overlap is None else overlap)))
 
 
 def divisors(n: int) -> list[int]:
@@ -79,7 +85,8 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
            host_memory_gib: float, cores: int = 0, eps: Optional[list[int]] = None,
            recompute: tuple[str, ...] = RECOMPUTE, offload: tuple[str, ...] = OFFLOAD,
            apply_groups: tuple[int, ...] = APPLY_GROUPS, a2a: tuple[Optional[str], ...] = (None, "bf16"),
-           micro_batches: Optional[list[int]] = None, shard: tuple[str, ...] = SHARD) -> SearchResult:
+           micro_batches: Optional[list[int]] = None, shard: tuple[str, ...] = SHARD,
+           overlap: tuple[int, ...] = OVERLAP) -> SearchResult:
     """Every combination; the ones whose device peak fits hw.memory_gib and host peak (all ranks
     of a node) fits ``host_memory_gib``, fastest first."""
     E = cfg.model.moe.num_experts
@@ -116,10 +123,16 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 smallest = cand
             if mem.peak_device > limit or mem.peak_host * ranks_per_node > host_memory_gib * 2**30:
                 continue
-            cand.time = step_time(trial, world_size, ep, gpus_per_node, hw, host, cores, rm.model)
-            cand.tokens_per_s = tokens / cand.time.total
-            if hw.peak_tflops:
-                cand.mfu = cand.time.model_flops / (cand.time.total * world_size * hw.peak_tflops * 1e12)
-            feasible.append(cand)
+            # The overlap degree changes only the time (not the memory estimate): each degree a candidate.
+            degrees = overlap if ep > 1 and hw.peak_tflops is not None else (trial.model.moe.a2a_overlap_degree,)
+            for degree in degrees:
+                timed = dataclasses.replace(cand)
+                timed.a2a_overlap_degree = degree
+                run = apply_choice(trial, mb, rc, off, groups, wire, budget, hw.precision, sh, degree)
+                timed.time = step_time(run, world_size, ep, gpus_per_node, hw, host, cores, rm.model)
+                timed.tokens_per_s = tokens / timed.time.total
+                if hw.peak_tflops:
+                    timed.mfu = timed.time.model_flops / (timed.time.total * world_size * hw.peak_tflops * 1e12)
+                feasible.append(timed)
     feasible.sort(key=lambda c: -c.tokens_per_s)
     return SearchResult(feasible, smallest, considered)

@@ -10,8 +10,22 @@ compute   GPUs (not runnable here): model FLOPs of the densest micro-batch (m6.m
           as the node runs ranks (they share cores, caches and memory bandwidth as the ranks will).
 all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and combine, forward
           and backward) + 1 counts exchange, each latency + bytes sent to other ranks / bandwidth
-          (inter-node bandwidth once the expert-parallel group spans nodes).
-grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group, not overlapped with backward.
+          (inter-node bandwidth once the expert-parallel group spans nodes). GPUs, with
+          model.moe.a2a_overlap_degree d > 1: the rows go in d chunks, one chunk's exchange
+          running while the experts compute another (forward: dispatch and combine around the
+          expert forward; backward: the same around the expert backward, 2x its FLOPs), so a pass
+          with exchange time C and expert time E takes max(C, E) + min(C, E) / d (d = 1: C + E,
+          many chunks: the longer of the two) and each of its exchanges pays d latencies; what
+          exceeds E is the exposed all-to-all, the rest is reported as hidden. ASSUMED: the
+          expert compute at the model's efficiency and the exchanges at full link rate while they
+          overlap. CPU: not modelled (gloo's copies and the experts share the cores; the measured
+          gain was 0.87x at degree 2, bench/results/a2a_overlap-pooled.md), degree 1.
+grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group. GPUs: m6 launches each bucket
+          as its gradients are final during the last micro-batch's backward (m6.parallel.grad_sync),
+          so only what exceeds that backward (2/3 of the micro-batch's compute), or at least the
+          last bucket's all-reduce, is exposed; ASSUMED: NCCL's transfers do not slow the backward.
+          CPU: not overlapped (gloo reduces on the cores the backward uses; the 14/14 validation,
+          bench/results/plan_validation-cpu-2core.md, holds with it so).
 small collectives  the step's scalar all-reduces, one latency each (world > 1): target-token count,
           routing statistics per MoE layer and micro-batch (aux_loss_scope global; local: one
           aux-loss sum per step), the gradient sync's reach check, loss and metric sums, the expert
@@ -50,6 +64,7 @@ from m6.memory.shard_estimate import data_parallel_traffic, shard_layout
 from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
 from m6.model.param_groups import no_decay_ids
 from m6.moe.router import router_gemm_precision
+from m6.moe.chunked_all_to_all import auto_overlap_degree
 from m6.parallel.grad_sync import clip_grad_norm
 from m6.plan.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
@@ -113,6 +128,8 @@ class StepTime:
     update: float
     model_flops: float  # of the whole job's step (active parameters: MFU's numerator)
     small_collectives: float = 0.0
+    all_to_all_hidden: float = 0.0  # behind the expert compute (model.moe.a2a_overlap_degree > 1)
+    grad_sync_hidden: float = 0.0  # behind the last micro-batch's backward (GPUs)
 
     @property
     def total(self) -> float:
@@ -388,10 +405,22 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         compute += accum * router_flops * (1 / hw.matmul_peak(router_precision) - 1 / hw.peak_tflops) \
             / (1e12 * hw.compute_efficiency)
     wire = 2 if cfg.model.moe.a2a_dtype == "bf16" else c
-    a2a = 0.0
+    a2a = a2a_hidden = 0.0
     if ep > 1:
         sent = counts.positions * K * cfg.model.d_model * wire * (ep - 1) / ep
-        a2a = accum * moe_layers * (4 * _exchange_s(sent, hw, ep, gpus_per_node) + hw.latency_s)
+        exchange = _exchange_s(sent, hw, ep, gpus_per_node)
+        blocking = accum * moe_layers * (4 * exchange + hw.latency_s)
+        degree = overlap_degree(cfg, sent, hw)
+        if degree > 1:
+            expert_forward = rates.per_assignment * counts.positions * K / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
+            passes = 0.0
+            for expert_s in (expert_forward, 2 * expert_forward):  # forward, backward of one layer
+                comm = 2 * (exchange + (degree - 1) * hw.latency_s)  # dispatch + combine, d latencies each
+                passes += pipelined_s(comm, expert_s, degree) - expert_s
+            a2a = accum * moe_layers * (passes + hw.latency_s)
+            a2a_hidden = max(0.0, blocking - a2a)
+        else:
+            a2a = blocking
     numel_rep = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
     numel_exp = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     sync = 0.0
@@ -399,11 +428,19 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     if cfg.parallel.shard != "none":
         sync = sharded_sync_s(cfg, model, world_size, ep, gpus_per_node, hw)
     all_reduced = ((numel_rep, world_size), (numel_exp, world_size // ep)) if cfg.parallel.shard == "none" else ()
+    last_bucket = 0.0
     for numel, n in all_reduced:
         if n > 1 and numel:
             nbytes = 4.0 * numel
             sync += 2 * (n - 1) / n * (_exchange_s(nbytes, hw, n, gpus_per_node) - hw.latency_s) \
                 + hw.latency_s * max(1, round(nbytes / bucket))
+            last_bucket = max(last_bucket, 2 * (n - 1) / n * (_exchange_s(min(nbytes, bucket), hw, n, gpus_per_node)
+                                                              - hw.latency_s) + hw.latency_s)
+    sync_hidden = 0.0
+    if hw.peak_tflops is not None and sync > 0 and cfg.parallel.shard == "none":
+        backward = 2 / 3 * compute / accum  # the last micro-batch's: its buckets launch as they fill
+        exposed = max(min(last_bucket, sync), sync - backward)
+        sync, sync_hidden = exposed, sync - exposed
     scalars = 0
     if world_size > 1:
         per_step = 4 + (ep > 1)  # targets, sync reach check, loss/metric sums, stop flag; expert norm
@@ -432,4 +469,20 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         back = 4.0 * numel / copy_Bps  # new weights, group by group while the next group updates
         groups = max(1, cfg.optim.apply_groups)
         offload = max(0.0, during_compute / copy_Bps - compute) + max(back / groups, back - update * (groups - 1) / groups)
-    return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small)
+    return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small,
+                    all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden)
+
+
+def pipelined_s(comm_s: float, compute_s: float, degree: int) -> float:
+    """Seconds of a pass whose exchange (``comm_s``) and compute (``compute_s``) are cut into
+    ``degree`` chunks that overlap one ahead: the longer of the two, plus one chunk of the other."""
+    return max(comm_s, compute_s) + min(comm_s, compute_s) / degree
+
+
+def overlap_degree(cfg: Config, sent_bytes: float, hw: Hardware) -> int:
+    """The chunks model.moe.a2a_overlap_degree makes of a layer's exchange (auto: by the bytes the
+    rank sends, as m6.moe.chunked_all_to_all picks); 1 on a CPU host (not modelled there)."""
+    if hw.peak_tflops is None:
+        return 1
+    setting = cfg.model.moe.a2a_overlap_degree
+    return auto_overlap_degree(int(sent_bytes), 1) if setting == "auto" else int(setting)
