@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--name", default="balance-cpu-2core")
     ap.add_argument("--balance", default="auto", help="the setting compared with even: auto or weights, e.g. [2,1]")
-    ap.add_argument("--ep", type=int, default=1, help="parallel.expert_parallel_size (auto needs 1; weights at 2 "
-                                                      "also lay out the experts unevenly)")
+    ap.add_argument("--ep", type=int, default=1, help="parallel.expert_parallel_size (at 2, auto and weights also "
+                                                      "lay out the experts unevenly)")
     ap.add_argument("--share-cores", action="store_true",
                     help="more ranks than cores: rank r on core r mod cores, every rank under a quota")
     args = ap.parse_args(argv)

@@ -29,8 +29,8 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     m = cfg.model
     with torch.device("meta"):
         model = M6Model(m)
-    # parallel.balance as weights also sizes each expert-parallel rank's range of experts (auto is
-    # measured on the built model, too late to lay out the experts: those stay even).
+    # parallel.balance as weights also sizes each expert-parallel rank's range of experts (auto at
+    # expert parallelism arrives here as the measured speeds: m6.parallel.speed_probe).
     weights = cfg.parallel.balance if isinstance(cfg.parallel.balance, list) else None
     layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
                           env.local_world_size, rank_weights=weights)

@@ -66,7 +66,7 @@ from m6.model.param_groups import no_decay_ids
 from m6.moe.router import router_gemm_precision
 from m6.moe.chunked_all_to_all import auto_overlap_degree
 from m6.parallel.grad_sync import clip_grad_norm
-from m6.plan.loopback import LoopbackDispatcher
+from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
 
 

@@ -6,6 +6,7 @@ checkpoint holds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -25,6 +26,7 @@ from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
 from m6.parallel import build_parallel, join_job
+from m6.parallel.speed_probe import resolved_expert_parallel_size, speed_probe_model
 from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.balance import (BatchPlan, balance_line, finite_or_error, gather_objects, local_routing_stats,
@@ -126,7 +128,14 @@ class Trainer:
         init_device = torch.device("cpu") if cfg.memory.offload == "optimizer+params" else self.device
         # Sharded: FSDP2 gathers bf16 copies of the weights (its MixedPrecisionPolicy), in place of cast-on-use.
         self.fsdp_bf16 = self.cast_on_use and cfg.parallel.shard != "none"
-        self.sharded = build_parallel(cfg, self.device, self.env, init_device,
+        # parallel.balance=auto at expert parallelism: the speeds size the experts too, so they are
+        # measured first, on a probe of this rank's compute, and the model is laid out from them.
+        layout_cfg = cfg
+        if cfg.parallel.balance == "auto" and (ep := resolved_expert_parallel_size(cfg, self.env)) > 1:
+            self.batch_plan = self._probe_balance(ep)
+            layout_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
+                cfg.parallel, balance=list(self.batch_plan.speeds)))
+        self.sharded = build_parallel(layout_cfg, self.device, self.env, init_device,
                                       param_dtype=self.autocast_dtype if self.fsdp_bf16 else None)
         self.model = self.sharded.model
         set_cast_on_use(self.model, self.cast_on_use and not self.fsdp_bf16)
@@ -191,29 +200,47 @@ class Trainer:
             user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir, balance=self.balance_line)
 
     def _measure_balance(self) -> BatchPlan:
-        """parallel.balance=auto: time this rank on a micro-batch of the run's shape, agree on all
-        ranks' speeds (one all-gather) and plan the split from them."""
-        layout = self.sharded.groups.layout
-        if layout.expert_parallel_size > 1:
-            raise ConfigError(f"parallel.balance=auto times each rank alone, which the expert all-to-all of "
-                              f"parallel.expert_parallel_size={layout.expert_parallel_size} prevents; give the "
-                              f"ranks' relative speeds as parallel.balance=[w_0, ..., w_{self.world_size - 1}]")
-        t = self.cfg.train
-        rows = t.micro_batch_size or math.ceil(t.global_batch_size / self.world_size)
-        batch = self.to_device(self.loader.sample_batch(rows).batch)
-
-        def forward_backward() -> None:  # gradients kept local, dropped below
+        """parallel.balance=auto without expert parallelism: time this rank's model on a micro-batch
+        of the run's shape, agree on all ranks' speeds (one all-gather) and plan the split from them."""
+        def forward_backward(batch: MultimodalBatch) -> None:  # gradients kept local, dropped below
             self.update.begin_micro_batch(last=False)
             lm_sum, aux = self.forward_loss(batch)
             micro_batch_loss(lm_sum, aux, max(batch.num_target_tokens, 1), 1).backward()
 
-        # The timed passes draw no numbers from the run's generators: a run's curve does not depend on them.
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                local_routing_stats(self.model):
-            speed = measure_speed(forward_backward, rows, self.device)
+        with local_routing_stats(self.model):
+            plan = self._timed_plan(forward_backward, self.model, 1)
         self.update.zero_grad()
+        return plan
+
+    def _probe_balance(self, expert_parallel_size: int) -> BatchPlan:
+        """parallel.balance=auto at expert parallelism: the same timing on a probe of this rank's
+        compute (its experts at the even layout, the all-to-all looped back: m6.parallel.speed_probe),
+        so each rank is timed alone; the probe is dropped before the real model is built."""
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            probe = speed_probe_model(self.cfg, self.env, expert_parallel_size, self.device)
+        set_cast_on_use(probe, self.cast_on_use and self.cfg.parallel.shard == "none")
+
+        def forward_backward(batch: MultimodalBatch) -> None:
+            lm_sum, aux = forward_loss_sums(probe, batch, self._autocast())
+            micro_batch_loss(lm_sum, aux, max(batch.num_target_tokens, 1), 1).backward()
+
+        plan = self._timed_plan(forward_backward, probe, expert_parallel_size)
+        del probe
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return plan
+
+    def _timed_plan(self, forward_backward, model, expert_parallel_size: int) -> BatchPlan:
+        """Speed of ``forward_backward`` on a micro-batch of the run's shape, this rank's memory cap,
+        every rank's of both (one all-gather), and the split planned from them."""
+        t = self.cfg.train
+        rows = t.micro_batch_size or math.ceil(t.global_batch_size / self.world_size)
+        batch = self.to_device(self.loader.sample_batch(rows).batch)
+        # The timed passes draw no numbers from the run's generators: a run's curve does not depend on them.
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            speed = measure_speed(lambda: forward_backward(batch), rows, self.device)
         # A GPU's share is capped by what its memory holds (the memory estimate); host memory is not capped.
-        cap = rows_that_fit(self.cfg, self.model, self.world_size, layout.expert_parallel_size,
+        cap = rows_that_fit(self.cfg, model, self.world_size, expert_parallel_size,
                             torch.cuda.get_device_properties(self.device).total_memory, "cuda",
                             accumulates=t.micro_batch_size is not None) if self.device.type == "cuda" else None
         speeds, caps = zip(*gather_objects((speed, cap), self.world_size))

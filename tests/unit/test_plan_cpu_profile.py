@@ -8,7 +8,7 @@ import torch
 
 from m6.config import load
 from m6.moe import LocalDispatcher, MoELayer
-from m6.plan.loopback import LoopbackDispatcher
+from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.timing import HostProfile
 
 TINY = ["data.kind=synthetic", "data.sources=[]", "data.seq_len=16", "model.max_text_len=16", "model.image_size=16",

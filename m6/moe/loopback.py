@@ -1,5 +1,6 @@
-"""A stand-in for the expert-parallel dispatcher when the planner times one rank's compute on
-this host (``--gpu cpu``) without a process group: the all-to-all is skipped, everything the rank
+"""A stand-in for the expert-parallel dispatcher when one rank's compute is timed without its
+peers: the planner on this host (``--gpu cpu``, m6.plan.timing) and ``parallel.balance: auto`` at
+expert parallelism (m6.parallel.speed_probe). The all-to-all is skipped, everything the rank
 computes around it is kept.
 
 Under the planner's balance assumption a rank receives as many rows as it sends, so the rows it
