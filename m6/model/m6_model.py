@@ -6,6 +6,7 @@ Shape legend: B batch, N image patches, L text length, S = N + L, D d_model, V v
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -90,11 +91,12 @@ class M6Model(nn.Module):
             layer.experts.init_seed = seed * 100_003 + index  # per layer, from the run seed alone
         torch.manual_seed(seed)
         # Drawn on the host wherever the weights live: the same seed gives the same model on any
-        # device and offload setting (m6.model.host_drawn_init).
-        with HostDrawnInit():
-            for module in self.modules():
-                if module is not self and hasattr(module, "reset_parameters"):
+        # device and offload setting (m6.model.host_drawn_init). Experts draw on the host already.
+        for module in self.modules():
+            if module is not self and hasattr(module, "reset_parameters"):
+                with nullcontext() if getattr(module, "draws_on_host", False) else HostDrawnInit():
                     module.reset_parameters()
+        with HostDrawnInit():
             self.reset_parameters()
 
     def recomputable_parts(self) -> list[RecomputablePart]:

@@ -88,6 +88,8 @@ class GroupedExperts(nn.Module):
     every expert's work a pure GEMM.
     """
 
+    draws_on_host = True  # reset_parameters draws from CPU generators (M6Model.materialize)
+
     cast_on_use: bool = False  # under autocast: keep no low-precision weight copy (m6.model.cast_on_use)
 
     def __init__(self, num_experts: int, d_model: int, ffn_dim: int, activation: Activation = "gelu",

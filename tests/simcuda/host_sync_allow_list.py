@@ -67,6 +67,9 @@ ALLOW_LIST = (
     Allowed("m6/moe/experts.py:reset_parameters", "run", 32,
             "initialisation: each expert's weights are drawn on the host from its own generator (the same "
             "at any layout) and copied in: 2 weights x 8 experts x 2 layers"),
+    Allowed("m6/model/host_drawn_init.py:__torch_function__", "run", 57,
+            "initialisation: every random fill of a replicated weight is drawn on the host from the run's "
+            "generator (the same model on any device) and copied in: 57 fills in tiny"),
     Allowed("m6/memory/offload.py:_host_copy", "run", 55, "memory.offload: the host master of each parameter"),
     Allowed("m6/memory/offload.py:__init__", "run", 9,
             "memory.offload=optimizer+params: the parameters that are not streamed move to the device"),
