@@ -204,9 +204,6 @@ def main(argv: list[str] | None = None) -> int:
               f"has {cores} (--share-cores pins rank r to core r mod {cores}, every rank under a quota)",
               file=sys.stderr)
         return 2
-    if args.balance == "auto" and args.ep > 1:
-        print("bench.balance: parallel.balance=auto needs --ep 1 (give weights, e.g. --balance [2,1])", file=sys.stderr)
-        return 2
     per_core = [sum(s for r, s in enumerate(speeds) if r % cores == c) for c in range(cores)]
     if len(speeds) > cores and (max(speeds) >= 100 or max(per_core) > 50):
         print(f"bench.balance: ranks sharing a core must all run under quotas that add up to at most 50% of it "
