@@ -149,6 +149,7 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
         self.counters = TrainerCounters()
+        self._last_compute_s: float | None = None  # CUDA: the previous step's, from its events (train_step)
         layout = self.sharded.groups.layout
         self.state = TrainingState(
             ModelState(self.sharded, self.update.offload),
@@ -274,6 +275,16 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
+    def _rank_compute_slots(self, compute_s: float) -> list[float]:
+        """This rank's compute seconds in its slot of a per-rank list, summed over ranks with the
+        step's scalars: this step's on the host; on CUDA the previous step's (its events are read
+        after that step's synchronize), none at a run's first step (the same step on every rank)."""
+        if self.device.type == "cpu":
+            return rank_slots(compute_s, self.rank, self.world_size)
+        if self._last_compute_s is None:
+            return []
+        return rank_slots(self._last_compute_s, self.rank, self.world_size)
+
     def _autocast(self):
         if self.autocast_dtype is None:
             return nullcontext()
@@ -296,6 +307,10 @@ class Trainer:
         self._ensure_recompute_plan(batches[0], num_targets)
         parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
         compute_t0 = time.perf_counter()
+        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if self.device.type == "cuda" else None
+        if events:
+            events[0].record()
         for i, batch in enumerate(batches):
             self.update.begin_micro_batch(last=i == len(batches) - 1)
             with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
@@ -303,9 +318,12 @@ class Trainer:
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
             self.expert_bias.add_micro_batch()
             parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
-        # Before the gradient sync's wait for the other ranks. On the host only: on CUDA the loop just
-        # queues kernels, and timing them would need a device sync here (or events read a step late).
+        # Before the gradient sync's wait for the other ranks. On the host the wall time; on CUDA the loop
+        # only queues kernels, so events bracket them, read once the step has synchronized (below) and
+        # reported with the next step's scalars: no host sync of their own.
         compute_s = time.perf_counter() - compute_t0
+        if events:
+            events[1].record()
         self.update.finish()
         lm_local, aux_sum, balance_sum, z_sum, kept = torch.stack(parts).sum(0).tolist()  # the step's one host sync
         aux_total, balance, z = aux_sum / self.accum, balance_sum / self.accum, z_sum / self.accum
@@ -321,7 +339,7 @@ class Trainer:
         lm_total, flops, tokens, new_skips, overflow_ranks, *rank_compute_s = self.all_reduce_sum(
             [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips),
              float(not math.isfinite(grad_norm)),
-             *(rank_slots(compute_s, self.rank, self.world_size) if self.device.type == "cpu" else [])])
+             *self._rank_compute_slots(compute_s)])
         self.skips.total += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
         lr = self.update.lr
@@ -335,6 +353,7 @@ class Trainer:
         self._count_step(skipped=not (loss_finite and grads_finite), bad=bad)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self._last_compute_s = events[0].elapsed_time(events[1]) / 1e3  # complete: no wait
         dt = time.perf_counter() - t0
         metrics = {
             "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss_weighted": aux_total,
