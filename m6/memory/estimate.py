@@ -47,7 +47,7 @@ from m6.config import Config, accumulation_steps, micro_batch_size
 from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes
 from m6.moe import MoELayer
 from m6.memory.grouped_apply import split_apply_groups
-from m6.memory.shard_estimate import shard_layout, sharded_states
+from m6.memory.shard_estimate import fused_update, shard_layout, sharded_states
 
 
 COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)",
@@ -219,9 +219,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         "params": 4.0 * numel,
         "grads": 4.0 * numel,
         "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params)),
-        # The fused AdamW kernel (optim.implementation, auto on a CUDA device update) keeps none.
-        "optimizer step temporaries": 0.0 if cfg.optim.adamw_kernel(device_type == "cuda" and cfg.memory.offload == "none")
-        == "fused" else 4.0 * largest_call,
+        "optimizer step temporaries": 0.0 if fused_update(cfg, device_type) else 4.0 * largest_call,
     }
     mode = cfg.memory.offload
     keeps_grads = accum > 1 or world_size > 1

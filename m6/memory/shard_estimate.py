@@ -84,6 +84,12 @@ def gather_bytes(cfg: Config, device_type: str) -> int:
     return 2 if bf16 else 4
 
 
+def fused_update(cfg: Config, device_type: str) -> bool:
+    """Whether the rank's update runs torch's fused AdamW (optim.implementation; auto: a CUDA device
+    update), which keeps no step temporaries; an offloaded update runs on the host."""
+    return cfg.optim.adamw_kernel(on_cuda=device_type == "cuda" and cfg.memory.offload == "none") == "fused"
+
+
 def sharded_states(cfg: Config, layout: ShardLayout, world_size: int, device_type: str) -> dict[str, float]:
     """Bytes per component of one rank's sharded training state (names as m6.memory.estimate's)."""
     g = gather_bytes(cfg, device_type)
@@ -98,8 +104,7 @@ def sharded_states(cfg: Config, layout: ShardLayout, world_size: int, device_typ
         "params": 4.0 * layout.shard_numel,
         "grads": 4.0 * layout.shard_numel,
         "optimizer state": 8.0 * layout.shard_numel + 4.0 * layout.num_tensors,
-        "optimizer step temporaries": 0.0 if cfg.optim.adamw_kernel(device_type == "cuda" and cfg.memory.offload == "none")
-        == "fused" else 4.0 * layout.largest_update_call,
+        "optimizer step temporaries": 0.0 if fused_update(cfg, device_type) else 4.0 * layout.largest_update_call,
         "gathered parameters": float(gathered),
         "unsharded gradients": float(unsharded),
     }

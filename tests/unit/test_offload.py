@@ -224,6 +224,12 @@ def test_memory_report_matches_the_tensors_of_a_step(tmp_path):
     # The plain run's device update on a CPU (foreach; CUDA's fused AdamW would keep no temporaries).
     plain = estimate_memory(load(None, [*SMALL, f"run.dir={tmp_path}"]), model, no_decay_ids(model), device_type="cpu")
     assert est.host["optimizer step temporaries"] < 0.5 * plain.device["optimizer step temporaries"]
+    # On CUDA the device update runs torch's fused AdamW (optim.implementation auto): no temporaries;
+    # foreach there keeps the host's.
+    on_gpu = {impl: estimate_memory(load(None, [*SMALL, f"run.dir={tmp_path}", f"optim.implementation={impl}"]), model,
+                                    no_decay_ids(model), device_type="cuda").device["optimizer step temporaries"]
+              for impl in ("auto", "foreach")}
+    assert on_gpu == {"auto": 0.0, "foreach": plain.device["optimizer step temporaries"]} and on_gpu["foreach"] > 0
     assert "optimizer state" not in est.device and set(plain.host) == {"checkpoint staging"}
     # The checkpoint staging buffer (async save): one copy of every weight and optimizer tensor,
     # device-resident ones and offloaded host ones alike (the RNG states aside).

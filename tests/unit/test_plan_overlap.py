@@ -11,7 +11,7 @@ import pytest
 
 from m6 import config as m6config
 from m6.plan.search import search
-from m6.plan.timing import GPUS, HostProfile, cpu_hardware, pipelined_s, step_time
+from m6.plan.timing import GPUS, HostProfile, cpu_hardware, overlap_degree, pipelined_s, step_time
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = ["train.global_batch_size=64", "train.micro_batch_size=2", "data.seq_len=64"]  # 16 ranks: accumulation 2
@@ -54,12 +54,9 @@ def test_chunks_of_a_latency_bound_exchange_only_add_latency():
     assert chunked.all_to_all > blocking.all_to_all and chunked.all_to_all_hidden == 0.0
 
 
-def test_the_cpu_prediction_does_not_model_overlap():
+def test_the_degree_modelled_is_the_configured_one_on_gpus_and_one_on_a_cpu_host():
     hw = cpu_hardware(16.0, 5.0, 1e-4)
-    host = HostProfile(threads=1)
-    host._profiles = {}
     cfgs = [tiny(), tiny("model.moe.a2a_overlap_degree=4")]
-    from m6.plan.timing import overlap_degree
     assert [overlap_degree(c, 1e9, hw) for c in cfgs] == [1, 1]
     assert overlap_degree(cfgs[1], 1e9, GPUS["h100"]) == 4
     assert overlap_degree(tiny("model.moe.a2a_overlap_degree=auto"), 5 * 2**20, GPUS["h100"]) == 2  # 2 MiB chunks
