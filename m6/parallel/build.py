@@ -10,7 +10,7 @@ from m6.model import M6Model
 from m6.parallel.fsdp import apply_sharding
 from m6.parallel.launch import DistEnv
 from m6.parallel.layout import LayoutError, build_layout, create_process_groups
-from m6.parallel.node_groups import check_node_groups
+from m6.parallel.node_groups import check_node_aware_dispatch, check_node_groups
 from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
 
 
@@ -35,6 +35,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
                           env.local_world_size, rank_weights=weights)
     check_node_groups(layout, m.moe.node_groups, m.moe.max_nodes_per_token)  # before any collective
+    check_node_aware_dispatch(layout, m.moe.a2a_dispatch)
     if layout.uneven_experts and cfg.parallel.shard != "none":
         raise LayoutError(f"parallel.shard={cfg.parallel.shard} with uneven experts per rank (parallel.balance="
                           f"{cfg.parallel.balance} at parallel.expert_parallel_size={layout.expert_parallel_size}) "
@@ -47,7 +48,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     groups = create_process_groups(layout, cfg.parallel.timeout_s)
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
-    shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree)
+    shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree, m.moe.a2a_dispatch)
     model.materialize(init_device or device, cfg.run.seed)
     sharded = classify_parameters(model, plan, groups)
     if cfg.parallel.shard != "none":

@@ -19,6 +19,7 @@ from torch import nn
 
 from m6.moe import GlobalRoutingStats, GroupedExperts, MoELayer
 from m6.moe.all_to_all import AllToAllDispatcher, OverlapDegree
+from m6.moe.node_aware_all_to_all import NodeAwareDispatcher
 from m6.parallel.layout import ParallelLayout, ProcessGroups
 from m6.parallel.node_groups import ep_group_nodes
 
@@ -73,7 +74,7 @@ def _shard_experts(experts: GroupedExperts, first: int, count: int) -> GroupedEx
 
 def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
                 a2a_dtype: Optional[torch.dtype] = None, aux_loss_scope: str = "global",
-                a2a_overlap_degree: OverlapDegree = 1) -> None:
+                a2a_overlap_degree: OverlapDegree = 1, a2a_dispatch: str = "flat") -> None:
     """Structural part of a plan: keep this rank's experts, install dispatcher and stats reducer.
 
     Works on a model built on ``meta`` (nothing is allocated for the experts of other ranks);
@@ -89,8 +90,13 @@ def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
         if aux_loss_scope == "global" and layout.world_size > 1:
             module.stats_reducer = GlobalRoutingStats(groups.world)
         if module in plan.split and layout.expert_parallel_size > 1:
-            module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype, a2a_overlap_degree,
-                                                   ep_group_nodes(layout), layout.counts_for(module.num_experts))
+            if a2a_dispatch == "node_aware":
+                module.dispatcher = NodeAwareDispatcher(groups.expert, module.num_experts, ep_group_nodes(layout),
+                                                        a2a_dtype, layout.counts_for(module.num_experts))
+            else:
+                module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype,
+                                                       a2a_overlap_degree, ep_group_nodes(layout),
+                                                       layout.counts_for(module.num_experts))
 
 
 def keep_local_experts(plan: ParallelPlan, layout: ParallelLayout) -> None:
@@ -124,7 +130,7 @@ def classify_parameters(model: nn.Module, plan: ParallelPlan, groups: ProcessGro
 
 def apply_plan(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
                a2a_dtype: Optional[torch.dtype] = None, aux_loss_scope: str = "global",
-               a2a_overlap_degree: OverlapDegree = 1) -> ShardedModel:
+               a2a_overlap_degree: OverlapDegree = 1, a2a_dispatch: str = "flat") -> ShardedModel:
     """shard_model + classify_parameters, for a model that is already materialised."""
-    shard_model(model, plan, groups, a2a_dtype, aux_loss_scope, a2a_overlap_degree)
+    shard_model(model, plan, groups, a2a_dtype, aux_loss_scope, a2a_overlap_degree, a2a_dispatch)
     return classify_parameters(model, plan, groups)

@@ -1,0 +1,128 @@
+"""Node-aware dispatch (model.moe.a2a_dispatch: node_aware) against the flat all-to-all on real gloo
+groups: the same outputs, input gradients, router and expert gradients and statistics, at world 4
+as 2 nodes x 2 ranks and as 1 node x 4, at world 2 as 2 nodes x 1, for fixed edge cases and random
+routings (one spawn per layout runs them all); and the inter-node bytes the dispatcher counts
+against a count of the (token, node) pairs of every rank's routing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import run_distributed
+
+from m6.moe import MoELayer
+from m6.moe.node_aware_all_to_all import INDEX_DTYPE, NodeAwareDispatcher
+from m6.parallel import ParallelPlan, apply_plan, build_layout, create_process_groups
+
+
+def _layer(case: dict) -> MoELayer:
+    torch.manual_seed(0)
+    return MoELayer(16, 24, case["experts"], top_k=case["top_k"], capacity_factor=case["cf"], min_capacity=1,
+                    aux_loss_coef=0.1, z_loss_coef=0.01).double()
+
+
+def _run(rank: int, world: int, per_node: int, case: dict, groups, dispatch: str) -> tuple:
+    """This rank's output, input gradient, all-reduced router gradient, local expert gradients
+    and stats counts with the given dispatcher."""
+    sizes = case["sizes"]
+    g = torch.Generator().manual_seed(case["seed"])
+    x_all = torch.randn(sum(sizes), 16, generator=g, dtype=torch.float64)
+    dy_all = torch.randn(x_all.shape, generator=g, dtype=torch.float64)
+    layer = _layer(case)
+    if case.get("all_to_one"):
+        with torch.no_grad():  # every token prefers the last expert (on the last rank)
+            layer.router.weight.zero_()
+            layer.router.weight[-1] = 10.0
+            x_all = x_all.abs()
+    apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_dtype=case.get("a2a_dtype"), a2a_dispatch=dispatch)
+    assert isinstance(layer.dispatcher, NodeAwareDispatcher) == (dispatch == "node_aware")
+    start = sum(sizes[:rank])
+    mine = slice(start, start + sizes[rank])
+    x = x_all[mine].clone().requires_grad_(True)
+    y, aux = layer(x)
+    ((y * dy_all[mine]).sum() + aux).backward()
+    router_grad = layer.router.weight.grad.clone()
+    dist.all_reduce(router_grad)
+    if dispatch == "node_aware" and case["cf"] is None:
+        _check_inter_node_bytes(rank, world, per_node, layer, x.detach(), case)
+    return (y.detach(), x.grad, router_grad, layer.experts.w_in.grad, layer.experts.w_out.grad,
+            layer.stats.tokens_per_expert)
+
+
+def _check_inter_node_bytes(rank: int, world: int, per_node: int, layer: MoELayer, x: torch.Tensor,
+                            case: dict) -> None:
+    """Counted bytes against the routing (dropless: every assignment kept): per remote (token, node)
+    pair one row each way, forward and backward; per remote assignment its weight and row index
+    out, and its weight's gradient back."""
+    with torch.no_grad():
+        plan = layer.dispatch_plan(layer.router(x), None, x.shape[0])
+    K, E = plan.num_assignments, case["experts"]
+    expert_of = torch.repeat_interleave(torch.arange(E), plan.counts_E)
+    token_of = plan.order_A[:len(expert_of)] // K
+    node_of_expert = expert_of // (E // world) // per_node
+    mine = torch.tensor([len({(int(t), int(b)) for t, b in zip(token_of, node_of_expert) if b == node})
+                         for node in range(world // per_node)] +
+                        [int((node_of_expert == node).sum()) for node in range(world // per_node)])
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    B, me = world // per_node, rank // per_node
+    relay_for = [s for s in range(world) if s % per_node == rank % per_node and s // per_node != me]
+    rows_out = sum(int(mine[b]) for b in range(B) if b != me)
+    assign_out = sum(int(mine[B + b]) for b in range(B) if b != me)
+    rows_in = sum(int(every[s][me]) for s in relay_for)
+    assign_in = sum(int(every[s][B + me]) for s in relay_for)
+    row_bytes, w_bytes = 16 * (case.get("a2a_dtype") or torch.float64).itemsize, 8
+    expected = 2 * (rows_out + rows_in) * row_bytes + assign_out * (w_bytes + INDEX_DTYPE.itemsize) + assign_in * w_bytes
+    assert layer.dispatcher.inter_node_bytes == expected, (case["name"], rank)
+    if per_node == world:
+        assert expected == 0
+
+
+FIXED = [  # sizes are per rank and filled in below
+    dict(name="dropless_top2", experts=8, top_k=2, cf=None),
+    dict(name="dropless_top3", experts=8, top_k=3, cf=None),
+    dict(name="capacity_top2", experts=8, top_k=2, cf=1.0),
+    dict(name="capacity_top1", experts=4, top_k=1, cf=1.5),
+    dict(name="all_to_one_expert", experts=4, top_k=1, cf=None, all_to_one=True),
+    dict(name="rank_without_tokens", experts=4, top_k=2, cf=None, empty_rank=True),
+    dict(name="bf16_payload", experts=4, top_k=2, cf=None, a2a_dtype=torch.bfloat16),
+]
+
+
+def _cases(world: int) -> list[dict]:
+    cases = []
+    for i, case in enumerate(FIXED):
+        sizes = [7 + 3 * r for r in range(world)]
+        if case.get("empty_rank"):
+            sizes[0] = 0
+        cases.append(dict(case, sizes=sizes, seed=10 + i))
+    rng = random.Random(world)
+    for i in range(5):  # random routings, sizes (zero included) and capacities
+        experts = world * rng.choice([1, 2, 3])
+        cases.append(dict(name=f"random{i}", experts=experts, top_k=rng.randint(1, min(4, experts)),
+                          cf=rng.choice([None, 1.0, 2.0]), sizes=[rng.choice([0, 1, 5, 13]) for _ in range(world)],
+                          seed=100 + i))
+    return cases
+
+
+def _node_aware_equals_flat(rank: int, world: int, per_node: int) -> None:
+    groups = create_process_groups(build_layout(world, rank, world, 8 * world, local_world_size=per_node))
+    for case in _cases(world):
+        flat = _run(rank, world, per_node, case, groups, "flat")
+        node_aware = _run(rank, world, per_node, case, groups, "node_aware")
+        # fp64 throughout: the relay's partial sums only change the summation order (bf16 payload:
+        # a token's outputs on one node are summed before the one rounding to bf16, not after).
+        tol = dict(rtol=1e-2, atol=1e-2) if case.get("a2a_dtype") else dict(rtol=1e-10, atol=1e-12)
+        for what, a, b in zip(("y", "x.grad", "router.grad", "w_in.grad", "w_out.grad", "counts"), node_aware, flat):
+            if a is None and b is None:
+                continue
+            assert a is not None and b is not None, (case["name"], what)
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{case['name']} {what}: {m}")
+
+
+@pytest.mark.parametrize("world,per_node", [(4, 2), (4, 4), (2, 1)])
+def test_node_aware_dispatch_equals_flat(world, per_node):
+    run_distributed(_node_aware_equals_flat, world, per_node, timeout_s=90)
