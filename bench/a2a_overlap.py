@@ -3,8 +3,9 @@ ranks (gloo, one thread each), the link out of each node rate-limited with tbf, 
 (top-2, experts split over all 4 ranks) forward + backward per step.
 
 Settings, run round-robin in ONE job so machine drift hits all alike: the flat blocking exchange
-(a2a_overlap_degree 1), chunked overlap at degree 2 and 4, and node-limited routing (M = 1 of 2
-node groups) blocking and at degree 2. Per setting: the step time (slowest rank, barrier before
+(a2a_overlap_degree 1), chunked overlap at degree 2 and 4, node-limited routing (M = 1 of 2
+node groups) blocking and at degree 2, and node-aware dispatch (a2a_dispatch node_aware: a token
+crosses to a node once) without and with node-limited routing, blocking and chunked. Per setting: the step time (slowest rank, barrier before
 and after each round), and the inter-node payload bytes per step COUNTED by the dispatcher from
 the split sizes (AllToAllDispatcher.inter_node_bytes, summed over ranks). Also the blocking
 exchanges alone (the same four payload exchanges per step, same splits, no compute), so the
@@ -30,22 +31,27 @@ import torch
 import torch.distributed as dist
 
 REPO = Path(__file__).resolve().parents[1]
-SETTINGS = {  # name -> (a2a_overlap_degree, max_nodes_per_token)
-    "blocking": (1, 0),
-    "overlap2": (2, 0),
-    "overlap4": (4, 0),
-    "node_limited_M1": (1, 1),
-    "node_limited_M1_overlap2": (2, 1),
+SETTINGS = {  # name -> (a2a_overlap_degree, max_nodes_per_token, a2a_dispatch)
+    "blocking": (1, 0, "flat"),
+    "overlap2": (2, 0, "flat"),
+    "overlap4": (4, 0, "flat"),
+    "node_limited_M1": (1, 1, "flat"),
+    "node_limited_M1_overlap2": (2, 1, "flat"),
+    "node_aware": (1, 0, "node_aware"),
+    "node_aware_overlap2": (2, 0, "node_aware"),
+    "node_aware_M1": (1, 1, "node_aware"),
+    "node_aware_M1_overlap2": (2, 1, "node_aware"),
+    "node_aware_M1_overlap4": (4, 1, "node_aware"),
 }
 
 
-def _layer(args, degree: int, max_nodes: int, groups):
+def _layer(args, degree: int, max_nodes: int, dispatch: str, groups):
     from m6.moe import MoELayer
     from m6.parallel import ParallelPlan, apply_plan
     torch.manual_seed(0)
     layer = MoELayer(args.d_model, args.ffn_dim, args.experts, top_k=2, capacity_factor=None,
                      node_groups=2, max_nodes_per_token=max_nodes)
-    apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_overlap_degree=degree)
+    apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_overlap_degree=degree, a2a_dispatch=dispatch)
     return layer
 
 
@@ -56,10 +62,11 @@ def worker(args) -> None:
     env = init_distributed(timeout_s=300)
     rank, world = env.rank, env.world_size
     layout = build_layout(world, rank, world, args.experts, local_world_size=int(os.environ["LOCAL_WORLD_SIZE"]))
-    groups = create_process_groups(layout, timeout_s=300)
+    groups = create_process_groups(layout, timeout_s=300, node_aware=True)
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own tokens
     x = torch.randn(args.tokens, args.d_model, generator=g)
-    layers = {name: _layer(args, *SETTINGS[name], groups) for name in SETTINGS}
+    settings = args.settings.split(",") if args.settings else list(SETTINGS)
+    layers = {name: _layer(args, *SETTINGS[name], groups) for name in settings}
 
     def step(layer) -> None:
         xi = x.clone().requires_grad_(True)
@@ -79,7 +86,7 @@ def worker(args) -> None:
             dist.all_to_all_single(rows_in, rows_out, splits.recv, splits.send, group=d.group)
             dist.all_to_all_single(rows_out, rows_in, splits.send, splits.recv, group=d.group)
 
-    runs = {**{name: (lambda l=layers[name]: step(l)) for name in SETTINGS},
+    runs = {**{name: (lambda l=layers[name]: step(l)) for name in settings},
             "exchanges_alone": lambda: exchanges_alone(layers["blocking"])}
     for fn in runs.values():  # warm-up
         fn()
@@ -190,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--min-util", type=float, default=0.0)
+    parser.add_argument("--settings", help="comma-separated subset of the settings (blocking is always needed)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--stem", default="a2a_overlap")
     parser.add_argument("--pool", nargs="+", metavar="JSON", help="pool the rounds of these result files "

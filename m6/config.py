@@ -69,7 +69,7 @@ class MoEConfig:
     # How the expert-parallel exchange crosses nodes: flat = one row per (token, expert) assignment
     # straight to the expert's rank; node_aware = one row per (token, node) to a relay rank on that
     # node, which forwards it inside the node and sums the outputs before sending one row back
-    # (m6.moe.node_aware_all_to_all; blocking exchanges, a2a_overlap_degree must be 1).
+    # (m6.moe.node_aware_all_to_all; chunked by an integer a2a_overlap_degree like the flat one).
     a2a_dispatch: Literal["flat", "node_aware"] = "flat"
     # Node-limited routing (DeepSeek-V3): the experts form node_groups contiguous groups (m6.parallel
     # places each group on one node when expert parallelism spans nodes) and each token picks its
@@ -120,9 +120,9 @@ class MoEConfig:
                               f"got {self.a2a_overlap_degree!r}")
         if self.a2a_dispatch not in ("flat", "node_aware"):
             raise ConfigError(f"model.moe.a2a_dispatch must be 'flat' or 'node_aware', got {self.a2a_dispatch!r}")
-        if self.a2a_dispatch == "node_aware" and self.a2a_overlap_degree != 1:
-            raise ConfigError(f"model.moe.a2a_dispatch=node_aware runs blocking exchanges: it needs "
-                              f"model.moe.a2a_overlap_degree=1, got {self.a2a_overlap_degree!r}")
+        if self.a2a_dispatch == "node_aware" and self.a2a_overlap_degree == "auto":
+            raise ConfigError("model.moe.a2a_dispatch=node_aware takes an integer model.moe.a2a_overlap_degree "
+                              "(its chunks are cut before the counts exchange), got 'auto'")
         if self.max_nodes_per_token:
             self._validate_node_limit()
         if not (0 <= self.expert_bias_update_rate < math.inf):

@@ -1,203 +1,324 @@
 """Node-aware expert-parallel dispatch (DeepEP's idea, on torch.distributed): a token bound for
 several experts on the same remote node crosses the inter-node link ONCE, to a relay rank on that
-node, which forwards it to the ranks owning those experts (intra-node), sums their router-weighted
-outputs and sends ONE row back. The flat dispatcher (m6.moe.all_to_all) sends a row per
-(token, expert) assignment, so at top-k a token can cross the same link k times each way.
+node, which forwards it to the ranks owning those experts (inside the node), sums their
+router-weighted outputs and sends ONE row back. The flat dispatcher (m6.moe.all_to_all) sends a row
+per (token, expert) assignment, so at top-k a token can cross the same link k times each way.
 
-Shape legend: T tokens, D d_model, K assignments per token, A = T*K, E global experts, R ranks of
-the expert-parallel group, B nodes of the group, G ranks per node, NE experts of this rank's node,
-L this rank's local experts, N kept assignments of this rank.
+Shape legend: T tokens, K assignments per token, A = T*K, E global experts, R ranks of the
+expert-parallel group, B nodes of the group, G ranks per node, NE experts of this rank's node, L
+this rank's local experts, N kept assignments of this rank, C chunks (the overlap degree), D d_model.
 
-Roles, with ranks numbered node-major (rank = node * G + local index, as m6.parallel lays them out):
-- source: every rank, for its own tokens. Stage A sends each (token, node) pair as one row to the
-  relay on that node: the rank with the source's local index (its own node: itself), with the
-  router weight and row index of each of the token's assignments on that node.
-- relay: stage B forwards each received assignment's row to the rank of its node owning the expert,
-  and after the experts sums the weighted outputs per row (in fp32) before stage A's way back.
+Roles, with ranks numbered node-major (group rank = node * G + local index, as m6.parallel lays
+them out):
+- source: every rank, for its own tokens. Stage A (on the ``rail`` group: the ranks of its local
+  index, one per node) sends each (token, node) pair as one row to the relay on that node (its own
+  node: itself), with the router weight and row index of each of the token's assignments there.
+- relay: stage B (on the ``node`` group) forwards each received assignment's row to the rank of its
+  node owning the expert, and after the experts sums the weighted outputs per row (in fp32) before
+  stage A's way back.
 - receiver: gets rows from the relays of its node, computes its local experts, sends them back.
 
+Overlap (``overlap_degree`` C > 1): each (source, node) segment of rows is cut into C consecutive
+parts (as m6.moe.chunked_all_to_all.chunk_bounds cuts), and chunk c (part c of every segment, with
+its assignments) runs the whole way (stage A, B, experts, B back, A back) on its own. All C stage A
+exchanges start at once; chunk c is forwarded and computed as soon as it has arrived while later
+chunks still cross the inter-node link, and its summed rows start back while chunk c+1 computes;
+backward runs the reverse exchanges the same way (m6.moe.chunked_all_to_all's start/wait autograd
+pairs). Stage B is a blocking exchange on the node group: on NCCL it does not queue behind the rail
+group's transfers (each communicator has its own stream).
+
 Every rank issues the same collectives in the same order whatever the routing: one counts exchange
-(the layer's one host sync), stage A (rows, weights, row indices), stage B, stage B back, stage A
-back; zero-row splits are legal. All exchanges are on the expert-parallel group: a rank sends only
-to ranks of its own local index (stage A) or of its own node (stage B), the other splits are 0.
-The router weights travel with autograd, so their gradient (computed where the weighted sum is
-formed, on the relay) returns to the source.
+on the expert-parallel group (the layer's one host sync; it carries each chunk's counts, so
+chunking adds no exchange), then per chunk: stage A rows and (weight, index) pairs, stage B, stage B
+back, stage A back; zero-row splits are legal. The router weights travel with autograd, so their
+gradient (formed on the relay, where the weighted sum is) returns to the source.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from m6.moe.all_to_all import AllToAllDispatcher, all_to_all, wire_dtype
+from m6.moe.chunked_all_to_all import start_exchange, wait_exchange
 from m6.moe.dispatch import DispatchPlan, host_ints
 
-INDEX_DTYPE = torch.int32  # a relayed assignment's row index on the wire (rows per source < 2**31)
+# A relayed assignment's row index travels bit-cast into its router weight's dtype, as the second
+# column of one (weight, index) exchange: one collective per chunk instead of two.
+_INDEX_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
-@dataclass
-class NodeAwareHandle:
-    """What combine needs: the source's rows and the relay's forwarded assignments."""
+@dataclass(frozen=True)
+class _Counts:
+    """Host ints of one dispatch, per chunk c (all from the counts exchange)."""
 
-    token_row: torch.Tensor  # int64 [rows sent in stage A]: the token of each (token, node) row
-    a_send: list[int]  # stage A rows sent to each rank
-    a_recv: list[int]  # stage A rows received from each rank (this rank as relay)
-    b_send: list[int]  # stage B rows sent to each rank (this rank as relay)
-    b_recv: list[int]  # stage B rows received from each rank (this rank as receiver)
-    relay_row_B: torch.Tensor  # int64 [stage B rows sent]: the stage A row each forwarded assignment came from
-    weights_B: torch.Tensor  # [stage B rows sent] their router weights (differentiable)
-    local_order_M: torch.Tensor  # received stage B row -> position in the expert-grouped buffer
-    wire_dtype: torch.dtype
+    a_send: list[list[int]]  # [c][b] stage A rows to the relay on node b
+    a_recv: list[list[int]]  # [c][b] stage A rows from the source on node b (this rank as relay)
+    w_send: list[list[int]]  # [c][b] (weight, index) pairs sent with them
+    w_recv: list[list[int]]  # [c][b] pairs received with them
+    b_send: list[list[int]]  # [c][h] stage B rows to local rank h of this node (this rank as relay)
+    b_recv: list[list[int]]  # [c][g] stage B rows from relay g of this node (this rank as receiver)
+    local_experts: list[list[int]]  # [c][l] rows for local expert l
+
+
+@dataclass(frozen=True)
+class _Source:
+    """The source's side of one dispatch, ready to send."""
+
+    n: _Counts
+    x_send: torch.Tensor  # [rows, D] wire dtype, chunk-major (chunk, node, token)
+    meta: torch.Tensor  # [N, 2] (weight, row index bits) in (chunk, node, expert) order; weights differentiable
+    token_row: torch.Tensor  # int64 [rows]: the token of each row of x_send
+    row_starts: list[int]  # chunk c's rows are x_send[row_starts[c]:row_starts[c + 1]]
+    meta_starts: list[int]  # and its pairs meta[meta_starts[c]:meta_starts[c + 1]]
+    recv_RCX: torch.Tensor  # int64 [R, C, NE + 1] (device): the counts exchange's received counts
+    look: dict
+    index_dtype: torch.dtype
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """One chunk at this rank as relay and receiver, between the experts' input and output."""
+
+    relay_row: torch.Tensor  # int64 [stage B rows sent]: the stage A row each forwarded assignment came from
+    weights: torch.Tensor  # [stage B rows sent] their router weights (differentiable)
+    local_order_M: torch.Tensor  # received stage B row -> position in the expert-grouped buffer
+    num_rows: int  # stage A rows of the chunk received here
+    wire_dtype: torch.dtype
+    b_send: list[int]
+    b_recv: list[int]
 
 
 class NodeAwareDispatcher(AllToAllDispatcher):
     """The expert-parallel Dispatcher that sends each token once per destination node
-    (model.moe.a2a_dispatch: node_aware). ``rank_nodes``: node of each rank of the group (from
-    m6.parallel's layout); nodes must hold consecutive ranks, the same number each."""
+    (model.moe.a2a_dispatch: node_aware). ``group``: the expert-parallel group (counts exchange);
+    ``rail``, ``node``: its two halves (m6.parallel.layout.NodeAwareGroups); ``rank_nodes``: node of
+    each rank of the group, consecutive ranks per node, the same number on each; ``counts``:
+    experts per rank (uneven layouts allowed); ``overlap_degree``: chunks (1 = blocking)."""
 
-    def __init__(self, group, num_experts: int, rank_nodes: list[int], a2a_dtype: Optional[torch.dtype] = None,
-                 counts: Optional[list[int]] = None) -> None:
+    def __init__(self, group, rail, node, num_experts: int, rank_nodes: list[int],
+                 a2a_dtype: Optional[torch.dtype] = None, counts: Optional[list[int]] = None,
+                 overlap_degree: int = 1) -> None:
         super().__init__(group, num_experts, a2a_dtype, 1, rank_nodes, counts)
+        if isinstance(overlap_degree, bool) or not isinstance(overlap_degree, int) or overlap_degree < 1:
+            raise ValueError(f"node-aware dispatch takes an integer overlap degree (model.moe.a2a_overlap_degree) "
+                             f">= 1, got {overlap_degree!r}")
+        self.overlap_degree = overlap_degree
         R = self.group_size
         node_ids = list(dict.fromkeys(rank_nodes))
         G = R // len(node_ids)
-        if len(rank_nodes) != R or any(rank_nodes[r] != node_ids[r // G] for r in range(R)) or R % len(node_ids):
+        if len(rank_nodes) != R or R % len(node_ids) or any(rank_nodes[r] != node_ids[r // G] for r in range(R)):
             raise ValueError(f"node-aware dispatch (model.moe.a2a_dispatch: node_aware) needs every node of the "
                              f"expert-parallel group to hold the same number of consecutive ranks; the group's "
                              f"ranks are on nodes {rank_nodes}")
+        if dist.get_world_size(rail) != len(node_ids) or dist.get_world_size(node) != G:
+            raise ValueError(f"node-aware dispatch: rail group of {dist.get_world_size(rail)} and node group of "
+                             f"{dist.get_world_size(node)} ranks for {len(node_ids)} nodes of {G} ranks")
+        self.rail, self.node_group = rail, node
         self.num_nodes, self.ranks_per_node = len(node_ids), G
         self.node = self.group_rank // G
         self.local_index = self.group_rank % G
         bounds = [0, *accumulate(self.counts)]
         self.node_experts = [(bounds[b * G], bounds[(b + 1) * G]) for b in range(self.num_nodes)]  # [first, end)
-        self.local_first = bounds[self.group_rank] - self.node_experts[self.node][0]  # in this node's experts
-        self._lookups: dict[torch.device, dict[str, torch.Tensor]] = {}
+        lo = self.node_experts[self.node][0]
+        self.owner_bounds = [bounds[r] - lo for r in range(self.node * G, (self.node + 1) * G + 1)]  # in node experts
+        self.local_first = self.owner_bounds[self.local_index]
+        self._lookups: dict[tuple, dict[str, torch.Tensor]] = {}
 
-    def _lookup(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Index tensors that depend only on the layout, made once per device."""
-        if device not in self._lookups:
-            R, G, B, E = self.group_size, self.ranks_per_node, self.num_nodes, self.num_experts
+    def _lookup(self, device: torch.device, degree: int) -> dict[str, torch.Tensor]:
+        """Index tensors that depend only on the layout and the degree, made once per device."""
+        key = (device, degree)
+        if key not in self._lookups:
+            R, G, B, E, C = self.group_size, self.ranks_per_node, self.num_nodes, self.num_experts, degree
             node_of_expert = [b for b, (lo, hi) in enumerate(self.node_experts) for _ in range(lo, hi)] + [B]
-            # The counts payload: to rank r, the counts of node(r)'s experts, then the rows for node(r).
-            payload = [i for r in range(R) for i in [*range(*self.node_experts[r // G]), E + r // G]]
-            lo, hi = self.node_experts[self.node]
-            owner = [r % G for r in range(self.node * G, (self.node + 1) * G) for _ in range(self.counts[r])]
-            self._lookups[device] = {
+            # The counts payload to rank r: for each chunk, the counts of node(r)'s experts and the
+            # rows for node(r) (indices into cat(counts_CE.flatten(), rows_CB.flatten())).
+            payload = [i for r in range(R) for c in range(C)
+                       for i in [*(c * E + e for e in range(*self.node_experts[r // G])), C * E + c * B + r // G]]
+            owner = [h for h in range(G) for _ in range(self.owner_bounds[h], self.owner_bounds[h + 1])]
+            self._lookups[key] = {
                 "node_of_expert": torch.tensor(node_of_expert, device=device),
                 "payload": torch.tensor(payload, device=device),
-                "relayed": torch.tensor([r % G == self.local_index for r in range(R)], device=device),
+                "relayed": torch.tensor([b * G + self.local_index for b in range(B)], device=device),
                 "owner": torch.tensor(owner, device=device),  # local index of the owner of each node expert
                 "arrival": torch.tensor([b * G + g for g in range(G) for b in range(B)], device=device),
             }
-        return self._lookups[device]
+        return self._lookups[key]
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], NodeAwareHandle]:
-        """Rows for this rank's local experts, grouped by local expert, and their counts."""
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], tuple]:
+        """Rows for this rank's local experts, grouped by local expert, and their counts (one
+        chunk, blocking: the protocol's separate phases; the layer calls ``dispatch_compute_combine``)."""
+        src = self._source(x_TD, plan, 1)
+        x_A = all_to_all(src.x_send, src.n.a_recv[0], src.n.a_send[0], self.rail)
+        meta_A = all_to_all(src.meta, src.n.w_recv[0], src.n.w_send[0], self.rail)
+        x_local, chunk = self._arrive(src, 0, x_A, meta_A, x_TD)
+        return x_local, src.n.local_experts[0], (src, chunk)
+
+    def combine(self, y_local: torch.Tensor, handle: tuple, out_dtype: torch.dtype) -> torch.Tensor:
+        """Expert outputs back through the relays to their tokens, weighted and summed: [M, D] -> [T, D]."""
+        src, chunk = handle
+        y_rows = all_to_all(self._depart(y_local, chunk), src.n.a_send[0], src.n.a_recv[0], self.rail)
+        return self._finish(src, y_rows, out_dtype)
+
+    def dispatch_compute_combine(self, x_TD: torch.Tensor, plan: DispatchPlan,
+                                 experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+                                 out_dtype: torch.dtype) -> torch.Tensor:
+        """dispatch -> experts -> combine through the relays, chunk by chunk: [T, D] -> [T, D]."""
+        C = self.overlap_degree
+        src = self._source(x_TD, plan, C)
+        n = src.n
+        rows_in = [start_exchange(src.x_send[src.row_starts[c]:src.row_starts[c + 1]], n.a_recv[c], n.a_send[c],
+                                  self.rail) for c in range(C)]
+        meta_in = [start_exchange(src.meta[src.meta_starts[c]:src.meta_starts[c + 1]], n.w_recv[c], n.w_send[c],
+                                  self.rail) for c in range(C)]
+        returning = []
+        for c in range(C):
+            x_A = wait_exchange(rows_in[c], n.a_recv[c], n.a_send[c], self.rail)
+            meta_A = wait_exchange(meta_in[c], n.w_recv[c], n.w_send[c], self.rail)
+            x_local, chunk = self._arrive(src, c, x_A, meta_A, x_TD)
+            y_rows = self._depart(experts(x_local, n.local_experts[c]), chunk)
+            returning.append(start_exchange(y_rows, n.a_send[c], n.a_recv[c], self.rail))
+        y_rows = torch.cat([wait_exchange(returning[c], n.a_send[c], n.a_recv[c], self.rail) for c in range(C)])
+        return self._finish(src, y_rows, out_dtype)
+
+    def _source(self, x_TD: torch.Tensor, plan: DispatchPlan, C: int) -> _Source:
+        """The source's side up to the exchanges: the counts exchange (the one host sync), then the
+        rows chunk-major (chunk, node, token), so each chunk's rows are one slice in relay order,
+        and the assignments' (weight, row) pairs in (chunk, node, expert) order, each row index
+        counted inside its (chunk, node) segment."""
         R, G, B, E = self.group_size, self.ranks_per_node, self.num_nodes, self.num_experts
-        T, K = plan.num_tokens, plan.num_assignments
+        T, K, dev = plan.num_tokens, plan.num_assignments, x_TD.device
         lo, hi = self.node_experts[self.node]
-        NE, L = hi - lo, self.num_local
-        look = self._lookup(x_TD.device)
-        # Which (node, token) pairs have a kept assignment: on the device, before the host knows N.
+        NE = hi - lo
+        look = self._lookup(dev, C)
+        self.last_degree = C
+
+        # On the device, before the host knows anything: which (node, token) pairs have a kept
+        # assignment (a row each, node-major, token order), each row's chunk, and the kept
+        # assignments per (chunk, expert).
         A = plan.order_A.numel()
-        cum_E = torch.cumsum(plan.counts_E, 0)
-        expert_pos = torch.searchsorted(cum_E, torch.arange(A, device=x_TD.device), right=True)  # E: not kept
-        key_pos = look["node_of_expert"].index_select(0, expert_pos) * T + plan.order_A // K
-        present = torch.zeros((B + 1) * T, dtype=torch.bool, device=x_TD.device).scatter_(0, key_pos, True)[:B * T]
+        expert_pos = torch.searchsorted(torch.cumsum(plan.counts_E, 0), torch.arange(A, device=dev), right=True)
+        node_pos = look["node_of_expert"].index_select(0, expert_pos)  # B: not kept
+        key_pos = node_pos * T + plan.order_A // K
+        present = torch.zeros((B + 1) * T, dtype=torch.bool, device=dev).scatter_(0, key_pos, True)[:B * T]
         rows_B = present.view(B, T).sum(dim=1)
-        send_counts = torch.cat([plan.counts_E, rows_B]).index_select(0, look["payload"])
-        recv_counts = torch.empty(R * (NE + 1), dtype=send_counts.dtype, device=send_counts.device)
-        dist.all_to_all_single(recv_counts, send_counts, [NE + 1] * R,
-                               [hi_ - lo_ + 1 for r in range(R) for lo_, hi_ in [self.node_experts[r // G]]],
+        cuts_BC1 = rows_B.unsqueeze(1) * torch.arange(C + 1, device=dev) // C  # chunk_bounds of every segment
+        rows_CB = (cuts_BC1[:, 1:] - cuts_BC1[:, :-1]).t()
+        node_start_B = torch.cumsum(rows_B, 0) - rows_B
+        node_safe = node_pos.clamp(max=B - 1)
+        row_pos = torch.cumsum(present, 0).sub_(1).index_select(0, key_pos.clamp(max=max(B * T - 1, 0))) \
+            - node_start_B.index_select(0, node_safe)  # row inside its node's segment
+        chunk_pos = (cuts_BC1[:, 1:C].index_select(0, node_safe) <= row_pos.unsqueeze(1)).sum(dim=1)
+        kept_key = torch.where(expert_pos < E, chunk_pos * E + expert_pos, torch.full_like(expert_pos, C * E))
+        counts_CE = torch.zeros(C * E + 1, dtype=torch.int64, device=dev).scatter_add_(
+            0, kept_key, torch.ones_like(kept_key))[:C * E]
+        send_counts = torch.cat([counts_CE, rows_CB.reshape(-1)]).index_select(0, look["payload"])
+        recv_counts = send_counts.new_empty(R * C * (NE + 1))
+        dist.all_to_all_single(recv_counts, send_counts, [C * (NE + 1)] * R,
+                               [C * (b - a + 1) for r in range(R) for a, b in [self.node_experts[r // G]]],
                                group=self.group)
-        recv_RC = recv_counts.view(R, NE + 1)
-        counts_E, rows_per_node, recv = host_ints(plan.counts_E, rows_B, recv_RC)  # the layer's one host sync
-        recv = [recv[r * (NE + 1):(r + 1) * (NE + 1)] for r in range(R)]
-
-        relay = [b * G + self.local_index for b in range(B)]
-        relayed = [r for r in range(R) if r % G == self.local_index]  # sources this rank relays for
-        bounds = [0, *accumulate(self.counts)]
-        assign_per_node = [sum(counts_E[a:b]) for a, b in self.node_experts]
-        a_send, w_send = [0] * R, [0] * R
-        for b in range(B):
-            a_send[relay[b]], w_send[relay[b]] = rows_per_node[b], assign_per_node[b]
-        a_recv, w_recv = [0] * R, [0] * R
-        for s in relayed:
-            a_recv[s], w_recv[s] = recv[s][NE], sum(recv[s][:NE])
-        node_bounds = [bounds[r] - lo for r in range(self.node * G, (self.node + 1) * G + 1)]  # in node experts
-        b_send = [0] * R
-        for h in range(G):
-            b_send[self.node * G + h] = sum(sum(recv[s][node_bounds[h]:node_bounds[h + 1]]) for s in relayed)
-        mine = slice(self.local_first, self.local_first + L)
-        b_recv = [0] * R
-        for g in range(G):
-            b_recv[self.node * G + g] = sum(sum(recv[b * G + g][mine]) for b in range(B))
-        local_experts = [sum(recv[s][self.local_first + e] for s in range(R)) for e in range(L)]
+        recv_RCX = recv_counts.view(R, C, NE + 1)
+        counts_flat, rows_flat, recv_flat = host_ints(counts_CE, rows_CB, recv_RCX)  # the layer's one host sync
+        n = self._host_counts(counts_flat, rows_flat, recv_flat, C)
         dtype = wire_dtype(x_TD, self.a2a_dtype)
-        self._count(a_send, a_recv, w_send, w_recv, x_TD.shape[-1] * dtype.itemsize, plan.weights_A.dtype.itemsize)
+        self._count(n, x_TD.shape[-1] * dtype.itemsize, plan.weights_A.dtype.itemsize)
 
-        # Source: one row per (node, token) pair, node-major, and each kept assignment's row index
-        # inside its node's segment (the relay adds the segment's offset).
-        N = sum(counts_E)
+        N, num_rows = sum(counts_flat), sum(rows_flat)
         kept = plan.kept(N)
-        row_of_key = torch.cumsum(present, 0) - 1
-        node_start = torch.cumsum(rows_B, 0) - rows_B
-        node_N = look["node_of_expert"].index_select(0, expert_pos[:N])
-        row_N = row_of_key.index_select(0, key_pos[:N]) - node_start.index_select(0, node_N)
-        token_row = torch.argsort(~present, stable=True)[:sum(rows_per_node)] % max(T, 1)
-        x_A = all_to_all(x_TD.index_select(0, token_row).to(dtype), a_recv, a_send, self.group)
-        w_A = all_to_all(kept.weights_N, w_recv, w_send, self.group)
-        idx_A = row_N.new_empty(sum(w_recv), dtype=INDEX_DTYPE)
-        dist.all_to_all_single(idx_A, row_N.to(INDEX_DTYPE), w_recv, w_send, group=self.group)
+        index_dtype = _INDEX_BITS.get(kept.weights_N.dtype)
+        if index_dtype is None:
+            raise ValueError(f"node-aware dispatch carries router weights in fp32 or fp64, got {kept.weights_N.dtype}")
+        node_N, chunk_N = node_pos[:N], chunk_pos[:N]
+        row_N = row_pos[:N] - cuts_BC1.index_select(0, node_N).gather(1, chunk_N.unsqueeze(1)).squeeze(1)
+        send_order = torch.argsort((chunk_N * B + node_N) * E + expert_pos[:N], stable=True)
+        meta = torch.stack([kept.weights_N.index_select(0, send_order),
+                            row_N.index_select(0, send_order).to(index_dtype).view(kept.weights_N.dtype)], dim=1)
+        token_row = torch.argsort(~present, stable=True)[:num_rows] % max(T, 1)  # node-major
+        node_row = torch.repeat_interleave(torch.arange(B, device=dev), rows_B, output_size=num_rows)
+        local_row = torch.arange(num_rows, device=dev) - node_start_B.index_select(0, node_row)
+        chunk_row = (cuts_BC1[:, 1:C].index_select(0, node_row) <= local_row.unsqueeze(1)).sum(dim=1)
+        token_row = token_row.index_select(0, torch.argsort(chunk_row * B + node_row, stable=True))
+        return _Source(n, x_TD.index_select(0, token_row).to(dtype), meta, token_row,
+                       [0, *accumulate(sum(n.a_send[c]) for c in range(C))],
+                       [0, *accumulate(sum(n.w_send[c]) for c in range(C))], recv_RCX, look, index_dtype, T)
 
-        # Relay: each received assignment's stage A row and node expert; forward them grouped by the
-        # owning rank of this node (then by source, then by expert: what the receiver expects).
-        relayed_R = look["relayed"]
-        src_assign = recv_RC[:, :NE].sum(dim=1) * relayed_R
-        src_rows = recv_RC[:, NE] * relayed_R
-        n_in = sum(w_recv)
-        src_A = torch.repeat_interleave(torch.arange(R, device=x_TD.device), src_assign, output_size=n_in)
-        row_A = idx_A.long() + (torch.cumsum(src_rows, 0) - src_rows).index_select(0, src_A)
-        expert_A = torch.repeat_interleave(torch.arange(NE, device=x_TD.device).repeat(R),
-                                           (recv_RC[:, :NE] * relayed_R.unsqueeze(1)).reshape(-1), output_size=n_in)
-        forward_order = torch.argsort(look["owner"].index_select(0, expert_A), stable=True)
-        relay_row_B = row_A.index_select(0, forward_order)
-        x_B = all_to_all(x_A.index_select(0, relay_row_B), b_recv, b_send, self.group)
-
-        # Receiver: rows arrive [relay g][source node b][local expert]; group them by local expert.
-        arrival_RL = recv_RC.index_select(0, look["arrival"])[:, self.local_first:self.local_first + L]
-        local_order_M = self.local_order(arrival_RL, sum(b_recv))
+    def _arrive(self, src: _Source, c: int, x_A: torch.Tensor, meta_A: torch.Tensor, x_TD: torch.Tensor
+                ) -> tuple[torch.Tensor, _Chunk]:
+        """Chunk c from its arrival at the relay to this rank's expert rows: forward the assignments
+        to their experts' ranks of this node (stage B), then, as receiver, group what the relays sent
+        by local expert. Returns the rows [M, D] and what ``_depart`` needs."""
+        B, L, dev, n, look = self.num_nodes, self.num_local, x_A.device, src.n, src.look
+        recv_RX = src.recv_RCX[:, c]
+        NE = recv_RX.shape[1] - 1
+        src_RX = recv_RX.index_select(0, look["relayed"])  # [B, NE + 1]: what each relayed source sent
+        src_assign, src_rows = src_RX[:, :NE].sum(dim=1), src_RX[:, NE]
+        n_in = sum(n.w_recv[c])
+        src_n = torch.repeat_interleave(torch.arange(B, device=dev), src_assign, output_size=n_in)
+        index_n = meta_A[:, 1].detach().contiguous().view(src.index_dtype).long()
+        row_n = index_n + (torch.cumsum(src_rows, 0) - src_rows).index_select(0, src_n)
+        expert_n = torch.repeat_interleave(torch.arange(NE, device=dev).repeat(B), src_RX[:, :NE].reshape(-1),
+                                           output_size=n_in)
+        # Grouped by the owning rank (then source, then expert): the order each receiver expects.
+        forward_order = torch.argsort(look["owner"].index_select(0, expert_n), stable=True)
+        relay_row = row_n.index_select(0, forward_order)
+        x_B = all_to_all(x_A.index_select(0, relay_row), n.b_recv[c], n.b_send[c], self.node_group)
+        # Receiver: rows arrive [relay g][source node b][local expert].
+        arrival_RL = recv_RX.index_select(0, look["arrival"])[:, self.local_first:self.local_first + L]
+        local_order_M = self.local_order(arrival_RL, sum(n.b_recv[c]))
         x_local = x_B.index_select(0, local_order_M)
         if not torch.is_autocast_enabled(x_TD.device.type):
             x_local = x_local.to(x_TD.dtype)  # a compressed fp32 run computes in fp32 again
-        handle = NodeAwareHandle(token_row, a_send, a_recv, b_send, b_recv, relay_row_B,
-                                 w_A.index_select(0, forward_order), local_order_M, dtype, T)
-        return x_local, local_experts, handle
+        weights = meta_A[:, 0].index_select(0, forward_order)
+        return x_local, _Chunk(relay_row, weights, local_order_M, x_A.shape[0], x_A.dtype, n.b_send[c], n.b_recv[c])
 
-    def _count(self, a_send: list[int], a_recv: list[int], w_send: list[int], w_recv: list[int], row_bytes: int,
-               weight_bytes: int) -> None:
-        """Add one layer call's inter-node payload to ``inter_node_bytes``, from the split sizes: stage
-        A's rows and (weight, index) pairs to remote relays, the summed rows a relay sends back to
-        remote sources, and in backward the same rows again plus the weights' gradients."""
-        me = self.rank_nodes[self.group_rank]
-        remote = [r for r in range(self.group_size) if self.rank_nodes[r] != me]
-        rows = sum(a_send[r] + a_recv[r] for r in remote)
-        self.inter_node_bytes += 2 * rows * row_bytes + sum(w_send[r] for r in remote) * (
-            weight_bytes + INDEX_DTYPE.itemsize) + sum(w_recv[r] for r in remote) * weight_bytes
+    def _depart(self, y_local: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+        """This rank's expert outputs back to the relays (stage B back), each relayed row's weighted
+        outputs summed there (fp32): [M, D] -> [rows of the chunk at this relay, D] in the wire dtype."""
+        y_B = torch.empty_like(y_local).index_copy(0, chunk.local_order_M, y_local).to(chunk.wire_dtype)
+        y_relay = all_to_all(y_B, chunk.b_send, chunk.b_recv, self.node_group)
+        acc = torch.promote_types(y_relay.dtype, chunk.weights.dtype)
+        weighted = y_relay.to(acc) * chunk.weights.to(acc).unsqueeze(-1)
+        summed = weighted.new_zeros(chunk.num_rows, y_local.shape[-1]).index_add(0, chunk.relay_row, weighted)
+        return summed.to(chunk.wire_dtype)
 
-    def combine(self, y_local: torch.Tensor, handle: NodeAwareHandle, out_dtype: torch.dtype) -> torch.Tensor:
-        """Expert outputs back to the relays, weighted and summed per (token, node) row there, back to
-        the sources and summed per token: [M, D] -> [T, D] in ``out_dtype``."""
-        y_B = torch.empty_like(y_local).index_copy(0, handle.local_order_M, y_local).to(handle.wire_dtype)
-        y_relay = all_to_all(y_B, handle.b_send, handle.b_recv, self.group)
-        acc = torch.promote_types(y_relay.dtype, handle.weights_B.dtype)
-        weighted = y_relay.to(acc) * handle.weights_B.to(acc).unsqueeze(-1)
-        partial = weighted.new_zeros(sum(handle.a_recv), y_local.shape[-1]).index_add(0, handle.relay_row_B, weighted)
-        y_rows = all_to_all(partial.to(handle.wire_dtype), handle.a_send, handle.a_recv, self.group)
-        out = y_rows.new_zeros(handle.num_tokens, y_local.shape[-1], dtype=acc)
-        return out.index_add(0, handle.token_row, y_rows.to(acc)).to(out_dtype)
+    def _finish(self, src: _Source, y_rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """The summed rows back at the source (chunk-major, as sent) -> [T, D], one sum per token."""
+        acc = torch.promote_types(y_rows.dtype, src.meta.dtype)
+        out = y_rows.new_zeros(src.num_tokens, y_rows.shape[-1], dtype=acc)
+        return out.index_add(0, src.token_row, y_rows.to(acc)).to(out_dtype)
+
+    def _host_counts(self, counts_flat: list[int], rows_flat: list[int], recv_flat: list[int], C: int) -> _Counts:
+        """Every split size of the dispatch, per chunk, from the counts exchange's host ints."""
+        R, G, B, E = self.group_size, self.ranks_per_node, self.num_nodes, self.num_experts
+        NE, L = self.node_experts[self.node][1] - self.node_experts[self.node][0], self.num_local
+        X = NE + 1
+
+        def recv(s: int, c: int) -> list[int]:
+            return recv_flat[(s * C + c) * X:(s * C + c + 1) * X]
+
+        mine = slice(self.local_first, self.local_first + L)
+        a_send = [rows_flat[c * B:(c + 1) * B] for c in range(C)]
+        w_send = [[sum(counts_flat[c * E + a:c * E + b]) for a, b in self.node_experts] for c in range(C)]
+        relayed = [b * G + self.local_index for b in range(B)]
+        a_recv = [[recv(s, c)[NE] for s in relayed] for c in range(C)]
+        w_recv = [[sum(recv(s, c)[:NE]) for s in relayed] for c in range(C)]
+        ob = self.owner_bounds
+        b_send = [[sum(sum(recv(s, c)[ob[h]:ob[h + 1]]) for s in relayed) for h in range(G)] for c in range(C)]
+        b_recv = [[sum(sum(recv(b * G + g, c)[mine]) for b in range(B)) for g in range(G)] for c in range(C)]
+        local = [[sum(recv(s, c)[self.local_first + e] for s in range(R)) for e in range(L)] for c in range(C)]
+        return _Counts(a_send, a_recv, w_send, w_recv, b_send, b_recv, local)
+
+    def _count(self, n: _Counts, row_bytes: int, weight_bytes: int) -> None:
+        """Add one layer call's inter-node payload to ``inter_node_bytes``, from the split sizes: the
+        stage A rows and (weight, index) pairs sent to relays on other nodes, the summed rows this
+        rank sends back to sources on other nodes as a relay, and in backward each of them again in
+        the other direction (a pair's gradient is a pair too). Stage B stays inside the node."""
+        C, B = len(n.a_send), self.num_nodes
+        rows = sum(n.a_send[c][b] + n.a_recv[c][b] for c in range(C) for b in range(B) if b != self.node)
+        pairs = sum(n.w_send[c][b] + n.w_recv[c][b] for c in range(C) for b in range(B) if b != self.node)
+        self.inter_node_bytes += 2 * rows * row_bytes + 2 * pairs * weight_bytes

@@ -40,12 +40,13 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
         raise LayoutError(f"parallel.shard={cfg.parallel.shard} with uneven experts per rank (parallel.balance="
                           f"{cfg.parallel.balance} at parallel.expert_parallel_size={layout.expert_parallel_size}) "
                           f"is not supported: use parallel.shard=none or parallel.balance=even")
-    if layout.uneven_experts and m.moe.a2a_overlap_degree != 1:
+    if layout.uneven_experts and m.moe.a2a_overlap_degree != 1 and m.moe.a2a_dispatch == "flat":
         raise LayoutError(f"model.moe.a2a_overlap_degree={m.moe.a2a_overlap_degree} with uneven experts per rank "
                           f"(parallel.balance={cfg.parallel.balance} at parallel.expert_parallel_size="
                           f"{layout.expert_parallel_size}): the chunked exchange needs the same experts on every "
-                          f"rank; use model.moe.a2a_overlap_degree=1 or parallel.balance=even")
-    groups = create_process_groups(layout, cfg.parallel.timeout_s)
+                          f"rank; use model.moe.a2a_overlap_degree=1, model.moe.a2a_dispatch=node_aware or "
+                          f"parallel.balance=even")
+    groups = create_process_groups(layout, cfg.parallel.timeout_s, node_aware=m.moe.a2a_dispatch == "node_aware")
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
     shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree, m.moe.a2a_dispatch)

@@ -138,6 +138,7 @@ class ProcessGroups:
     layout: ParallelLayout
     mesh: Optional[DeviceMesh]
     checkpoint: object = None  # a gloo group of all ranks for checkpoint coordination (see below)
+    node_aware: Optional["NodeAwareGroups"] = None  # made only for model.moe.a2a_dispatch: node_aware
 
     @property
     def world(self):
@@ -155,7 +156,42 @@ class ProcessGroups:
         return self.mesh.get_group("edp") if self.mesh is not None else None
 
 
-def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = None) -> ProcessGroups:
+@dataclass(frozen=True)
+class NodeAwareGroups:
+    """The two halves of node-aware dispatch's exchange inside this rank's expert-parallel group
+    (m6.moe.node_aware_all_to_all): ``rail``, the group's ranks of this rank's local index, one per
+    node (the inter-node stage); ``node``, the group's ranks on this rank's node (the forwarding
+    stage). Separate groups, so on NCCL the forwarding of one chunk is not queued behind the
+    inter-node transfers of the next (each communicator has its own stream)."""
+
+    rail: object
+    node: object
+
+
+def node_aware_groups(layout: ParallelLayout) -> NodeAwareGroups:
+    """Every rail and node group of every expert-parallel group (a collective: every rank creates
+    all of them in the same order and keeps its own). Nodes must hold the same number of each
+    expert-parallel group's ranks (m6.parallel.node_groups.check_node_aware_dispatch)."""
+    ep, lws = layout.expert_parallel_size, layout.local_world_size
+    per_node = min(ep, lws)
+    nodes = ep // per_node
+    mine = {}
+    for first in range(0, layout.world_size, ep):
+        for b in range(nodes):
+            ranks = [first + b * per_node + g for g in range(per_node)]
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                mine["node"] = group
+        for g in range(per_node):
+            ranks = [first + b * per_node + g for b in range(nodes)]
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                mine["rail"] = group
+    return NodeAwareGroups(**mine)
+
+
+def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = None,
+                          node_aware: bool = False) -> ProcessGroups:
     """Build the job's device mesh (a collective: every rank calls it at the same point).
 
     One process without torch.distributed gets no mesh; under torch.distributed, even at world
@@ -174,4 +210,6 @@ def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = N
     # pickled objects (host memory: gloo serves them whatever the training backend), and a save
     # running in a background thread must never interleave with the training collectives.
     checkpoint = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
-    return ProcessGroups(layout, mesh, checkpoint)
+    # node_aware: the subgroups node-aware dispatch needs (model.moe.a2a_dispatch: node_aware).
+    aware = node_aware_groups(layout) if node_aware and layout.expert_parallel_size > 1 else None
+    return ProcessGroups(layout, mesh, checkpoint, aware)

@@ -91,8 +91,12 @@ def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
             module.stats_reducer = GlobalRoutingStats(groups.world)
         if module in plan.split and layout.expert_parallel_size > 1:
             if a2a_dispatch == "node_aware":
-                module.dispatcher = NodeAwareDispatcher(groups.expert, module.num_experts, ep_group_nodes(layout),
-                                                        a2a_dtype, layout.counts_for(module.num_experts))
+                if groups.node_aware is None:
+                    raise ValueError("model.moe.a2a_dispatch=node_aware needs the process groups made with "
+                                     "create_process_groups(..., node_aware=True)")
+                module.dispatcher = NodeAwareDispatcher(groups.expert, groups.node_aware.rail, groups.node_aware.node,
+                                                        module.num_experts, ep_group_nodes(layout), a2a_dtype,
+                                                        layout.counts_for(module.num_experts), a2a_overlap_degree)
             else:
                 module.dispatcher = AllToAllDispatcher(groups.expert, module.num_experts, a2a_dtype,
                                                        a2a_overlap_degree, ep_group_nodes(layout),

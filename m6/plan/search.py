@@ -39,6 +39,7 @@ class Candidate:
     shortfall: float = 0.0  # largest of device peak / device memory and a node's host peak / host memory
     shard: str = "none"  # parallel.shard
     a2a_overlap_degree: Union[int, str] = 1  # model.moe.a2a_overlap_degree
+    a2a_dispatch: str = "flat"  # model.moe.a2a_dispatch
 
     def overrides(self) -> list[str]:
         """The train.py ``key=value`` overrides that run this layout."""
@@ -47,7 +48,7 @@ class Candidate:
                f"memory.activation_checkpointing={self.recompute}",
                f"memory.offload={self.offload}", f"optim.apply_groups={self.apply_groups}",
                f"model.moe.a2a_dtype={self.a2a_dtype or 'null'}", f"parallel.shard={self.shard}",
-               f"model.moe.a2a_overlap_degree={self.a2a_overlap_degree}"]
+               f"model.moe.a2a_overlap_degree={self.a2a_overlap_degree}", f"model.moe.a2a_dispatch={self.a2a_dispatch}"]
         if self.budget_gb is not None:
             out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
         return out
@@ -55,9 +56,10 @@ class Candidate:
 
 def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, groups: int,
                  a2a: Optional[str], budget_gb: Optional[float], precision: str, shard: Optional[str] = None,
-                 overlap: Optional[int] = None) -> Config:
-    """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``
-    and ``overlap`` None keep cfg's parallel.shard and model.moe.a2a_overlap_degree)."""
+                 overlap: Optional[int] = None, dispatch: Optional[str] = None) -> Config:
+    """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``,
+    ``overlap`` and ``dispatch`` None keep cfg's parallel.shard, model.moe.a2a_overlap_degree and
+    model.moe.a2a_dispatch)."""
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard or cfg.parallel.shard),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
@@ -67,7 +69,8 @@ def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, gr
         optim=dataclasses.replace(cfg.optim, apply_groups=groups),
         model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
             cfg.model.moe, a2a_dtype=a2a,
-            a2a_overlap_degree=cfg.model.moe.a2a_overlap_degree if overlap is None else overlap)))
+            a2a_overlap_degree=cfg.model.moe.a2a_overlap_degree if overlap is None else overlap,
+            a2a_dispatch=dispatch or cfg.model.moe.a2a_dispatch)))
 
 
 def divisors(n: int) -> list[int]:
@@ -123,12 +126,17 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 smallest = cand
             if mem.peak_device > limit or mem.peak_host * ranks_per_node > host_memory_gib * 2**30:
                 continue
-            # The overlap degree changes only the time (not the memory estimate): each degree a candidate.
-            degrees = overlap if ep > 1 and hw.peak_tflops is not None else (trial.model.moe.a2a_overlap_degree,)
-            for degree in degrees:
+            # The exchange's form changes only the time (not the memory estimate): each overlap
+            # degree of the flat exchange a candidate, and node-aware dispatch (blocking) where the
+            # expert-parallel group spans nodes.
+            if ep > 1 and hw.peak_tflops is not None:
+                exchanges = [(d, "flat") for d in overlap] + [(1, "node_aware")] * (ep > gpus_per_node)
+            else:
+                exchanges = [(trial.model.moe.a2a_overlap_degree, trial.model.moe.a2a_dispatch)]
+            for degree, dispatch in exchanges:
                 timed = dataclasses.replace(cand)
-                timed.a2a_overlap_degree = degree
-                run = apply_choice(trial, mb, rc, off, groups, wire, budget, hw.precision, sh, degree)
+                timed.a2a_overlap_degree, timed.a2a_dispatch = degree, dispatch
+                run = apply_choice(trial, mb, rc, off, groups, wire, budget, hw.precision, sh, degree, dispatch)
                 timed.time = step_time(run, world_size, ep, gpus_per_node, hw, host, cores, rm.model)
                 timed.tokens_per_s = tokens / timed.time.total
                 if hw.peak_tflops:

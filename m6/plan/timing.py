@@ -9,8 +9,11 @@ compute   GPUs (not runnable here): model FLOPs of the densest micro-batch (m6.m
           update as in training), with the threads each rank gets, in as many processes at once
           as the node runs ranks (they share cores, caches and memory bandwidth as the ranks will).
 all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and combine, forward
-          and backward) + 1 counts exchange, each latency + bytes sent to other ranks / bandwidth
-          (inter-node bandwidth once the expert-parallel group spans nodes). GPUs, with
+          and backward) + 1 counts exchange, each latency + bytes sent to other ranks / bandwidth;
+          once the group spans nodes, the rows for other nodes at the inter-node bandwidth while
+          those for the node's own ranks move at the intra-node one (model.moe.a2a_dispatch
+          node_aware: a token's row crosses to each remote node once, then is forwarded inside
+          it, the two stages in turn; expert_exchange_s). GPUs, with
           model.moe.a2a_overlap_degree d > 1: the rows go in d chunks, one chunk's exchange
           running while the experts compute another (forward: dispatch and combine around the
           expert forward; backward: the same around the expert backward, 2x its FLOPs), so a pass
@@ -353,6 +356,44 @@ def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> 
     return hw.latency_s + nbytes / (bw * 1e9)
 
 
+def nodes_per_token(top_k: int, nodes: int, max_nodes_per_token: int) -> float:
+    """Expected nodes a token's ``top_k`` experts lie on, experts chosen uniformly (ASSUMED: real
+    routing is skewed) over ``nodes`` nodes, or over its ``max_nodes_per_token`` best (node-limited
+    routing): n (1 - (1 - 1/n)^k) for n nodes in reach."""
+    reach = min(max_nodes_per_token, nodes) if max_nodes_per_token else nodes
+    return reach * (1 - (1 - 1 / reach) ** top_k)
+
+
+def expert_exchange_s(cfg: Config, positions: int, wire_bytes: int, ep: int, gpus_per_node: int,
+                      hw: Hardware) -> float:
+    """One of a MoE layer's four payload exchanges (dispatch, combine; each again in backward) for
+    ``positions`` tokens of a rank, over an expert-parallel group of ``ep`` ranks, G = min(ep,
+    gpus_per_node) of them per node, B = ep / G nodes.
+
+    flat: each of a token's K assignments is one row to its expert's rank; the rows for other
+    nodes ((ep - G) / ep of them) take the inter-node link while those for the node's other ranks
+    ((G - 1) / ep) take the intra-node one at the same time: the slower of the two.
+    node_aware (m6.moe.node_aware_all_to_all): one row per (token, remote node) crosses the
+    inter-node link (nodes_per_token x (B - 1) / B rows per token, plus each remote assignment's
+    weight and row index: 12 bytes over the four exchanges), then the relay forwards the K
+    assignments inside the node ((G - 1) / G of them leave the relay): the two stages one after
+    the other, a latency each."""
+    moe = cfg.model.moe
+    K, row = moe.top_k * moe.num_prototypes, cfg.model.d_model * wire_bytes
+    G = min(ep, gpus_per_node)
+    B = ep // G
+    if B == 1:
+        return _exchange_s(positions * K * row * (ep - 1) / ep, hw, ep, gpus_per_node)
+    if moe.a2a_dispatch == "node_aware":
+        remote_rows = positions * nodes_per_token(K, B, moe.max_nodes_per_token or 0) * (B - 1) / B
+        inter = remote_rows * row + positions * K * (B - 1) / B * 12 / 4
+        intra = positions * K * (G - 1) / G * row
+        return 2 * hw.latency_s + inter / (hw.inter_node_GBps * 1e9) + intra / (hw.intra_node_GBps * 1e9)
+    inter = positions * K * row * (ep - G) / ep
+    intra = positions * K * row * (G - 1) / ep
+    return hw.latency_s + max(inter / (hw.inter_node_GBps * 1e9), intra / (hw.intra_node_GBps * 1e9))
+
+
 def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus_per_node: int, hw: Hardware) -> float:
     """parallel.shard: each FSDP2 unit's all-gathers and reduce-scatter (a ring moves (n-1)/n of
     the gathered or reduced bytes per rank), one latency per unit and collective, none overlapped
@@ -408,7 +449,7 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     a2a = a2a_hidden = 0.0
     if ep > 1:
         sent = counts.positions * K * cfg.model.d_model * wire * (ep - 1) / ep
-        exchange = _exchange_s(sent, hw, ep, gpus_per_node)
+        exchange = expert_exchange_s(cfg, counts.positions, wire, ep, gpus_per_node, hw)
         blocking = accum * moe_layers * (4 * exchange + hw.latency_s)
         degree = overlap_degree(cfg, sent, hw)
         if degree > 1:

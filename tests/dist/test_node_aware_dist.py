@@ -1,12 +1,15 @@
-"""Node-aware dispatch (model.moe.a2a_dispatch: node_aware) against the flat all-to-all on real gloo
-groups: the same outputs, input gradients, router and expert gradients and statistics, at world 4
-as 2 nodes x 2 ranks and as 1 node x 4, at world 2 as 2 nodes x 1, for fixed edge cases and random
-routings (one spawn per layout runs them all); and the inter-node bytes the dispatcher counts
-against a count of the (token, node) pairs of every rank's routing."""
+"""Node-aware dispatch (model.moe.a2a_dispatch: node_aware), blocking and chunked (overlap degree
+2, 3, ..., more chunks than rows), against the flat all-to-all on real gloo groups: the same
+outputs, input gradients, router and expert gradients and statistics, at world 4 as 2 nodes x 2
+ranks and as 1 node x 4, at world 2 as 2 nodes x 1, for fixed edge cases and random routings (one
+spawn per layout runs them all); the protocol's separate dispatch and combine equal to the
+pipeline; and the inter-node bytes the dispatcher counts against a count of the (token, node)
+pairs of every rank's routing."""
 
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ import torch.distributed as dist
 from dist_helpers import run_distributed
 
 from m6.moe import MoELayer
-from m6.moe.node_aware_all_to_all import INDEX_DTYPE, NodeAwareDispatcher
+from m6.moe.dispatch import Dispatcher
+from m6.moe.node_aware_all_to_all import NodeAwareDispatcher
 from m6.parallel import ParallelPlan, apply_plan, build_layout, create_process_groups
 
 
@@ -24,9 +28,10 @@ def _layer(case: dict) -> MoELayer:
                     aux_loss_coef=0.1, z_loss_coef=0.01).double()
 
 
-def _run(rank: int, world: int, per_node: int, case: dict, groups, dispatch: str) -> tuple:
+def _run(rank: int, world: int, per_node: int, case: dict, groups, dispatch: str, degree=1) -> tuple:
     """This rank's output, input gradient, all-reduced router gradient, local expert gradients
-    and stats counts with the given dispatcher."""
+    and stats counts with the given dispatcher (and overlap degree; "phases": the protocol's
+    dispatch, experts, combine as three calls)."""
     sizes = case["sizes"]
     g = torch.Generator().manual_seed(case["seed"])
     x_all = torch.randn(sum(sizes), 16, generator=g, dtype=torch.float64)
@@ -37,7 +42,11 @@ def _run(rank: int, world: int, per_node: int, case: dict, groups, dispatch: str
             layer.router.weight.zero_()
             layer.router.weight[-1] = 10.0
             x_all = x_all.abs()
-    apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_dtype=case.get("a2a_dtype"), a2a_dispatch=dispatch)
+    apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_dtype=case.get("a2a_dtype"), a2a_dispatch=dispatch,
+               a2a_overlap_degree=1 if degree == "phases" else degree)
+    if degree == "phases":
+        layer.dispatcher.dispatch_compute_combine = types.MethodType(Dispatcher.dispatch_compute_combine,
+                                                                     layer.dispatcher)
     assert isinstance(layer.dispatcher, NodeAwareDispatcher) == (dispatch == "node_aware")
     start = sum(sizes[:rank])
     mine = slice(start, start + sizes[rank])
@@ -55,8 +64,8 @@ def _run(rank: int, world: int, per_node: int, case: dict, groups, dispatch: str
 def _check_inter_node_bytes(rank: int, world: int, per_node: int, layer: MoELayer, x: torch.Tensor,
                             case: dict) -> None:
     """Counted bytes against the routing (dropless: every assignment kept): per remote (token, node)
-    pair one row each way, forward and backward; per remote assignment its weight and row index
-    out, and its weight's gradient back."""
+    pair one row each way, forward and backward; per remote assignment its (weight, row index) pair
+    (two weight-sized values) out, and that pair's gradient back."""
     with torch.no_grad():
         plan = layer.dispatch_plan(layer.router(x), None, x.shape[0])
     K, E = plan.num_assignments, case["experts"]
@@ -75,27 +84,28 @@ def _check_inter_node_bytes(rank: int, world: int, per_node: int, layer: MoELaye
     rows_in = sum(int(every[s][me]) for s in relay_for)
     assign_in = sum(int(every[s][B + me]) for s in relay_for)
     row_bytes, w_bytes = 16 * (case.get("a2a_dtype") or torch.float64).itemsize, 8
-    expected = 2 * (rows_out + rows_in) * row_bytes + assign_out * (w_bytes + INDEX_DTYPE.itemsize) + assign_in * w_bytes
+    expected = 2 * (rows_out + rows_in) * row_bytes + 2 * (assign_out + assign_in) * w_bytes
     assert layer.dispatcher.inter_node_bytes == expected, (case["name"], rank)
     if per_node == world:
         assert expected == 0
 
 
 FIXED = [  # sizes are per rank and filled in below
-    dict(name="dropless_top2", experts=8, top_k=2, cf=None),
+    dict(name="dropless_top2", experts=8, top_k=2, cf=None, degrees=[1, 2, 3, "phases"]),
     dict(name="dropless_top3", experts=8, top_k=3, cf=None),
-    dict(name="capacity_top2", experts=8, top_k=2, cf=1.0),
+    dict(name="capacity_top2", experts=8, top_k=2, cf=1.0, degrees=[1, 2, "phases"]),
     dict(name="capacity_top1", experts=4, top_k=1, cf=1.5),
     dict(name="all_to_one_expert", experts=4, top_k=1, cf=None, all_to_one=True),
     dict(name="rank_without_tokens", experts=4, top_k=2, cf=None, empty_rank=True),
     dict(name="bf16_payload", experts=4, top_k=2, cf=None, a2a_dtype=torch.bfloat16),
+    dict(name="more_chunks_than_rows", experts=4, top_k=2, cf=None, degrees=[16], tiny=True),
 ]
 
 
 def _cases(world: int) -> list[dict]:
     cases = []
     for i, case in enumerate(FIXED):
-        sizes = [7 + 3 * r for r in range(world)]
+        sizes = [2] * world if case.get("tiny") else [7 + 3 * r for r in range(world)]
         if case.get("empty_rank"):
             sizes[0] = 0
         cases.append(dict(case, sizes=sizes, seed=10 + i))
@@ -104,23 +114,27 @@ def _cases(world: int) -> list[dict]:
         experts = world * rng.choice([1, 2, 3])
         cases.append(dict(name=f"random{i}", experts=experts, top_k=rng.randint(1, min(4, experts)),
                           cf=rng.choice([None, 1.0, 2.0]), sizes=[rng.choice([0, 1, 5, 13]) for _ in range(world)],
-                          seed=100 + i))
+                          degrees=[1, rng.randint(2, 5)], seed=100 + i))
     return cases
 
 
 def _node_aware_equals_flat(rank: int, world: int, per_node: int) -> None:
-    groups = create_process_groups(build_layout(world, rank, world, 8 * world, local_world_size=per_node))
+    groups = create_process_groups(build_layout(world, rank, world, 8 * world, local_world_size=per_node),
+                                   node_aware=True)
     for case in _cases(world):
         flat = _run(rank, world, per_node, case, groups, "flat")
-        node_aware = _run(rank, world, per_node, case, groups, "node_aware")
-        # fp64 throughout: the relay's partial sums only change the summation order (bf16 payload:
-        # a token's outputs on one node are summed before the one rounding to bf16, not after).
-        tol = dict(rtol=1e-2, atol=1e-2) if case.get("a2a_dtype") else dict(rtol=1e-10, atol=1e-12)
-        for what, a, b in zip(("y", "x.grad", "router.grad", "w_in.grad", "w_out.grad", "counts"), node_aware, flat):
-            if a is None and b is None:
-                continue
-            assert a is not None and b is not None, (case["name"], what)
-            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{case['name']} {what}: {m}")
+        for degree in case.get("degrees", [1, 2, 3]):
+            node_aware = _run(rank, world, per_node, case, groups, "node_aware", degree)
+            # fp64 throughout: the relay's partial sums and the chunks only change the summation
+            # order (bf16 payload: a token's outputs on one node are summed before the one rounding
+            # to bf16, not after).
+            tol = dict(rtol=1e-2, atol=1e-2) if case.get("a2a_dtype") else dict(rtol=1e-10, atol=1e-12)
+            for what, a, b in zip(("y", "x.grad", "router.grad", "w_in.grad", "w_out.grad", "counts"),
+                                  node_aware, flat):
+                if a is None and b is None:
+                    continue
+                assert a is not None and b is not None, (case["name"], degree, what)
+                torch.testing.assert_close(a, b, **tol, msg=lambda m: f"{case['name']} degree {degree} {what}: {m}")
 
 
 @pytest.mark.parametrize("world,per_node", [(4, 2), (4, 4), (2, 1)])

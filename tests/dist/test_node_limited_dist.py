@@ -1,6 +1,6 @@
 """train.py with node-limited routing across two "nodes" (ranks with LOCAL_WORLD_SIZE 1, EP over
 both): the same losses as one process (routing is world-size invariant), with the chunked
-overlapped all-to-all on and with node-aware dispatch; and a launch whose nodes split a node group
+overlapped all-to-all on and with chunked node-aware dispatch; and a launch whose nodes split a node group
 is refused with exit code 2."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ def test_node_limited_two_nodes_match_one_process(tmp_path):
     single(tmp_path / "w1", *NODE_LIMITED)
     ranks(tmp_path / "w2", 2, *NODE_LIMITED, "model.moe.a2a_overlap_degree=2", per_node=1)
     assert_same_curve(train_rows(tmp_path / "w2"), train_rows(tmp_path / "w1"))
-    ranks(tmp_path / "w2na", 2, *NODE_LIMITED, "model.moe.a2a_dispatch=node_aware", per_node=1)
+    ranks(tmp_path / "w2na", 2, *NODE_LIMITED, "model.moe.a2a_dispatch=node_aware",
+          "model.moe.a2a_overlap_degree=2", per_node=1)
     assert_same_curve(train_rows(tmp_path / "w2na"), train_rows(tmp_path / "w1"))
 
 
