@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
               f"({result.considered} layouts considered)", file=sys.stderr)
         return 2
     print(f"{args.config} on {args.gpus} x {hw.name} ({memory_gib:g} GiB), {args.gpus_per_node} per node: "
-          f"{len(result.feasible)} of {result.considered} layouts fit ({time.perf_counter() - t0:.1f} s)")
+          f"{result.fitting} of {result.considered} layouts fit, {len(result.feasible)} timed with their exchange "
+          f"forms ({time.perf_counter() - t0:.1f} s)")
     assumed = list(hw.assumed)
     if args.gpu != "cpu":
         assumed.append(f"offloaded host update: a per-core rate timed on this host (1 thread) x "

@@ -81,7 +81,8 @@ def divisors(n: int) -> list[int]:
 class SearchResult:
     feasible: list[Candidate]
     smallest: Optional[Candidate]  # the least device memory of all (what an infeasible request is told)
-    considered: int
+    considered: int  # layouts whose memory was estimated
+    fitting: int = 0  # of them, those that fit (each timed with every exchange form: ``feasible``)
 
 
 def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host: HostProfile,
@@ -99,7 +100,7 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
     limit = hw.memory_gib * 2**30
     ranks_per_node = min(world_size, gpus_per_node)
     tokens = cfg.train.global_batch_size * (num_patches(cfg.model) + cfg.data.seq_len)
-    feasible, smallest, considered = [], None, 0
+    feasible, smallest, considered, fitting = [], None, 0, 0
     for ep in eps:
         rm = RankMemory(cfg, world_size, ep, "cpu" if hw.peak_tflops is None else "cuda")
         for mb, rc, off, groups, wire, sh in itertools.product(micro_batches, recompute, offload, apply_groups, a2a,
@@ -126,11 +127,13 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 smallest = cand
             if mem.peak_device > limit or mem.peak_host * ranks_per_node > host_memory_gib * 2**30:
                 continue
+            fitting += 1
             # The exchange's form changes only the time (not the memory estimate): each overlap
-            # degree of the flat exchange a candidate, and node-aware dispatch (blocking) where the
-            # expert-parallel group spans nodes.
+            # degree a candidate, of the flat exchange and, where the expert-parallel group spans
+            # nodes, of node-aware dispatch.
             if ep > 1 and hw.peak_tflops is not None:
-                exchanges = [(d, "flat") for d in overlap] + [(1, "node_aware")] * (ep > gpus_per_node)
+                forms = ("flat", "node_aware") if ep > gpus_per_node else ("flat",)
+                exchanges = [(d, form) for form in forms for d in overlap]
             else:
                 exchanges = [(trial.model.moe.a2a_overlap_degree, trial.model.moe.a2a_dispatch)]
             for degree, dispatch in exchanges:
@@ -143,4 +146,4 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                     timed.mfu = timed.time.model_flops / (timed.time.total * world_size * hw.peak_tflops * 1e12)
                 feasible.append(timed)
     feasible.sort(key=lambda c: -c.tokens_per_s)
-    return SearchResult(feasible, smallest, considered)
+    return SearchResult(feasible, smallest, considered, fitting)

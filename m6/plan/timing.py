@@ -455,8 +455,10 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         if degree > 1:
             expert_forward = rates.per_assignment * counts.positions * K / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
             passes = 0.0
+            # d latencies per exchange (node-aware across nodes: two stages, two each)
+            stages = 2 if cfg.model.moe.a2a_dispatch == "node_aware" and ep > gpus_per_node else 1
             for expert_s in (expert_forward, 2 * expert_forward):  # forward, backward of one layer
-                comm = 2 * (exchange + (degree - 1) * hw.latency_s)  # dispatch + combine, d latencies each
+                comm = 2 * (exchange + (degree - 1) * stages * hw.latency_s)  # dispatch + combine
                 passes += pipelined_s(comm, expert_s, degree) - expert_s
             a2a = accum * moe_layers * (passes + hw.latency_s)
             a2a_hidden = max(0.0, blocking - a2a)
