@@ -18,6 +18,7 @@ share of the step the flat all-to-all takes is measured, not assumed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -86,8 +87,28 @@ def worker(args) -> None:
             dist.all_to_all_single(rows_in, rows_out, splits.recv, splits.send, group=d.group)
             dist.all_to_all_single(rows_out, rows_in, splits.send, splits.recv, group=d.group)
 
+    def node_stage_alone(layer) -> None:
+        """The node-aware layer's four forwarding (stage B) exchanges per step with its splits, no
+        compute: what the link inside a node costs (the planner check's intra-node figure)."""
+        d = layer.dispatcher
+        with torch.no_grad():
+            n = d._source(x, layer.dispatch_plan(layer.router(x), None, x.shape[0]), 1).n
+        rows_out, rows_in = torch.empty(sum(n.b_send[0]), args.d_model), torch.empty(sum(n.b_recv[0]), args.d_model)
+        for _ in range(2):
+            dist.all_to_all_single(rows_in, rows_out, n.b_recv[0], n.b_send[0], group=d.node_group)
+            dist.all_to_all_single(rows_out, rows_in, n.b_send[0], n.b_recv[0], group=d.node_group)
+
+    from m6.moe.loopback import LoopbackDispatcher
+    compute = _layer(args, 1, 0, "flat", groups)
+    # The same layer with every exchange skipped (m6.moe.loopback), all ranks at once: the compute
+    # of a step under the same sharing of the cores (the planner check's compute). No barriers in
+    # place of the exchanges: on this link a barrier costs milliseconds of its own.
+    compute.dispatcher = LoopbackDispatcher(args.experts, world, None)
     runs = {**{name: (lambda l=layers[name]: step(l)) for name in settings},
-            "exchanges_alone": lambda: exchanges_alone(layers["blocking"])}
+            "exchanges_alone": lambda: exchanges_alone(layers["blocking"]),
+            "compute_alone": lambda: step(compute)}
+    if "node_aware" in layers:
+        runs["node_stage_alone"] = lambda: node_stage_alone(layers["node_aware"])
     for fn in runs.values():  # warm-up
         fn()
     records = {name: {"wall_s": [], "cpu_util": [], "inter_node_bytes": []} for name in runs}
@@ -158,14 +179,75 @@ def _markdown(result: dict) -> str:
     for name, v in s.items():
         if v["median_s"] is None:
             continue
-        rel = f"{v['median_s'] / base:.2f}x" if name != "exchanges_alone" else f"{v['median_s'] / base:.0%} of the blocking step"
-        moved = f"{v['inter_node_bytes_per_step'] / 2**20:.2f} MiB" if name != "exchanges_alone" else "-"
+        probe = name in ("exchanges_alone", "compute_alone", "node_stage_alone")
+        rel = f"{v['median_s'] / base:.0%} of the blocking step" if probe else f"{v['median_s'] / base:.2f}x"
+        moved = "-" if probe else f"{v['inter_node_bytes_per_step'] / 2**20:.2f} MiB"
         lo, hi = v["ratio_to_blocking_min_max"]
         paired = f"{v['median_ratio_to_blocking']:.2f} ({lo:.2f}-{hi:.2f})"
         lines.append(f"| {name} | {v['median_s']:.4f} | {v['min_s']:.4f}-{v['max_s']:.4f} | {rel} | {paired} | {moved} |")
     lines += ["", "exchanges_alone: the blocking layer's four payload exchanges per step (same splits, no "
-              "compute), i.e. what the flat all-to-all alone costs on this link.", ""]
+              "compute), i.e. what the flat all-to-all alone costs on this link. compute_alone: the layer's step "
+              "with its exchanges skipped (m6.moe.loopback), all ranks at once. node_stage_alone: the node-aware "
+              "layer's four forwarding exchanges inside the node, no compute.", ""]
     return "\n".join(lines)
+
+
+def plan_check(result: dict) -> dict:
+    """The planner's all-to-all model (m6.plan.timing.expert_exchange_s, as step_time sums it: four
+    payload exchanges and one counts exchange per layer; on a CPU host no overlap, so a chunked
+    setting is predicted as its blocking form) plus the MEASURED compute of the same step with the
+    exchanges skipped (compute_alone), against each setting's measured median step.
+    The link figures the planner is given come from probes in the same run, as
+    bench.plan_validation fits gloo's: the inter-node bandwidth per rank from the flat exchanges
+    alone (their bytes per rank over their time, a latency taken off each), the intra-node one from
+    the node-aware forwarding exchanges alone; latency 100 us (the planner's CPU default)."""
+    from m6 import config as m6config
+    from m6.plan.timing import cpu_hardware, expert_exchange_s
+    cfg, s = result["config"], result["summary"]["settings"]
+    if "compute_alone" not in s or "exchanges_alone" not in s:
+        return {}
+    ep, per_node, latency, K = cfg["nodes"] * cfg["ranks_per_node"], cfg["ranks_per_node"], 100e-6, cfg["top_k"]
+    row = cfg["d_model"] * 4  # fp32 payload
+    inter_bytes = cfg["tokens"] * K * row * (ep - per_node) / ep  # a rank's rows for the other node, per exchange
+    inter_GBps = inter_bytes / (s["exchanges_alone"]["median_s"] / 4 - latency) / 1e9
+    intra_GBps = 1e3  # no forwarding measured: the node's own links taken as free
+    if "node_stage_alone" in s:
+        intra_bytes = cfg["tokens"] * K * row * (per_node - 1) / per_node
+        intra_GBps = intra_bytes / max(s["node_stage_alone"]["median_s"] / 4 - latency, 1e-6) / 1e9
+    hw = dataclasses.replace(cpu_hardware(16.0, intra_GBps, latency), inter_node_GBps=inter_GBps)
+    base = [f"model.d_model={cfg['d_model']}", f"model.moe.num_experts={cfg['experts']}", f"model.moe.top_k={K}",
+            "model.moe.num_prototypes=1", "model.moe.node_groups=2"]
+    rows = {}
+    for name, (degree, max_nodes, dispatch) in SETTINGS.items():
+        if name not in s:
+            continue
+        run = m6config.load(REPO / "configs" / "tiny.yaml", [*base, f"model.moe.max_nodes_per_token={max_nodes}",
+                                                              f"model.moe.a2a_dispatch={dispatch}"])
+        a2a = 4 * expert_exchange_s(run, cfg["tokens"], 4, ep, per_node, hw) + latency
+        predicted = s["compute_alone"]["median_s"] + a2a
+        measured = s[name]["median_s"]
+        rows[name] = {"predicted_s": predicted, "measured_s": measured, "error": predicted / measured - 1,
+                      "all_to_all_s": a2a, "overlap_degree_run": degree}
+    return {"inter_node_GBps_per_rank": inter_GBps, "intra_node_GBps": intra_GBps, "latency_s": latency,
+            "compute_s": s["compute_alone"]["median_s"], "settings": rows}
+
+
+def _plan_markdown(check: dict) -> str:
+    if not check:
+        return ""
+    lines = ["", "## The planner's model against the test bed", "",
+             f"Planner inputs: measured compute {check['compute_s']:.4f} s per step (compute_alone); link "
+             f"{check['inter_node_GBps_per_rank'] * 1e3:.2f} MB/s per rank between nodes (fitted on the flat "
+             f"exchanges alone), {check['intra_node_GBps'] * 1e3:.0f} MB/s inside a node (fitted on the "
+             f"forwarding exchanges alone), latency {check['latency_s'] * 1e6:.0f} us. Predicted step = compute + "
+             f"the planner's all-to-all (m6.plan.timing.expert_exchange_s x 4 + a counts exchange); on a CPU host "
+             f"the planner does not model overlap, so a chunked setting is predicted as its blocking form.", "",
+             "| setting | measured median (s) | predicted (s) | of which all-to-all (s) | error |",
+             "|---|---|---|---|---|"]
+    for name, r in check["settings"].items():
+        lines.append(f"| {name} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | {r['all_to_all_s']:.4f} | "
+                     f"{r['error']:+.0%} |")
+    return "\n".join(lines + [""])
 
 
 def pool(paths: list[str]) -> str:
@@ -248,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
                    "nodes": 2, "ranks_per_node": 2, "top_k": 2, "backend": "gloo"},
         "summary": _summary(records, args.min_util),
     }
-    write_results(args.out, args.stem, result, _markdown(result))
+    result["plan_check"] = plan_check(result)
+    write_results(args.out, args.stem, result, _markdown(result) + _plan_markdown(result["plan_check"]))
 
 
 def _lscpu() -> list[str]:

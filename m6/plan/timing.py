@@ -52,6 +52,7 @@ from __future__ import annotations
 import queue
 import statistics
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -356,6 +357,34 @@ def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> 
     return hw.latency_s + nbytes / (bw * 1e9)
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What step_time reads off a rank's (meta) model, the same for every setting the search times
+    on it: FLOP rates, replicated and expert parameter counts, trainable tensors, no-decay ids."""
+
+    rates: object
+    numel_rep: int
+    numel_exp: int
+    num_trainable: int
+    no_decay: frozenset
+
+
+_FACTS: "weakref.WeakKeyDictionary[nn.Module, ModelFacts]" = weakref.WeakKeyDictionary()
+_SHARD_LAYOUTS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """``model``'s facts, computed once per model object (the search times up to a few thousand
+    settings on the same rank models; walking their parameters each time dominated it)."""
+    if model not in _FACTS:
+        named = list(model.named_parameters())
+        _FACTS[model] = ModelFacts(
+            forward_flop_rates(model), sum(p.numel() for n, p in named if ".experts." not in n),
+            sum(p.numel() for n, p in named if ".experts." in n), sum(1 for _, p in named if p.requires_grad),
+            frozenset(no_decay_ids(model)))
+    return _FACTS[model]
+
+
 def nodes_per_token(top_k: int, nodes: int, max_nodes_per_token: int) -> float:
     """Expected nodes a token's ``top_k`` experts lie on, experts chosen uniformly (ASSUMED: real
     routing is skewed) over ``nodes`` nodes, or over its ``max_nodes_per_token`` best (node-limited
@@ -399,7 +428,12 @@ def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus
     the gathered or reduced bytes per rank), one latency per unit and collective, none overlapped
     with compute (an upper bound: FSDP2 prefetches the next unit's gather)."""
     device = "cpu" if hw.peak_tflops is None else "cuda"
-    layout = shard_layout(cfg, model, no_decay_ids(model), world_size, ep)
+    # shard_layout reads only the model, the degrees and optim.apply_groups off cfg: one per model and those.
+    layouts = _SHARD_LAYOUTS.setdefault(model, {})
+    key = (world_size, ep, cfg.optim.apply_groups)
+    if key not in layouts:
+        layouts[key] = shard_layout(cfg, model, model_facts(model).no_decay, world_size, ep)
+    layout = layouts[key]
     traffic = data_parallel_traffic(cfg, layout, world_size, ep, device)
     edp = world_size // ep
     dense_share = layout.dense_numel * (world_size > 1)
@@ -420,7 +454,8 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     ``model``: the rank's meta model when the caller has it (m6.plan.memory.rank_model)."""
     mb, accum = micro_batch_size(cfg.train, world_size), accumulation_steps(cfg.train, world_size)
     model = model if model is not None else rank_model(cfg, world_size, ep)
-    rates = forward_flop_rates(model)
+    facts = model_facts(model)
+    rates = facts.rates
     moe_layers = len(model.moe_layers())
     K = cfg.model.moe.top_k * cfg.model.moe.num_prototypes
     counts = densest_counts(cfg, mb)
@@ -464,8 +499,7 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             a2a_hidden = max(0.0, blocking - a2a)
         else:
             a2a = blocking
-    numel_rep = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n)
-    numel_exp = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    numel_rep, numel_exp = facts.numel_rep, facts.numel_exp
     sync = 0.0
     bucket = cfg.parallel.bucket_size_mb * 2**20
     if cfg.parallel.shard != "none":
@@ -496,7 +530,7 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     if hw.peak_tflops is None:
         update = cpu_update
     elif cfg.memory.offload != "none":
-        update = host.host_step_s(sum(1 for p in model.parameters() if p.requires_grad), numel, cfg.optim.name)
+        update = host.host_step_s(facts.num_trainable, numel, cfg.optim.name)
     else:
         update = 28.0 * numel / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0

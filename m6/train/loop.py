@@ -25,6 +25,8 @@ from m6.data.record_dataset import LoadedItem
 from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
+from m6.moe import MoELayer
+from m6.moe.all_to_all import AllToAllDispatcher
 from m6.parallel import build_parallel, join_job
 from m6.parallel.speed_probe import resolved_expert_parallel_size, speed_probe_model
 from m6.parallel.peer_check import PeerWatch
@@ -150,6 +152,9 @@ class Trainer:
 
         self.counters = TrainerCounters()
         self._last_compute_s: float | None = None  # CUDA: the previous step's, from its events (train_step)
+        self._inter_node_last = 0.0  # the dispatchers' inter-node byte count at the last step's end
+        self._has_expert_exchange = any(isinstance(m, MoELayer) and isinstance(m.dispatcher, AllToAllDispatcher)
+                                        for m in self.model.modules())
         layout = self.sharded.groups.layout
         self.state = TrainingState(
             ModelState(self.sharded, self.update.offload),
@@ -275,6 +280,11 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
+    def _inter_node_bytes(self) -> float:
+        """Inter-node payload bytes this rank's expert-parallel dispatchers have counted so far."""
+        return float(sum(m.dispatcher.inter_node_bytes for m in self.model.modules()
+                         if isinstance(m, MoELayer) and isinstance(m.dispatcher, AllToAllDispatcher)))
+
     def _rank_compute_slots(self, compute_s: float) -> list[float]:
         """This rank's compute seconds in its slot of a per-rank list, summed over ranks with the
         step's scalars: this step's on the host; on CUDA the previous step's (its events are read
@@ -336,10 +346,14 @@ class Trainer:
         grad_norm = self.update.clip(self.cfg.train.grad_clip)
         # The ranks whose gradient norm is not finite ride on the step's one scalar all-reduce: every
         # rank skips (and, fp16, backs off) together, even where their norms could differ.
-        lm_total, flops, tokens, new_skips, overflow_ranks, *rank_compute_s = self.all_reduce_sum(
+        # The inter-node payload the expert-parallel dispatchers counted this step (from their split
+        # sizes, forward and backward), summed over ranks on the same all-reduce.
+        inter_node = self._inter_node_bytes()
+        lm_total, flops, tokens, new_skips, overflow_ranks, inter_node_step, *rank_compute_s = self.all_reduce_sum(
             [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips),
-             float(not math.isfinite(grad_norm)),
+             float(not math.isfinite(grad_norm)), inter_node - self._inter_node_last,
              *self._rank_compute_slots(compute_s)])
+        self._inter_node_last = inter_node
         self.skips.total += int(new_skips)
         lm_loss = lm_total / max(num_targets, 1)
         lr = self.update.lr
@@ -364,6 +378,8 @@ class Trainer:
             **self._throughput(flops, dt), **self.activations.end_step(self.step),
             **{f"compute_s/rank{r}": s for r, s in enumerate(rank_compute_s)},
         }
+        if self._has_expert_exchange:
+            metrics["inter_node_mb"] = inter_node_step / 2**20  # all ranks, MiB; 0 inside one node
         if self.update.loss_scale is not None:  # the scale the next step uses, and the overflow skips so far
             metrics.update(loss_scale=self.update.loss_scale.scale, overflow_steps=self.update.loss_scale.overflow_steps)
         return metrics

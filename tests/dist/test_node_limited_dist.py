@@ -19,6 +19,11 @@ def test_node_limited_two_nodes_match_one_process(tmp_path):
     ranks(tmp_path / "w2na", 2, *NODE_LIMITED, "model.moe.a2a_dispatch=node_aware",
           "model.moe.a2a_overlap_degree=2", per_node=1)
     assert_same_curve(train_rows(tmp_path / "w2na"), train_rows(tmp_path / "w1"))
+    # The inter-node payload per step, logged: with each token's experts on one node, node-aware
+    # dispatch moves one row per token where the flat exchange moves one per expert.
+    flat, aware = ([r["inter_node_mb"] for r in train_rows(tmp_path / d)] for d in ("w2", "w2na"))
+    assert all(0 < a < f for a, f in zip(aware, flat)), (aware, flat)
+    assert "inter_node_mb" not in train_rows(tmp_path / "w1")[0]
 
 
 def test_node_groups_that_span_nodes_are_refused(tmp_path):
