@@ -72,10 +72,12 @@ def live_storage_bytes() -> int:
             if obj.is_meta:
                 continue
             s = obj.untyped_storage()
-        except (RuntimeError, ReferenceError):  # tensors without storage (sparse, functional wrappers)
+            if s.nbytes():
+                seen[s.data_ptr()] = s.nbytes()
+        except (RuntimeError, ReferenceError):
+            # Tensors without a storage of their own: sparse, functional wrappers, FSDP2's DTensor
+            # parameters (their local shards are tensors of their own, counted as such).
             continue
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
 
 

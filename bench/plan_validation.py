@@ -90,6 +90,11 @@ PLANS = [
     Plan("w4-ep4-bf16-off-opt-g4", 4, [*SMALL, ep(4), "model.moe.a2a_dtype=bf16", "memory.offload=optimizer",
                                        "optim.apply_groups=4"]),
     Plan("w4-ep1", 4, [*SMALL, ep(1)]),
+    # Sharded data parallel (parallel.shard, FSDP2): `--only shard` runs these four alone.
+    Plan("w2-shard-full", 2, [*SMALL, ep(1), "parallel.shard=full"]),
+    Plan("w2-ep2-shard-opt", 2, [*SMALL, ep(2), "parallel.shard=optimizer"]),
+    Plan("w4-ep1-shard-opt", 4, [*SMALL, ep(1), "parallel.shard=optimizer"]),
+    Plan("w4-ep2-shard-full", 4, [*SMALL, ep(2), "parallel.shard=full"]),
 ]
 
 

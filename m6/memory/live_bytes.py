@@ -27,6 +27,15 @@ def grad_bytes(params) -> int:
     return sum(storages.values())
 
 
+def _storage_key(t: torch.Tensor):
+    """The data pointer of ``t``'s storage, None for a tensor without a valid one of its own (FSDP2
+    frees an unsharded parameter's storage between uses; such a tensor holds no bytes)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 class LiveBytes(TorchDispatchMode):
     """Counts the bytes of tensors created inside the mode that are still alive, and their peak.
 
@@ -45,10 +54,10 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if not torch.is_tensor(t):
+            if not torch.is_tensor(t) or _storage_key(t) is None:
                 continue
             storage = t.untyped_storage()
             key = storage.data_ptr()
