@@ -11,42 +11,20 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
+from moe_cases import run_case, sized
 
 from m6.moe import MoELayer
 from m6.parallel import ParallelPlan, apply_plan, build_layout, create_process_groups
 
 
-def _layer(case: dict) -> MoELayer:
-    torch.manual_seed(0)
-    return MoELayer(16, 24, case["experts"], top_k=case["top_k"], capacity_factor=case["cf"], min_capacity=1,
-                    aux_loss_coef=0.1, z_loss_coef=0.01).double()
-
-
 def _run(rank: int, world: int, case: dict, groups, degree) -> tuple:
     """This rank's output, input gradient, all-reduced router gradient, local expert gradients,
     stats counts and the degree it ran, with the dispatcher at ``degree``."""
-    sizes = case["sizes"]
-    g = torch.Generator().manual_seed(case["seed"])
-    x_all = torch.randn(sum(sizes), 16, generator=g, dtype=torch.float64)
-    dy_all = torch.randn(x_all.shape, generator=g, dtype=torch.float64)
-    layer = _layer(case)
-    if case.get("all_to_one"):
-        with torch.no_grad():  # every token prefers the last expert (on the last rank)
-            layer.router.weight.zero_()
-            layer.router.weight[-1] = 10.0
-            x_all = x_all.abs()
-    apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_dtype=case.get("a2a_dtype"), a2a_overlap_degree=degree)
-    start = sum(sizes[:rank])
-    mine = slice(start, start + sizes[rank])
-    x = x_all[mine].clone().requires_grad_(True)
-    y, aux = layer(x)
-    ((y * dy_all[mine]).sum() + aux).backward()
-    router_grad = layer.router.weight.grad.clone()
-    dist.all_reduce(router_grad)
+    layer, _, results = run_case(rank, case, lambda layer: apply_plan(
+        layer, ParallelPlan(split=[layer]), groups, a2a_dtype=case.get("a2a_dtype"), a2a_overlap_degree=degree))
     if case["cf"] is None:  # dropless: every routed row is sent, so the byte count follows from the routing
         _check_inter_node_bytes(rank, world, layer, case)
-    return (y.detach(), x.grad, router_grad, layer.experts.w_in.grad, layer.experts.w_out.grad,
-            layer.stats.tokens_per_expert, layer.dispatcher.last_degree)
+    return (*results, layer.dispatcher.last_degree)
 
 
 def _check_inter_node_bytes(rank: int, world: int, layer: MoELayer, case: dict) -> None:
@@ -74,12 +52,7 @@ FIXED = [  # world-independent parts; sizes are per rank and filled in below
 
 
 def _cases(world: int) -> list[dict]:
-    cases = []
-    for i, case in enumerate(FIXED):
-        sizes = [2] * world if case.get("tiny") else [7 + 3 * r for r in range(world)]
-        if case.get("empty_rank"):
-            sizes[0] = 0
-        cases.append(dict(case, sizes=sizes, seed=10 + i))
+    cases = sized(FIXED, world)
     rng = random.Random(world)
     for i in range(6):  # random routings, sizes (zero included), capacities and degrees
         experts = world * rng.choice([1, 2])

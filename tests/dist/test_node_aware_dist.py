@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
+from moe_cases import run_case, sized
 
 from m6.moe import MoELayer
 from m6.moe.dispatch import Dispatcher
@@ -22,43 +23,22 @@ from m6.moe.node_aware_all_to_all import NodeAwareDispatcher
 from m6.parallel import ParallelPlan, apply_plan, build_layout, create_process_groups
 
 
-def _layer(case: dict) -> MoELayer:
-    torch.manual_seed(0)
-    return MoELayer(16, 24, case["experts"], top_k=case["top_k"], capacity_factor=case["cf"], min_capacity=1,
-                    aux_loss_coef=0.1, z_loss_coef=0.01).double()
-
-
 def _run(rank: int, world: int, per_node: int, case: dict, groups, dispatch: str, degree=1) -> tuple:
     """This rank's output, input gradient, all-reduced router gradient, local expert gradients
     and stats counts with the given dispatcher (and overlap degree; "phases": the protocol's
     dispatch, experts, combine as three calls)."""
-    sizes = case["sizes"]
-    g = torch.Generator().manual_seed(case["seed"])
-    x_all = torch.randn(sum(sizes), 16, generator=g, dtype=torch.float64)
-    dy_all = torch.randn(x_all.shape, generator=g, dtype=torch.float64)
-    layer = _layer(case)
-    if case.get("all_to_one"):
-        with torch.no_grad():  # every token prefers the last expert (on the last rank)
-            layer.router.weight.zero_()
-            layer.router.weight[-1] = 10.0
-            x_all = x_all.abs()
-    apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_dtype=case.get("a2a_dtype"), a2a_dispatch=dispatch,
-               a2a_overlap_degree=1 if degree == "phases" else degree)
-    if degree == "phases":
-        layer.dispatcher.dispatch_compute_combine = types.MethodType(Dispatcher.dispatch_compute_combine,
-                                                                     layer.dispatcher)
-    assert isinstance(layer.dispatcher, NodeAwareDispatcher) == (dispatch == "node_aware")
-    start = sum(sizes[:rank])
-    mine = slice(start, start + sizes[rank])
-    x = x_all[mine].clone().requires_grad_(True)
-    y, aux = layer(x)
-    ((y * dy_all[mine]).sum() + aux).backward()
-    router_grad = layer.router.weight.grad.clone()
-    dist.all_reduce(router_grad)
+    def install(layer: MoELayer) -> None:
+        apply_plan(layer, ParallelPlan(split=[layer]), groups, a2a_dtype=case.get("a2a_dtype"), a2a_dispatch=dispatch,
+                   a2a_overlap_degree=1 if degree == "phases" else degree)
+        if degree == "phases":
+            layer.dispatcher.dispatch_compute_combine = types.MethodType(Dispatcher.dispatch_compute_combine,
+                                                                         layer.dispatcher)
+        assert isinstance(layer.dispatcher, NodeAwareDispatcher) == (dispatch == "node_aware")
+
+    layer, x, results = run_case(rank, case, install)
     if dispatch == "node_aware" and case["cf"] is None:
-        _check_inter_node_bytes(rank, world, per_node, layer, x.detach(), case)
-    return (y.detach(), x.grad, router_grad, layer.experts.w_in.grad, layer.experts.w_out.grad,
-            layer.stats.tokens_per_expert)
+        _check_inter_node_bytes(rank, world, per_node, layer, x, case)
+    return results
 
 
 def _check_inter_node_bytes(rank: int, world: int, per_node: int, layer: MoELayer, x: torch.Tensor,
@@ -103,12 +83,7 @@ FIXED = [  # sizes are per rank and filled in below
 
 
 def _cases(world: int) -> list[dict]:
-    cases = []
-    for i, case in enumerate(FIXED):
-        sizes = [2] * world if case.get("tiny") else [7 + 3 * r for r in range(world)]
-        if case.get("empty_rank"):
-            sizes[0] = 0
-        cases.append(dict(case, sizes=sizes, seed=10 + i))
+    cases = sized(FIXED, world)
     rng = random.Random(world)
     for i in range(5):  # random routings, sizes (zero included) and capacities
         experts = world * rng.choice([1, 2, 3])
