@@ -197,8 +197,8 @@ def plan_check(result: dict) -> dict:
     payload exchanges and one counts exchange per layer; on a CPU host no overlap, so a chunked
     setting is predicted as its blocking form) plus the MEASURED compute of the same step with the
     exchanges skipped (compute_alone), against each setting's measured median step.
-    The link figures the planner is given come from probes in the same run, as
-    bench.plan_validation fits gloo's: the inter-node bandwidth per rank from the flat exchanges
+    The link figures the planner is given come from probes in the same run (bench.plan_validation
+    likewise passes measured gloo figures): the inter-node bandwidth per rank from the flat exchanges
     alone (their bytes per rank over their time, a latency taken off each), the intra-node one from
     the node-aware forwarding exchanges alone; latency 100 us (the planner's CPU default)."""
     from m6 import config as m6config

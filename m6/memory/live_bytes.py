@@ -57,10 +57,10 @@ class LiveBytes(TorchDispatchMode):
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
-            if not torch.is_tensor(t) or _storage_key(t) is None:
+            key = _storage_key(t) if torch.is_tensor(t) else None
+            if key is None:
                 continue
             storage = t.untyped_storage()
-            key = storage.data_ptr()
             if key in inputs or key in self._tracked or storage.nbytes() == 0:
                 continue
             self._tracked.add(key)
