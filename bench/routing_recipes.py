@@ -2,7 +2,7 @@
 auxiliary loss only, auxiliary-loss-free balancing only (model.moe.expert_bias_update_rate) and
 both; and the aux-free run at world size 2 (torchrun, gloo) against world size 1.
 
-    python -m bench.routing_recipes --steps 40     # ~30 min on 2 CPU cores shared with other jobs
+    python -m bench.routing_recipes --steps 300    # ~15 min on 2 CPU cores
     python -m bench.routing_recipes --steps 4      # a harness check, not a measurement
 
 Balance: per logged step and MoE layer, max/mean of the tokens routed to each expert (before
@@ -63,16 +63,47 @@ def summarise(rows: list[dict]) -> dict:
             "steps": len(rows), "tail_steps": [tail[0]["step"], tail[-1]["step"]]}
 
 
-def run_world2(steps: int, run_dir: Path) -> float:
-    """The aux-free setting at world size 2 under torchrun (gloo); returns its wall seconds."""
+def run_world2(setting: str, steps: int, run_dir: Path) -> float:
+    """``setting`` at world size 2 under torchrun (gloo); returns its wall seconds."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-           str(REPO / "train.py"), "--config", TINY, *SETTINGS["aux-free only"], *common(steps, run_dir)]
+           str(REPO / "train.py"), "--config", TINY, *SETTINGS[setting], *common(steps, run_dir)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
         raise SystemExit(f"world-2 run failed:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    summary = run_dir / "summary.json"
+    return summary.is_file() and json.loads(summary.read_text()).get("steps") == steps
+
+
+def timed(run_dir: Path, run) -> dict:
+    """Run ``run`` (returns its wall seconds, or None to time it here) unless an interrupted
+    invocation finished it; its times kept in the run dir, so a reused run reports them too."""
+    times = run_dir / "bench_times.json"
+    if not times.is_file():
+        t0, c0 = time.perf_counter(), time.process_time()
+        wall = run()
+        times.write_text(json.dumps({"wall_s": wall if wall is not None else time.perf_counter() - t0,
+                                     "cpu_s": None if wall is not None else time.process_time() - c0}))
+    return json.loads(times.read_text())
+
+
+def compare_worlds(w1_rows: list[dict], w2_rows: list[dict]) -> dict:
+    """Where a world-2 run leaves the world-1 run: the first step whose routing counts (or expert
+    biases) differ, and the largest relative LM-loss difference before that step and over all."""
+    def first(key: str) -> int | None:
+        return next((a["step"] for a, b in zip(w1_rows, w2_rows) if a.get(key) != b.get(key)), None)
+    routing = first("expert_tokens")
+    rel = [(a["step"], abs(a["lm_loss"] - b["lm_loss"]) / abs(a["lm_loss"])) for a, b in zip(w1_rows, w2_rows)]
+    return {"first_step_routing_differs": routing, "first_step_bias_differs": first("expert_bias"),
+            "max_rel_lm_loss_diff_before_routing_differs": max((r for s, r in rel if routing is None or s < routing),
+                                                               default=0.0),
+            "max_rel_lm_loss_diff": max(r for _, r in rel),
+            "mean_rel_lm_loss_diff_last20": statistics.mean(r for _, r in rel[-max(1, len(rel) // 5):])}
 
 
 def main() -> None:
@@ -86,35 +117,28 @@ def main() -> None:
     results: dict[str, dict] = {}
     for name, overrides in SETTINGS.items():
         run_dir = work / name.replace(" ", "-")
-        finished = run_dir / "summary.json"
-        if finished.is_file() and json.loads(finished.read_text()).get("steps") == args.steps:
-            # A run an interrupted invocation finished (--work kept): its rows are the measurement.
-            results[name] = {**summarise(rows_of(run_dir)), "wall_s": None, "cpu_s": None, "overrides": overrides,
-                             "reused_run": True}
-            continue
-        t0, c0 = time.perf_counter(), time.process_time()
-        Trainer(load(TINY, [*overrides, *common(args.steps, run_dir)])).fit()
-        results[name] = {**summarise(rows_of(run_dir)), "wall_s": time.perf_counter() - t0,
-                         "cpu_s": time.process_time() - c0, "overrides": overrides}
-    w2_dir = work / "aux-free-world2"
-    finished = w2_dir / "summary.json"
-    if finished.is_file() and json.loads(finished.read_text()).get("steps") == args.steps:
-        w2_wall = None  # run by an earlier, interrupted invocation
-    else:
-        w2_wall = run_world2(args.steps, w2_dir)
-    w1_rows, w2_rows = rows_of(work / "aux-free-only"), rows_of(w2_dir)
-    world = {
-        "wall_s": w2_wall,
-        "bias_equal_every_step": [r["expert_bias"] for r in w1_rows] == [r["expert_bias"] for r in w2_rows],
-        "max_rel_lm_loss_diff": max(abs(a["lm_loss"] - b["lm_loss"]) / abs(b["lm_loss"]) for a, b in zip(w2_rows, w1_rows)),
-        "final_max_abs_bias": {k: v for k, v in w1_rows[-1].items() if k.endswith("expert_bias_max_abs")},
-        **summarise(w2_rows),
-    }
+        if finished(run_dir, args.steps) and not (run_dir / "bench_times.json").is_file():
+            raise SystemExit(f"{run_dir} holds a finished run without its times: remove it or use another --work")
+        times = timed(run_dir, lambda: Trainer(load(TINY, [*overrides, *common(args.steps, run_dir)])).fit())
+        results[name] = {**summarise(rows_of(run_dir)), **times, "overrides": overrides}
+    # At world size 2 the same runs sum their gradients in another order (two half batches): the
+    # weights leave world 1's at the last bit, and once a token's top-k choice flips the routing
+    # counts, and with them the bias's sign updates, differ. The aux-loss-only pair (no bias)
+    # shows how soon that happens without the bias.
+    worlds: dict[str, dict] = {}
+    for name in ("aux loss only", "aux-free only"):
+        w2_dir = work / (name.replace(" ", "-") + "-world2")
+        times = timed(w2_dir, lambda: run_world2(name, args.steps, w2_dir))
+        w1_rows, w2_rows = rows_of(work / name.replace(" ", "-")), rows_of(w2_dir)
+        worlds[name] = {**times, **compare_worlds(w1_rows, w2_rows), **summarise(w2_rows)}
+    world = worlds["aux-free only"]
+    world["final_max_abs_bias"] = {k: v for k, v in rows_of(work / "aux-free-only")[-1].items()
+                                   if k.endswith("expert_bias_max_abs")}
     machine = machine_info(torch.device("cpu"))
     machine["lscpu"] = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()[:10]
     command = f"python -m bench.routing_recipes --steps {args.steps}"
     result = {"command": command, "config": "configs/tiny.yaml", "steps": args.steps, "rate": RATE,
-              "settings": results, "aux_free_world2": world, "machine": machine}
+              "settings": results, "world2": worlds, "machine": machine}
     lines = [f"# Routing recipes on configs/tiny.yaml, {args.steps} steps (CPU)", "",
              f"`{command}` on {machine['cpu_model']} ({machine['cpu_count']} cores, shared with other jobs), "
              f"torch {machine['torch']}. Warmup {max(1, args.steps // 10)} steps, then cosine to step {args.steps}. "
@@ -128,10 +152,17 @@ def main() -> None:
         lines.append(f"| {name} | {r['max_over_mean_last20']:.3f} | {layers} | {r['dropped_fraction_last20']:.3f} | "
                      f"{r['lm_loss_last20']:.4f} | {r['lm_loss_final']:.4f} | "
                      f"{'-' if r['wall_s'] is None else format(r['wall_s'], '.0f')} |")
-    lines += ["", f"Aux-free only at world size 2 (torchrun, 2 gloo processes, 1 thread each): expert bias "
-              f"{'equal to world 1 at every step' if world['bias_equal_every_step'] else 'DIFFERENT from world 1'}; "
-              f"largest relative LM-loss difference over the {args.steps} steps {world['max_rel_lm_loss_diff']:.1e}; "
-              f"max/mean load (last 20%) {world['max_over_mean_last20']:.3f}.", ""]
+    lines += ["", "The same settings at world size 2 (torchrun, 2 gloo processes, 1 thread each) against world size 1:", "",
+              "| setting | first step with other routing counts | first step with another expert bias | "
+              "largest relative LM-loss difference before it | largest over all steps | mean over the last 20% | "
+              "max/mean load (last 20%) |", "|---|---|---|---|---|---|---|"]
+    for name, w in worlds.items():
+        never = lambda v: "none" if v is None else str(v)  # noqa: E731
+        bias = never(w["first_step_bias_differs"]) if name == "aux-free only" else "(no bias)"
+        lines.append(f"| {name} | {never(w['first_step_routing_differs'])} | {bias} | "
+                     f"{w['max_rel_lm_loss_diff_before_routing_differs']:.1e} | {w['max_rel_lm_loss_diff']:.1e} | "
+                     f"{w['mean_rel_lm_loss_diff_last20']:.1e} | {w['max_over_mean_last20']:.3f} |")
+    lines.append("")
     write_results(args.out, "routing_recipes-cpu-2core", result, "\n".join(lines))
 
 
