@@ -28,10 +28,10 @@ def grad_bytes(params) -> int:
 
 
 def _storage_key(t: torch.Tensor):
-    """The data pointer of ``t``'s storage, None for a tensor without a valid one of its own (FSDP2
-    frees an unsharded parameter's storage between uses; such a tensor holds no bytes)."""
+    """The identity of ``t``'s storage (its StorageImpl, stable across ``resize_``), None for a
+    tensor without a storage of its own (a DTensor wrapper: its local shard is a tensor of its own)."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage()._cdata
     except RuntimeError:
         return None
 
@@ -40,17 +40,46 @@ class LiveBytes(TorchDispatchMode):
     """Counts the bytes of tensors created inside the mode that are still alive, and their peak.
 
     Only storages an op allocated (not its inputs' storages, so in-place updates count nothing);
-    each is subtracted when Python frees it.
+    each is subtracted when Python frees it. Storages given bytes by ``UntypedStorage.resize_``
+    inside the mode count too, from the resize on: FSDP2 gathers a parameter into its unsharded
+    storage that way and frees it with ``resize_(0)``, and m6's parameter offload does the same
+    with its device buffers; neither is an op the dispatch mode sees. A storage that held bytes
+    before the mode and is resized inside it is left alone (its bytes belong to what was live at
+    the start).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live = self.peak = 0
-        self._tracked: set[int] = set()
+        self._counted: dict[int, int] = {}  # storage key -> bytes counted for it
 
-    def _free(self, key: int, nbytes: int) -> None:
-        self._tracked.discard(key)
-        self.live -= nbytes
+    def _free(self, key: int) -> None:
+        self.live -= self._counted.pop(key, 0)
+
+    def _count(self, storage: torch.UntypedStorage, key: int, nbytes: int) -> None:
+        self.live += nbytes - self._counted.get(key, 0)
+        if key not in self._counted:
+            weakref.finalize(storage, self._free, key)
+        self._counted[key] = nbytes
+        self.peak = max(self.peak, self.live)
+
+    def __enter__(self) -> "LiveBytes":
+        self._resize = resize = torch.UntypedStorage.resize_
+        counter = self
+
+        def counted_resize(storage, size):
+            key, before = storage._cdata, storage.nbytes()
+            out = resize(storage, size)
+            if key in counter._counted or before == 0:
+                counter._count(storage, key, storage.nbytes())
+            return out
+
+        torch.UntypedStorage.resize_ = counted_resize
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -58,13 +87,10 @@ class LiveBytes(TorchDispatchMode):
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             key = _storage_key(t) if torch.is_tensor(t) else None
-            if key is None:
+            if key is None or key in inputs or key in self._counted:
                 continue
             storage = t.untyped_storage()
-            if key in inputs or key in self._tracked or storage.nbytes() == 0:
+            if storage.nbytes() == 0:
                 continue
-            self._tracked.add(key)
-            self.live += storage.nbytes()
-            weakref.finalize(storage, self._free, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
+            self._count(storage, key, storage.nbytes())
         return out
