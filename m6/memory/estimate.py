@@ -47,7 +47,7 @@ from m6.config import Config, accumulation_steps, micro_batch_size
 from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes
 from m6.moe import MoELayer
 from m6.memory.grouped_apply import split_apply_groups
-from m6.memory.shard_estimate import fused_update, shard_layout, sharded_states
+from m6.memory.shard_estimate import fused_update, shard_layout, sharded_backward, sharded_states
 
 
 COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)",
@@ -206,7 +206,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     acts = activation_report(cfg, world_size, ep, device_type)
     kept, redo = kept_activations(cfg, acts)
     if cfg.parallel.shard != "none":
-        return _sharded_report(cfg, model, no_decay, world_size, ep, device_type, acts, kept, redo)
+        return _sharded_report(cfg, model, no_decay, world_size, ep, device_type, acts)
     accum = accumulation_steps(cfg.train, world_size)
     # Gradients summed over other ranks travel in flat bucket copies: replicated ones whenever
     # world > 1, expert ones when another rank holds the same experts.
@@ -278,21 +278,26 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
 
 
 def _sharded_report(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int, ep: int, device_type: str,
-                    acts: ActivationBytes, kept: float, redo: float) -> MemoryReport:
-    """parallel.shard optimizer/full (m6.memory.shard_estimate): shards resident; in backward the
-    activations, gathered parameters and unsharded gradients on top (counted together: an upper
-    bound); the update over the gradient shards. No offload (a config error with sharding)."""
-    states = sharded_states(cfg, shard_layout(cfg, model, no_decay, world_size, ep), world_size, device_type)
-    device = {**states, "activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
-              "backward transients": max(acts.backward_transient, redo)}
+                    acts: ActivationBytes) -> MemoryReport:
+    """parallel.shard optimizer/full (m6.memory.shard_estimate): shards and optimizer state
+    resident; backward walked unit by unit (activations not yet released, gathered parameters,
+    unsharded and sharded gradients at each); the update over the gradient shards. No offload (a
+    config error with sharding)."""
+    layout = shard_layout(cfg, model, no_decay, world_size, ep)
+    states = sharded_states(cfg, layout, world_size, device_type)
+    recomputed = recomputed_parts(cfg, acts)
+    redo = max((acts.parts[n][0] for n in recomputed), default=0.0)
+    transient = max(acts.a2a_buffers, acts.backward_transient, redo)
+    backward = sharded_backward(cfg, layout, acts.kept_by_unit(recomputed), transient, world_size, device_type)
+    device = {**states, "activations (per micro-batch)": acts.kept(recomputed), "all-to-all buffers": acts.a2a_buffers,
+              "backward transients": max(acts.backward_transient, redo),
+              "gathered parameters": backward.gathered, "unsharded gradients": backward.unsharded_grads}
     resident = states["params"] + states["optimizer state"]
-    backward = kept + max(acts.a2a_buffers, acts.backward_transient, redo) + states["gathered parameters"] \
-        + states["unsharded gradients"] + states["grads"]
     update = states["grads"] + states["optimizer step temporaries"]
     host = {"checkpoint staging": resident} if cfg.checkpoint.async_save else {}  # the staged shards
     host_resident = sum(host.values())
-    return MemoryReport(device=device, host=host, peak_device=resident + max(backward, update),
-                        peak_host=host_resident, peak_shared=resident + host_resident + max(backward, update))
+    return MemoryReport(device=device, host=host, peak_device=resident + max(backward.peak, update),
+                        peak_host=host_resident, peak_shared=resident + host_resident + max(backward.peak, update))
 
 
 def _units_of(model: nn.Module, name: str) -> tuple[str, str]:

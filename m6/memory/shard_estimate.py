@@ -4,17 +4,23 @@ the expert-data-parallel ranks, FSDP2 units = each MoE layer's experts, each blo
 
 A sharded tensor holds ceil(rows / degree) rows of dim 0 per rank (FSDP2 pads dim 0), so the
 shards' bytes are those of meta tensors of that shape. What lives all the time: the fp32 shard of
-every parameter and its two AdamW moments. Over a step, on top (an upper bound: the parts below
-are added as if all were held at the same moment of backward):
-  gathered parameters   full: the root (gathered for the whole step) + the two largest other
-                        units (the one running and the one prefetched); optimizer: every unit
-                        (gathered in forward, freed after its backward); in the gather dtype
-                        (bf16 with train.precision bf16: FSDP2's MixedPrecisionPolicy);
-  unsharded gradients   the two largest units' gradients in the gather dtype and their fp32
-                        reduce-scatter input; with accumulation, every unit's (kept unsharded
-                        between micro-batches) in fp32;
-  sharded gradients     the fp32 shard of every gradient;
-  activations           as without sharding (m6.memory.estimate).
+every parameter and its two AdamW moments. Backward is walked unit by unit as it runs (head,
+blocks last to first, embeddings), and at each unit the estimate adds to the activations not yet
+released (``sharded_backward``):
+  gathered parameters   the root's (gathered for the whole step); full: the block running and the
+                        one FSDP2 prefetches; optimizer: every block not yet done (gathered since
+                        forward, each freed after its own backward); in the gather dtype (bf16
+                        with train.precision bf16: FSDP2's MixedPrecisionPolicy);
+  unsharded gradients   the root's gradients (its head's are made first, reduced last, with the
+                        embeddings'), and the running unit's gradients in the gather dtype, with
+                        the largest transient of a unit's backward (as without sharding,
+                        m6.memory.estimate) while backward makes them, then with their fp32
+                        reduce-scatter input (FSDP2 copies them into one flat buffer, then drops
+                        them), whichever is more; an MoE block's experts and the rest of the
+                        block are separate units, reduced one after the other. With
+                        accumulation, every unit's fp32 gradients, kept unsharded between
+                        micro-batches;
+  sharded gradients     the fp32 shards of the blocks done so far.
 """
 
 from __future__ import annotations
@@ -36,11 +42,17 @@ class ShardLayout:
 
     shard_numel: int  # elements of this rank's shards (padding rows included)
     num_tensors: int
-    unit_numel: list[int]  # whole (gathered) elements of each non-root unit
+    blocks: list[tuple[int, int, int]]  # per block, forward order: whole dense, whole expert, shard elements
     root_numel: int
+    root_shard_numel: int
     dense_numel: int  # whole elements of the dense (replicated) parameters
     expert_numel: int  # whole elements of this EP rank's experts
     largest_update_call: int  # elements of the largest foreach AdamW call over shards
+
+    @property
+    def unit_numel(self) -> list[int]:
+        """Whole (gathered) elements of each non-root FSDP2 unit: a block's dense part, its experts."""
+        return [n for dense, experts, _ in self.blocks for n in ((dense, experts) if experts else (dense,))]
 
 
 def _shard_shape(p: nn.Parameter, degree: int) -> torch.Size:
@@ -56,11 +68,12 @@ def shard_layout(cfg: Config, model: nn.Module, no_decay: set[int], world_size: 
     params = [p for p in model.parameters() if p.requires_grad]
     shards = {id(p): torch.empty(_shard_shape(p, edp if id(p) in expert_ids else world_size), device="meta")
               for p in params}
-    units = []
+    blocks = []
     for block in getattr(model, "blocks", []):
         block_params = [p for p in block.parameters() if p.requires_grad]
-        units.append(sum(p.numel() for p in block_params if id(p) not in expert_ids))
-        units += [sum(p.numel() for p in m.experts.parameters()) for m in block.modules() if isinstance(m, MoELayer)]
+        blocks.append((sum(p.numel() for p in block_params if id(p) not in expert_ids),
+                       sum(p.numel() for p in block_params if id(p) in expert_ids),
+                       sum(shards[id(p)].numel() for p in block_params)))
     in_blocks = {id(p) for b in getattr(model, "blocks", []) for p in b.parameters()}
     replicated = [shards[id(p)] for p in params if id(p) not in expert_ids]
     experts = [shards[id(p)] for p in params if id(p) in expert_ids]
@@ -70,8 +83,9 @@ def shard_layout(cfg: Config, model: nn.Module, no_decay: set[int], world_size: 
     largest = max((sum(t.numel() for t in g if (id(t) in decayed) == d) for g in groups for d in (True, False)),
                   default=0)
     return ShardLayout(
-        shard_numel=sum(t.numel() for t in shards.values()), num_tensors=len(params), unit_numel=units,
+        shard_numel=sum(t.numel() for t in shards.values()), num_tensors=len(params), blocks=blocks,
         root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
+        root_shard_numel=sum(shards[id(p)].numel() for p in params if id(p) not in in_blocks),
         dense_numel=sum(p.numel() for p in params if id(p) not in expert_ids),
         expert_numel=sum(p.numel() for p in params if id(p) in expert_ids), largest_update_call=largest)
 
@@ -91,23 +105,59 @@ def fused_update(cfg: Config, device_type: str) -> bool:
 
 
 def sharded_states(cfg: Config, layout: ShardLayout, world_size: int, device_type: str) -> dict[str, float]:
-    """Bytes per component of one rank's sharded training state (names as m6.memory.estimate's)."""
-    g = gather_bytes(cfg, device_type)
-    two_largest = sum(sorted(layout.unit_numel, reverse=True)[:2])
-    if cfg.parallel.shard == "full":
-        gathered = g * (layout.root_numel + two_largest)
-    else:
-        gathered = g * (layout.root_numel + sum(layout.unit_numel))
-    accumulating = accumulation_steps(cfg.train, world_size) > 1
-    unsharded = (g + 4.0) * two_largest + (4.0 * (layout.dense_numel + layout.expert_numel) if accumulating else 0.0)
+    """Bytes of one rank's sharded training state that the update holds (names as
+    m6.memory.estimate's): shards, their gradients and optimizer state, the step's temporaries."""
     return {
         "params": 4.0 * layout.shard_numel,
         "grads": 4.0 * layout.shard_numel,
         "optimizer state": 8.0 * layout.shard_numel + 4.0 * layout.num_tensors,
         "optimizer step temporaries": 0.0 if fused_update(cfg, device_type) else 4.0 * layout.largest_update_call,
-        "gathered parameters": float(gathered),
-        "unsharded gradients": float(unsharded),
     }
+
+
+@dataclass(frozen=True)
+class ShardedBackward:
+    """The backward's high-water mark over the resident shards, and what it holds there."""
+
+    peak: float  # bytes on top of the resident shards and optimizer state
+    activations: float
+    gathered: float  # gathered parameters at the peak
+    unsharded_grads: float  # unsharded gradients (and reduce-scatter input) at the peak
+    sharded_grads: float  # gradient shards made by then
+    unit: str  # the unit whose backward it is
+
+
+def sharded_backward(cfg: Config, layout: ShardLayout, kept_by_unit: dict[str, float], transient: float,
+                     world_size: int, device_type: str) -> ShardedBackward:
+    """Walk backward unit by unit (``kept_by_unit``: the activations each unit releases, in
+    backward order: head, blocks.<last>..blocks.0, embeddings) and return its worst moment (module
+    docstring). ``transient``: the largest transient of one unit's backward, added at every unit."""
+    g = gather_bytes(cfg, device_type)
+    full = cfg.parallel.shard == "full"
+    whole = [dense + experts for dense, experts, _ in layout.blocks]
+    accumulated = 4.0 * (layout.dense_numel + layout.expert_numel) \
+        if accumulation_steps(cfg.train, world_size) > 1 else 0.0
+    held = sum(kept_by_unit.values())
+    worst = ShardedBackward(0.0, 0.0, 0.0, 0.0, 0.0, "")
+    for unit, acts in kept_by_unit.items():
+        i = int(unit.split(".")[1]) if unit.startswith("blocks.") else (len(whole) if unit == "head" else -1)
+        # Blocks gathered now: full, the running one and the prefetched one (at the head, the
+        # last block is prefetched); optimizer, every block whose backward has not finished.
+        running = [j for j in ((i, i - 1) if full else range(i + 1)) if 0 <= j < len(whole)]
+        gathered = g * (layout.root_numel + sum(whole[j] for j in running))
+        # The running unit (a block's experts, then the rest of the block): its gradients as
+        # backward makes them, beside the unit's transient; then, once all are made, their
+        # reduce-scatter input beside them (the transient is over by then).
+        n = max(layout.blocks[i][:2]) if 0 <= i < len(whole) else 0
+        made = 0.0 if accumulated else g * n  # accumulated: they exist already
+        reducing = 4.0 * n >= transient
+        unsharded = (accumulated or g * layout.root_numel) + made + (4.0 * n if reducing else 0.0)
+        sharded = 4.0 * sum(shard for _, _, shard in layout.blocks[max(i, 0):]) if unit != "head" else 0.0
+        total = held + gathered + unsharded + (0.0 if reducing else transient) + sharded
+        if total > worst.peak:
+            worst = ShardedBackward(total, held, gathered, unsharded, sharded, unit)
+        held -= acts
+    return worst
 
 
 def data_parallel_traffic(cfg: Config, layout: ShardLayout, world_size: int, ep: int,

@@ -23,7 +23,8 @@ SMALL = ["model.d_model=64", "model.num_layers=2", "model.num_heads=2", "model.f
 # Each plan in fresh processes: a Trainer dropped in a process once left part of its memory alive
 # (the gradient sync's hook cycle, fixed in 8738bae), which would count in the next plan's measured
 # peak. Full recompute too: its first-step profiling once kept a whole forward alive for the run.
-PLANS = [[], ["train.micro_batch_size=2", "memory.offload=optimizer"], ["memory.activation_checkpointing=full"]]
+PLANS = [[], ["train.micro_batch_size=2", "memory.offload=optimizer"], ["memory.activation_checkpointing=full"],
+         ["parallel.shard=full"], ["parallel.shard=optimizer", "parallel.expert_parallel_size=1"]]
 
 
 def _measure(rank: int, world: int, root: str, extra: list[str]) -> None:
@@ -53,7 +54,8 @@ def _measure(rank: int, world: int, root: str, extra: list[str]) -> None:
         assert planned == pytest.approx(host, rel=0.10), (rank, planned, host)
 
 
-@pytest.mark.parametrize("extra", PLANS, ids=["plain", "offload-accumulation", "full-recompute"])
+@pytest.mark.parametrize("extra", PLANS, ids=["plain", "offload-accumulation", "full-recompute", "shard-full",
+                                              "shard-optimizer-ep1"])
 def test_predicted_peak_matches_world2_run(tmp_path, extra) -> None:
     run_distributed(_measure, 2, str(tmp_path), extra, timeout_s=120)
 
@@ -62,17 +64,19 @@ def _probe(rank: int, world: int) -> None:
     sizes = [16384, 262144]
     out = probe_collectives(sizes, reps=3)
     assert out["statistic"] == "mean" and out["world_size"] == world
-    for op in ("all_reduce", "all_to_all"):
+    ops = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
+    for op in ops:
         assert sorted(int(n) for n in out[op]) == sizes, (op, out[op])  # [rows, 64] fp32 rows split evenly
         assert all(t > 0 for t in out[op].values())
         assert sorted(out["median"][op]) == sorted(out[op])
     # The slowest rank's figures: every rank holds the same ones.
-    mine = torch.tensor([out[op][str(n)] for op in ("all_reduce", "all_to_all") for n in sizes], dtype=torch.float64)
+    mine = torch.tensor([out[op][str(n)] for op in ops for n in sizes], dtype=torch.float64)
     lowest = mine.clone()
     dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
     assert torch.equal(mine, lowest)
 
 
 def test_link_probe_runs_m6s_exchange_at_world2() -> None:
-    """The bench's link probe (its all-to-all is m6's own, uneven-split API) at world 2."""
+    """The bench's link probe (its all-to-all is m6's own, uneven-split API; FSDP2's all-gather and
+    reduce-scatter beside it) at world 2."""
     run_distributed(_probe, 2, timeout_s=60)
