@@ -181,9 +181,11 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
 
 
 def probe_collectives(sizes: list[int], reps: int) -> dict:
-    """Mean seconds of all_reduce (fp32, ``n`` bytes per rank) and all_to_all (``n`` bytes sent by
-    each rank, (W-1)/W of them to others) at each size, issued as a step issues them, over the
-    default process group; every rank returns the same figures.
+    """Mean seconds of all_reduce (fp32, ``n`` bytes per rank), all_to_all (``n`` bytes sent by
+    each rank, (W-1)/W of them to others), and FSDP2's all_gather_into_tensor and
+    reduce_scatter_tensor (``n`` bytes gathered / reduced, a 1/W shard in or out) at each size,
+    issued as a step issues them, over the default process group; every rank returns the same
+    figures.
 
     As in a step, each call moves freshly made tensors: the all-to-all through m6's own exchange
     (m6.moe.all_to_all.all_to_all: uneven-split API, a new receive buffer per call), the
@@ -198,13 +200,21 @@ def probe_collectives(sizes: list[int], reps: int) -> dict:
 
     world = dist.get_world_size()
     group = dist.group.WORLD
-    out = {"world_size": world, "statistic": "mean", "all_reduce": {}, "all_to_all": {},
-           "median": {"all_reduce": {}, "all_to_all": {}}}  # beside the mean, to show the tail
+    ops_timed = ("all_reduce", "all_to_all", "all_gather", "reduce_scatter")
+    out = {"world_size": world, "statistic": "mean", **{op: {} for op in ops_timed},
+           "median": {op: {} for op in ops_timed}}  # beside the mean, to show the tail
     for nbytes in sizes:
         rows = nbytes // 4 // 64 // world * world  # [rows, 64] fp32, an equal share to each rank
         splits = [rows // world] * world
-        ops = (("all_reduce", lambda: torch.randn(rows * 64), dist.all_reduce),
-               ("all_to_all", lambda: torch.randn(rows, 64), lambda x: all_to_all(x, splits, splits, group)))
+        whole = rows * 64
+        # FSDP2's collectives (parallel.shard), keyed like the others by the whole tensor's bytes:
+        # a shard gathered into a new flat buffer, a new flat buffer reduce-scattered into one.
+        ops = (("all_reduce", lambda: torch.randn(whole), dist.all_reduce),
+               ("all_to_all", lambda: torch.randn(rows, 64), lambda x: all_to_all(x, splits, splits, group)),
+               ("all_gather", lambda: torch.randn(whole // world),
+                lambda x: dist.all_gather_into_tensor(torch.empty(whole), x)),
+               ("reduce_scatter", lambda: torch.randn(whole),
+                lambda x: dist.reduce_scatter_tensor(torch.empty(whole // world), x)))
         for name, make, op in ops:
             times = []
             for i in range(reps + 2):

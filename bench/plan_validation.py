@@ -50,7 +50,7 @@ from bench.plan_measure import BASE_CONFIG, COMMON
 from m6.config import load
 from m6.memory.estimate import activation_report
 from m6.plan.memory import RankMemory
-from m6.plan.timing import HostProfile, cpu_hardware, step_time
+from m6.plan.timing import GLOO_GATHER_SCATTER_COST, HostProfile, cpu_hardware, step_time
 
 CORES = os.cpu_count() or 1
 MEMORY_TARGET, TIME_TARGET = 0.10, 0.15
@@ -123,7 +123,10 @@ def torchrun(world_size: int, args: list[str], timeout: int = 600) -> None:
 
 
 def fit_link(probe: dict) -> dict:
-    """Least-squares latency and bandwidth from both collectives, each x by the planner's formula."""
+    """Least-squares latency and bandwidth from the all-to-all and all-reduce, each x by the
+    planner's formula; then how much an all-gather or reduce-scatter costs against the ring model
+    at that latency and bandwidth (Hardware.gather_scatter_cost: least squares through the origin
+    of their time over the latency against (n-1)/n x bytes / bandwidth, so the large sizes weigh)."""
     n = probe["world_size"]
     xs, ys = [], []
     for nbytes, t in probe["all_to_all"].items():
@@ -135,7 +138,10 @@ def fit_link(probe: dict) -> dict:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     latency = max(my - slope * mx, 1e-6)
-    return {"latency_us": latency * 1e6, "GBps": 1 / slope / 1e9, "probe": probe}
+    ring = [((n - 1) / n * int(nbytes) * slope, t - latency)
+            for op in ("all_gather", "reduce_scatter") for nbytes, t in probe.get(op, {}).items()]
+    cost = sum(x * y for x, y in ring) / sum(x * x for x, _ in ring) if ring else GLOO_GATHER_SCATTER_COST
+    return {"latency_us": latency * 1e6, "GBps": 1 / slope / 1e9, "gather_scatter_cost": cost, "probe": probe}
 
 
 def measure_link(world_size: int) -> dict:
@@ -154,7 +160,7 @@ def predict(plan: Plan, link: dict, profiles: dict[int, HostProfile]) -> tuple[l
         none = activation_report(cfg, world, ep_size, "cpu").kept()
         overrides.append(f"memory.activation_budget_gb={0.5 * none / 2**30:.6f}")
         cfg = load(BASE_CONFIG, [*COMMON, *overrides])
-    hw = cpu_hardware(1e6, link["GBps"], link["latency_us"] * 1e-6)
+    hw = cpu_hardware(1e6, link["GBps"], link["latency_us"] * 1e-6, link["gather_scatter_cost"])
     threads = threads_per_rank(world)
     host = profiles.setdefault(world, HostProfile(threads, concurrent=world))
     rm = RankMemory(cfg, world, ep_size, "cpu")
@@ -219,7 +225,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"Machine: {info['cpu_model']}, {info['cpu_count']} cores (shared with other agents); torch "
              f"{info['torch']}; `{info['command']}`; {info['date']}.",
              f"Link (measured, passed to the planner): " + "; ".join(
-                 f"world {w}: latency {l['latency_us']:.0f} us, {l['GBps']:.2f} GB/s" for w, l in info["links"].items()),
+                 f"world {w}: latency {l['latency_us']:.0f} us, {l['GBps']:.2f} GB/s, all-gather / reduce-scatter "
+                 f"{l['gather_scatter_cost']:.2f}x a ring's time" for w, l in info["links"].items()),
              "Link probe, mean / median time per call (the tail a step pays; mean fitted): " + "; ".join(
                  f"world {w}: {tail_ratios(l['probe'])}" for w, l in info["links"].items()),
              "", "Targets: predicted peak within 10%, predicted step time within 15% of the measured ones.", "",
@@ -276,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     plans = [pl for pl in PLANS if args.only is None or args.only in pl.name]
     worlds = sorted({pl.world_size for pl in plans if pl.world_size > 1})
     links = {w: measure_link(w) for w in worlds}
-    links[1] = {"latency_us": 100.0, "GBps": 1.0, "probe": None}  # world 1 communicates nothing
+    links[1] = {"latency_us": 100.0, "GBps": 1.0, "gather_scatter_cost": 1.0,
+                "probe": None}  # world 1 communicates nothing
     for w in worlds:
         print(f"link at world {w}: latency {links[w]['latency_us']:.0f} us, {links[w]['GBps']:.2f} GB/s", flush=True)
     rows = []

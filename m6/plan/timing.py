@@ -59,6 +59,7 @@ from typing import Callable, Optional
 import torch
 import torch.multiprocessing as mp
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from m6.batch_format import IGNORE_INDEX, SEG_SOURCE, SEG_TARGET
 from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
@@ -92,6 +93,10 @@ class Hardware:
     # Datasheet matmul peaks by precision (dense), for work that does not run at ``precision``
     # (the router GEMM); a precision missing here runs at the fp32 rate (no unit for it).
     matmul_tflops: tuple[tuple[str, float], ...] = ()
+    # Time per byte of an all-gather or reduce-scatter against a ring's ((n-1)/n of the gathered or
+    # reduced bytes over the bandwidth): 1 for NCCL's rings; gloo's on a CPU host cost about an
+    # all-reduce of the same tensor, 2 (bench.plan_measure's probe measures it).
+    gather_scatter_cost: float = 1.0
 
     def matmul_peak(self, precision: str) -> float:
         """TFLOP/s of a matmul at ``precision`` (tf32/bf16 without their unit: the fp32 rate)."""
@@ -116,9 +121,14 @@ GPUS = {
 }
 
 
-def cpu_hardware(memory_gib: float, intra_GBps: float, latency_s: float) -> Hardware:
+GLOO_GATHER_SCATTER_COST = 2.0  # gloo's all-gather / reduce-scatter vs a ring's bytes (Hardware.gather_scatter_cost)
+
+
+def cpu_hardware(memory_gib: float, intra_GBps: float, latency_s: float,
+                 gather_scatter_cost: float = GLOO_GATHER_SCATTER_COST) -> Hardware:
     """This host as the device: compute and the update are measured; network figures given."""
-    return Hardware("cpu (this host)", None, 1.0, memory_gib, intra_GBps, intra_GBps, 0.0, latency_s, 0.0, "fp32")
+    return Hardware("cpu (this host)", None, 1.0, memory_gib, intra_GBps, intra_GBps, 0.0, latency_s, 0.0, "fp32",
+                    gather_scatter_cost=gather_scatter_cost)
 
 
 @dataclass
@@ -165,9 +175,38 @@ def _profile_model(cfg: Config, world_size: int, ep: int, recompute: frozenset,
         wire = torch.bfloat16 if cfg.model.moe.a2a_dtype == "bf16" else None
         for layer in model.moe_layers().values():
             layer.dispatcher = LoopbackDispatcher(cfg.model.moe.num_experts, ep, wire, sync)
+    if sync is not None and cfg.parallel.shard != "none":
+        _wait_at_shard_units(model, sync)
     if recompute:
         RecomputeParts(model).apply(sorted(recompute))
     return model
+
+
+def _wait_at_shard_units(model: nn.Module, sync: Callable[[], None]) -> None:
+    """parallel.shard: FSDP2 all-gathers each unit's parameters before its forward and, as its
+    backward begins, gathers them again (full) and reduce-scatters the unit backward finished
+    last: each is a point where the ranks wait for each other. The profiled rank waits there too:
+    before each block's and each MoE layer's experts' forward, and when the gradient of their
+    output arrives (the root's are the step's start and end, already waits)."""
+    def before_backward(grad: torch.Tensor) -> None:
+        sync()
+
+    def in_backward() -> bool:  # a recompute's forward inside backward: gathered already, no new waits
+        return torch._C._current_graph_task_id() != -1
+
+    def before_forward(*_) -> None:
+        if not in_backward():
+            sync()
+
+    def after_forward(_module, _args, output) -> None:
+        out = next((t for t in tree_leaves(output) if torch.is_tensor(t) and t.requires_grad), None)
+        if out is not None and not in_backward():
+            out.register_hook(before_backward)
+
+    units = [*model.blocks, *(layer.experts for layer in model.moe_layers().values())]
+    for unit in units:
+        unit.register_forward_pre_hook(before_forward)
+        unit.register_forward_hook(after_forward)
 
 
 def _densest_inputs(cfg: Config, micro_batch: int) -> tuple[torch.Tensor, ...]:
@@ -286,7 +325,8 @@ class HostProfile:
 
     def _profile(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
                  recompute: frozenset) -> tuple[float, float]:
-        key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype)
+        # Sharded ranks wait for each other at every unit when profiled in lockstep (_wait_at_shard_units).
+        key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype, cfg.parallel.shard != "none")
         if key in self._cache:
             return self._cache[key]
         if self.concurrent > 1:
@@ -425,8 +465,8 @@ def expert_exchange_s(cfg: Config, positions: int, wire_bytes: int, ep: int, gpu
 
 def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus_per_node: int, hw: Hardware) -> float:
     """parallel.shard: each FSDP2 unit's all-gathers and reduce-scatter (a ring moves (n-1)/n of
-    the gathered or reduced bytes per rank), one latency per unit and collective, none overlapped
-    with compute (an upper bound: FSDP2 prefetches the next unit's gather)."""
+    the gathered or reduced bytes per rank; x ``hw.gather_scatter_cost``), one latency per unit and
+    collective, none overlapped with compute (an upper bound: FSDP2 prefetches the next unit's gather)."""
     device = "cpu" if hw.peak_tflops is None else "cuda"
     # shard_layout reads only the model, the degrees and optim.apply_groups off cfg: one per model and those.
     layouts = _SHARD_LAYOUTS.setdefault(model, {})
@@ -442,7 +482,7 @@ def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus
     seconds = 0.0
     for share, n in ((dense_share, world_size), (expert_share, edp)):
         if n > 1 and share:
-            moved = (traffic["all-gather"] + traffic["reduce-scatter"]) * share / total
+            moved = (traffic["all-gather"] + traffic["reduce-scatter"]) * share / total * hw.gather_scatter_cost
             seconds += (n - 1) / n * (_exchange_s(moved, hw, n, gpus_per_node) - hw.latency_s)
     passes = 3 if cfg.parallel.shard == "full" else 2  # gathers (forward, backward for full) + reduce-scatter
     return seconds + hw.latency_s * passes * (len(layout.unit_numel) + 1)

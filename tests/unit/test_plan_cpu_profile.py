@@ -50,3 +50,15 @@ def test_profiled_rank_waits_where_the_runs_collectives_make_ranks_wait():
     # payload's way back in combine, both payloads again in backward (6); the step's start and
     # its end. Recompute (blocks.0.experts) re-runs no exchange. Two steps (one warm-up, one timed).
     assert len(calls) == 2 * (2 * 6 + 2)
+
+
+def test_profiled_sharded_rank_waits_at_every_fsdp_unit():
+    """parallel.shard: the ranks also wait at each FSDP2 unit's gathers and reduce-scatters."""
+    from m6.plan.timing import _profile_model, _time_rank_steps, _densest_inputs
+    cfg = load(None, [*TINY, "parallel.shard=full"])
+    calls = []
+    model = _profile_model(cfg, 2, 2, frozenset({"blocks.0.experts"}), sync=lambda: calls.append(1))
+    _time_rank_steps(model, _densest_inputs(cfg, 2), runs=1, sync=lambda: calls.append(1))
+    # On top of the unsharded waits (above): per unit (2 blocks, 2 MoE layers' experts) one before
+    # its forward and one as its backward begins; the recomputed experts' second forward none.
+    assert len(calls) == 2 * (2 * 6 + 2 + 2 * 4)

@@ -22,3 +22,15 @@ def test_fit_recovers_the_link(world, latency_us, GBps) -> None:
     link = fit_link(_probe(world, latency_us * 1e-6, GBps))
     assert link["latency_us"] == pytest.approx(latency_us, rel=1e-6)
     assert link["GBps"] == pytest.approx(GBps, rel=1e-6)
+
+
+@pytest.mark.parametrize("cost", [1.0, 2.3])
+def test_fit_recovers_the_gather_scatter_cost(cost) -> None:
+    """FSDP2's all-gather / reduce-scatter probed at ``cost`` times a ring's time: the fit gives
+    the factor the planner's sharded sync multiplies its ring bytes by."""
+    world, latency_s, bw = 4, 3e-3, 0.7e9
+    probe = _probe(world, latency_s, bw / 1e9)
+    for op in ("all_gather", "reduce_scatter"):
+        probe[op] = {n: latency_s + cost * (world - 1) / world * int(n) / bw for n in probe["all_reduce"]}
+    link = fit_link(probe)
+    assert link["gather_scatter_cost"] == pytest.approx(cost, rel=1e-6)
