@@ -131,7 +131,8 @@ def sharded_backward(cfg: Config, layout: ShardLayout, kept_by_unit: dict[str, f
                      world_size: int, device_type: str) -> ShardedBackward:
     """Walk backward unit by unit (``kept_by_unit``: the activations each unit releases, in
     backward order: head, blocks.<last>..blocks.0, embeddings) and return its worst moment (module
-    docstring). ``transient``: the largest transient of one unit's backward, added at every unit."""
+    docstring). ``transient``: the largest transient of one unit's backward, held beside the
+    running unit's gradients unless their reduce-scatter input is larger."""
     g = gather_bytes(cfg, device_type)
     full = cfg.parallel.shard == "full"
     whole = [dense + experts for dense, experts, _ in layout.blocks]
