@@ -285,11 +285,11 @@ def _sharded_report(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     config error with sharding)."""
     layout = shard_layout(cfg, model, no_decay, world_size, ep)
     states = sharded_states(cfg, layout, world_size, device_type)
-    recomputed = recomputed_parts(cfg, acts)
-    redo = max((acts.parts[n][0] for n in recomputed), default=0.0)
+    kept, redo = kept_activations(cfg, acts)
     transient = max(acts.a2a_buffers, acts.backward_transient, redo)
-    backward = sharded_backward(cfg, layout, acts.kept_by_unit(recomputed), transient, world_size, device_type)
-    device = {**states, "activations (per micro-batch)": acts.kept(recomputed), "all-to-all buffers": acts.a2a_buffers,
+    backward = sharded_backward(cfg, layout, acts.kept_by_unit(recomputed_parts(cfg, acts)), transient, world_size,
+                                device_type)
+    device = {**states, "activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
               "backward transients": max(acts.backward_transient, redo),
               "gathered parameters": backward.gathered, "unsharded gradients": backward.unsharded_grads}
     resident = states["params"] + states["optimizer state"]

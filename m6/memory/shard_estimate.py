@@ -44,7 +44,6 @@ class ShardLayout:
     num_tensors: int
     blocks: list[tuple[int, int, int]]  # per block, forward order: whole dense, whole expert, shard elements
     root_numel: int
-    root_shard_numel: int
     dense_numel: int  # whole elements of the dense (replicated) parameters
     expert_numel: int  # whole elements of this EP rank's experts
     largest_update_call: int  # elements of the largest foreach AdamW call over shards
@@ -85,7 +84,6 @@ def shard_layout(cfg: Config, model: nn.Module, no_decay: set[int], world_size: 
     return ShardLayout(
         shard_numel=sum(t.numel() for t in shards.values()), num_tensors=len(params), blocks=blocks,
         root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
-        root_shard_numel=sum(shards[id(p)].numel() for p in params if id(p) not in in_blocks),
         dense_numel=sum(p.numel() for p in params if id(p) not in expert_ids),
         expert_numel=sum(p.numel() for p in params if id(p) in expert_ids), largest_update_call=largest)
 
@@ -120,11 +118,8 @@ class ShardedBackward:
     """The backward's high-water mark over the resident shards, and what it holds there."""
 
     peak: float  # bytes on top of the resident shards and optimizer state
-    activations: float
     gathered: float  # gathered parameters at the peak
     unsharded_grads: float  # unsharded gradients (and reduce-scatter input) at the peak
-    sharded_grads: float  # gradient shards made by then
-    unit: str  # the unit whose backward it is
 
 
 def sharded_backward(cfg: Config, layout: ShardLayout, kept_by_unit: dict[str, float], transient: float,
@@ -139,7 +134,7 @@ def sharded_backward(cfg: Config, layout: ShardLayout, kept_by_unit: dict[str, f
     accumulated = 4.0 * (layout.dense_numel + layout.expert_numel) \
         if accumulation_steps(cfg.train, world_size) > 1 else 0.0
     held = sum(kept_by_unit.values())
-    worst = ShardedBackward(0.0, 0.0, 0.0, 0.0, 0.0, "")
+    worst = ShardedBackward(0.0, 0.0, 0.0)
     for unit, acts in kept_by_unit.items():
         i = int(unit.split(".")[1]) if unit.startswith("blocks.") else (len(whole) if unit == "head" else -1)
         # Blocks gathered now: full, the running one and the prefetched one (at the head, the
@@ -156,7 +151,7 @@ def sharded_backward(cfg: Config, layout: ShardLayout, kept_by_unit: dict[str, f
         sharded = 4.0 * sum(shard for _, _, shard in layout.blocks[max(i, 0):]) if unit != "head" else 0.0
         total = held + gathered + unsharded + (0.0 if reducing else transient) + sharded
         if total > worst.peak:
-            worst = ShardedBackward(total, held, gathered, unsharded, sharded, unit)
+            worst = ShardedBackward(total, gathered, unsharded)
         held -= acts
     return worst
 
