@@ -30,7 +30,8 @@ import torch
 # tests, whose CUDA cases run whenever CUDA is there.
 DEVICE_TESTS = ["tests/unit/test_moe_layer.py", "tests/unit/test_expert_kernel.py", "tests/unit/test_moe_host_syncs.py",
                 "tests/unit/test_model.py", "tests/unit/test_cast_on_use.py", "tests/unit/test_offload.py",
-                "tests/unit/test_checkpoint.py", "tests/unit/test_activation_checkpoint.py"]
+                "tests/unit/test_checkpoint.py", "tests/unit/test_activation_checkpoint.py", "tests/unit/test_fp16.py",
+                "tests/unit/test_adafactor.py", "tests/unit/test_shard_offload.py"]
 
 
 def device_info(device: torch.device) -> dict:
@@ -450,6 +451,145 @@ def part_memory(args, device: torch.device, out: Path) -> tuple[dict, list[str]]
     return {"model": model, "steps": steps, "variants": rows}, md
 
 
+# ---------------------------------------------------------------------------------------------
+# (g) offload layouts: m6's offload (all blocks, half of them) and FSDP2's CPU offload under
+# parallel.shard, one rank over NCCL: device peak and host states against the memory estimate
+OFFLOAD_LAYOUTS = {
+    "cast-on-use (bf16)": [],
+    "offload=optimizer+params": ["memory.offload=optimizer+params"],
+    "offload=optimizer+params, first half of the blocks": ["memory.offload=optimizer+params", "HALF_THE_BLOCKS"],
+    "shard=full": ["parallel.shard=full"],
+    "shard=full + offload": ["parallel.shard=full", "memory.offload=optimizer+params"],
+    "shard=optimizer + offload": ["parallel.shard=optimizer", "memory.offload=optimizer+params"],
+}
+
+
+def host_state_bytes(trainer) -> int:
+    """Bytes of the model states a step leaves on the host: m6's offload masters and gradient
+    buffers, or the FSDP2 shards on the host; plus the optimizer state held there."""
+    from m6.parallel.fsdp import local_part
+
+    tensors = []
+    off = trainer.update.offload
+    if off is not None:
+        params = list(trainer.model.parameters())
+        tensors += off.masters_of(params) + list(off._grad_buffers.values())
+    else:
+        tensors += [local_part(p) for p in trainer.model.parameters()]
+    tensors += [local_part(t) for st in trainer.update.optimizer.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.device.type == "cpu"}
+    return sum(storages.values())
+
+
+def part_offload_layouts(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    import socket
+
+    from bench.memory import COMMON, MODEL
+    from m6.config import load
+    from m6.plan.memory import RankMemory
+    from m6.train.loop import Trainer
+
+    cuda = device.type == "cuda"
+    with socket.socket() as sock:  # one rank of a torchrun-style job: parallel.shard needs torch.distributed
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    model = MODEL["quick" if args.smoke else "cuda"]
+    steps = 2 if args.smoke else 4
+    # On a CPU (--smoke only) FSDP2's CPU offload is a config error: those layouts are left out.
+    layouts = {k: v for k, v in OFFLOAD_LAYOUTS.items() if cuda or not (k.startswith("shard") and "offload" in k)}
+    rows = {}
+    for name, extra in layouts.items():
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device) if cuda else 0
+        layers = load("configs/tiny.yaml", [*COMMON, *model]).model.num_layers
+        extra = [f"memory.offload_blocks={list(range(layers // 2))}" if e == "HALF_THE_BLOCKS" else e for e in extra]
+        overrides = [*COMMON, *model, "train.precision=bf16", f"train.device={device.type}",
+                     f"run.dir={out / 'offload_runs' / str(len(rows))}", *extra]
+        cfg = load("configs/tiny.yaml", overrides)
+        trainer = Trainer(cfg)
+        trainer.train_step()  # warm-up: optimizer state exists after it
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            trainer.train_step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        report = RankMemory(cfg, 1, 1, device.type).report(cfg)
+        planned_host = sum(report.host.get(k, 0.0) for k in ("params", "optimizer state"))
+        if cfg.memory.offload != "none" and cfg.parallel.shard == "none":
+            planned_host += report.host.get("grads", 0.0)  # m6's offload keeps its host gradient buffers
+        rows[name] = {"overrides": extra, "step_s_median": statistics.median(times), "step_s": times,
+                      "device_peak_bytes": torch.cuda.max_memory_allocated(device) - base if cuda else None,
+                      "device_after_step_bytes": torch.cuda.memory_allocated(device) - base if cuda else None,
+                      "planned_peak_device_bytes": report.peak_device, "host_state_bytes": host_state_bytes(trainer),
+                      "planned_host_state_bytes": planned_host,
+                      "num_params": sum(p.numel() for p in trainer.model.parameters())}
+        del trainer
+    plain = rows["cast-on-use (bf16)"]["step_s_median"]
+    gib = 2.0 ** 30
+    fmt = lambda v: "-" if v is None else f"{v / gib:.3f}"  # noqa: E731
+    md = [f"bench/memory's {'quick' if args.smoke else 'CUDA'} model "
+          f"({next(iter(rows.values()))['num_params'] / 1e9:.3f} B params), bf16, one rank over "
+          f"{'NCCL' if cuda else 'gloo'}; {steps} timed steps after one warm-up; planned = m6.plan.memory.RankMemory "
+          "(m6.memory.estimate)", "",
+          "| layout | device peak GiB: measured / planned (ratio) | device after step GiB | host states GiB: measured / "
+          "planned | step s | vs plain |", "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        r["peak_ratio"] = None if r["device_peak_bytes"] is None else r["device_peak_bytes"] / r["planned_peak_device_bytes"]
+        ratio = "-" if r["peak_ratio"] is None else f"{r['peak_ratio']:.3f}"
+        md.append(f"| {name} | {fmt(r['device_peak_bytes'])} / {fmt(r['planned_peak_device_bytes'])} ({ratio}) | "
+                  f"{fmt(r['device_after_step_bytes'])} | {fmt(r['host_state_bytes'])} / "
+                  f"{fmt(r['planned_host_state_bytes'])} | {r['step_s_median']:.3f} | {r['step_s_median'] / plain:.2f} |")
+    return {"model": model, "steps": steps, "layouts": rows}, md
+
+
+# ---------------------------------------------------------------------------------------------
+# (h) fp16 with loss scaling vs bf16: bench/fp16_curve on the device, tiny and base configs
+FP16_RUNS = {
+    "fp16_tiny": ["--config", "configs/tiny.yaml", "--steps", "300", "--batch", "32", "--warmup", "30",
+                  "--override", "data.num_workers=2"],
+    "fp16_base": ["--config", "configs/m6-base-moe.yaml", "--settings", "fp16,bf16,bf16-seed1", "--steps", "150",
+                  "--batch", "32", "--micro-batch", "16", "--warmup", "20", "--override", "data.num_workers=2"],
+}
+FP16_SMOKE = ["--steps", "2", "--batch", "4", "--micro-batch", "2", "--override", "model.d_model=64",
+              "--override", "model.num_heads=2", "--override", "model.ffn_dim=128", "--override", "model.num_layers=2",
+              "--override", "data.seq_len=64", "--override", "model.image_size=32", "--override", "model.max_text_len=64"]
+
+
+def _fp16_curve(part: str, args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    run = FP16_RUNS[part]
+    if args.smoke:
+        run = [a for a in run[:2]] + (["--settings", "fp16,bf16"] if part == "fp16_tiny" else run[2:4]) + FP16_SMOKE
+    cmd = [sys.executable, "-m", "bench.fp16_curve", "--device", device.type, "--out", str(out / part), *run]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (out / f"{part}.log").write_text(proc.stdout + proc.stderr)
+    results = sorted((out / part).glob("fp16_curve-*.json"))
+    if not results:
+        raise RuntimeError(f"bench.fp16_curve exited {proc.returncode} without a result: {proc.stderr[-2000:]}")
+    result = json.loads(results[-1].read_text())
+    md = results[-1].with_suffix(".md").read_text().splitlines()
+    return {"returncode": proc.returncode, "command": result["command"], "steps_done": result["steps_done"],
+            "windowed_loss": result["windowed_loss"], "mean_abs_windowed_diff_to_bf16": result["mean_abs_windowed_diff_to_bf16"],
+            "rows": result["rows"]}, md
+
+
+def part_fp16_tiny(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    return _fp16_curve("fp16_tiny", args, device, out)
+
+
+def part_fp16_base(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    return _fp16_curve("fp16_base", args, device, out)
+
+
 def _jsonable(obj):
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
@@ -459,7 +599,8 @@ def _jsonable(obj):
 
 
 PARTS = {"tests": part_tests, "gemm_rate": part_gemm_rate, "grouped_vs_loop": part_grouped_vs_loop,
-         "moe_layer": part_moe_layer, "train_e2e": part_train_e2e, "memory": part_memory}
+         "moe_layer": part_moe_layer, "train_e2e": part_train_e2e, "memory": part_memory,
+         "offload_layouts": part_offload_layouts, "fp16_tiny": part_fp16_tiny, "fp16_base": part_fp16_base}
 
 
 def main(argv: list[str] | None = None) -> None:

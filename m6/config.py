@@ -604,10 +604,7 @@ def _check_cross_section(cfg: Config) -> None:
     if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
         raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
                           f"model.image_channels ({m.image_channels}) values each, std > 0")
-    if cfg.parallel.shard != "none" and cfg.memory.offload != "none":
-        raise ConfigError(f"parallel.shard={cfg.parallel.shard} with memory.offload={cfg.memory.offload}: m6's offload "
-                          "keeps whole host masters of every parameter, which sharding splits over ranks; not "
-                          "supported together yet (use one of them; memory.host_optimizer needs offload)")
+    check_shard_offload(cfg)
     if cfg.parallel.shard != "none" and m.share_layers > 1:
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with model.share_layers={m.share_layers}: FSDP2 shards "
                           "each block's parameters on their own and a shared weight belongs to several blocks; not "
@@ -631,6 +628,32 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError("model.moe.expert_kernel=grouped_mm with train.precision=fp32 on train.device=cuda: torch's "
                           "CUDA grouped GEMM is fused only in bf16, in fp32 it loops over experts with a host sync "
                           "per GEMM; use train.precision=bf16 (or bf16-autocast), or model.moe.expert_kernel=auto or loop")
+
+def check_shard_offload(cfg: Config, device_type: str | None = None) -> None:
+    """parallel.shard with memory.offload: FSDP2's CPUOffloadPolicy keeps each rank's parameter
+    shards, their gradients and the optimizer state on the host together (torch's optimizer steps
+    them there), so it is offload=optimizer+params, with torch's host optimizer, on CUDA (the
+    policy copies shards to an accelerator for compute). ``device_type``: the resolved device at
+    start-up (train.device=auto); None checks what the config alone decides."""
+    shard, mem = cfg.parallel.shard, cfg.memory
+    if shard == "none" or mem.offload == "none":
+        return
+    if mem.offload == "optimizer":
+        raise ConfigError(f"parallel.shard={shard} with memory.offload=optimizer: FSDP2's CPU offload moves each "
+                          "rank's parameter shards to the host together with their gradients and optimizer state; "
+                          "use memory.offload=optimizer+params with sharding")
+    if mem.offload_blocks != "all":
+        raise ConfigError(f"parallel.shard={shard} with memory.offload_blocks={mem.offload_blocks}: FSDP2 offloads "
+                          "every unit's shards; granular offload is m6's unsharded offload (parallel.shard=none)")
+    if mem.host_optimizer == "deepspeed":
+        raise ConfigError(f"parallel.shard={shard} with memory.host_optimizer=deepspeed: the offloaded shards are "
+                          "DTensors that torch's optimizer steps on the host; use memory.host_optimizer=torch or auto")
+    device = device_type or (cfg.train.device if cfg.train.device != "auto" else None)
+    if device == "cpu":
+        raise ConfigError(f"parallel.shard={shard} with memory.offload={mem.offload} on train.device=cpu: FSDP2's CPU "
+                          "offload copies the shards to an accelerator for compute and needs CUDA; on a CPU the "
+                          "parameters are in host memory already (use parallel.shard alone)")
+
 
 def expert_ffn_dim(model: ModelConfig) -> int:
     """Hidden size of each expert FFN."""

@@ -281,22 +281,29 @@ def _sharded_report(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
                     acts: ActivationBytes) -> MemoryReport:
     """parallel.shard optimizer/full (m6.memory.shard_estimate): shards and optimizer state
     resident; backward walked unit by unit (activations not yet released, gathered parameters,
-    unsharded and sharded gradients at each); the update over the gradient shards. No offload (a
-    config error with sharding)."""
+    unsharded and sharded gradients at each); the update over the gradient shards. With
+    memory.offload (FSDP2's CPUOffloadPolicy) the shards, their gradients, the optimizer state and
+    the update live on the host: the device holds what backward gathers and makes."""
     layout = shard_layout(cfg, model, no_decay, world_size, ep)
     states = sharded_states(cfg, layout, world_size, device_type)
     kept, redo = kept_activations(cfg, acts)
     transient = max(acts.a2a_buffers, acts.backward_transient, redo)
+    offloaded = cfg.memory.offload != "none"
     backward = sharded_backward(cfg, layout, acts.kept_by_unit(recomputed_parts(cfg, acts)), transient, world_size,
-                                device_type)
-    device = {**states, "activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
-              "backward transients": max(acts.backward_transient, redo),
-              "gathered parameters": backward.gathered, "unsharded gradients": backward.unsharded_grads}
+                                device_type, offloaded)
+    walk = {"activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
+            "backward transients": max(acts.backward_transient, redo),
+            "gathered parameters": backward.gathered, "unsharded gradients": backward.unsharded_grads}
     resident = states["params"] + states["optimizer state"]
     update = states["grads"] + states["optimizer step temporaries"]
     host = {"checkpoint staging": resident} if cfg.checkpoint.async_save else {}  # the staged shards
+    if offloaded:
+        host = {**states, **host}
+        host_resident = sum(host.values()) - update
+        return MemoryReport(device=walk, host=host, peak_device=backward.peak, peak_host=host_resident + update,
+                            peak_shared=backward.peak + host_resident + update)
     host_resident = sum(host.values())
-    return MemoryReport(device=device, host=host, peak_device=resident + max(backward.peak, update),
+    return MemoryReport(device={**states, **walk}, host=host, peak_device=resident + max(backward.peak, update),
                         peak_host=host_resident, peak_shared=resident + host_resident + max(backward.peak, update))
 
 

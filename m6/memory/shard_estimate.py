@@ -21,6 +21,9 @@ released (``sharded_backward``):
                         accumulation, every unit's fp32 gradients, kept unsharded between
                         micro-batches;
   sharded gradients     the fp32 shards of the blocks done so far.
+With memory.offload (FSDP2's CPUOffloadPolicy) the shards, their moments, the gradient shards and
+the update are on the host; the device keeps the walk's gathered parameters and unsharded
+gradients, and of the sharded gradients only the running block's, until its copy to the host.
 """
 
 from __future__ import annotations
@@ -123,11 +126,13 @@ class ShardedBackward:
 
 
 def sharded_backward(cfg: Config, layout: ShardLayout, kept_by_unit: dict[str, float], transient: float,
-                     world_size: int, device_type: str) -> ShardedBackward:
+                     world_size: int, device_type: str, offloaded: bool = False) -> ShardedBackward:
     """Walk backward unit by unit (``kept_by_unit``: the activations each unit releases, in
     backward order: head, blocks.<last>..blocks.0, embeddings) and return its worst moment (module
     docstring). ``transient``: the largest transient of one unit's backward, held beside the
-    running unit's gradients unless their reduce-scatter input is larger."""
+    running unit's gradients unless their reduce-scatter input is larger. ``offloaded`` (FSDP2's
+    CPU offload): each gradient shard leaves for the host after its reduce-scatter, so of the
+    shards only the running unit's output is on the device."""
     g = gather_bytes(cfg, device_type)
     full = cfg.parallel.shard == "full"
     whole = [dense + experts for dense, experts, _ in layout.blocks]
@@ -148,7 +153,10 @@ def sharded_backward(cfg: Config, layout: ShardLayout, kept_by_unit: dict[str, f
         made = 0.0 if accumulated else g * n  # accumulated: they exist already
         reducing = 4.0 * n >= transient
         unsharded = (accumulated or g * layout.root_numel) + made + (4.0 * n if reducing else 0.0)
-        sharded = 4.0 * sum(shard for _, _, shard in layout.blocks[max(i, 0):]) if unit != "head" else 0.0
+        if offloaded:  # the running block's reduce-scatter output, until its copy to the host
+            sharded = 4.0 * layout.blocks[i][2] if 0 <= i < len(whole) else 0.0
+        else:
+            sharded = 4.0 * sum(shard for _, _, shard in layout.blocks[max(i, 0):]) if unit != "head" else 0.0
         total = held + gathered + unsharded + (0.0 if reducing else transient) + sharded
         if total > worst.peak:
             worst = ShardedBackward(total, gathered, unsharded)

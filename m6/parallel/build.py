@@ -53,5 +53,5 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     model.materialize(init_device or device, cfg.run.seed)
     sharded = classify_parameters(model, plan, groups)
     if cfg.parallel.shard != "none":
-        apply_sharding(sharded, cfg.parallel.shard, param_dtype)
+        apply_sharding(sharded, cfg.parallel.shard, param_dtype, offload=cfg.memory.offload != "none")
     return sharded

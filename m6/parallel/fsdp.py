@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from m6.parallel.grad_sync import sum_sq_of
@@ -47,12 +47,16 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["edp", "ep"]._flatten("dp")
 
 
-def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | None = None) -> None:
+def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | None = None,
+                   offload: bool = False) -> None:
     """Wrap ``sharded.model`` in FSDP2 units for ``mode`` (``optimizer`` or ``full``), in place.
 
     ``param_dtype``: the dtype the units gather their parameters in (bf16 for train.precision=bf16:
     FSDP2's MixedPrecisionPolicy casts the gathered copy, the sharded fp32 parameter stays the
     master, gradients are reduced in fp32) or None for the parameters' own dtype.
+    ``offload``: FSDP2's CPUOffloadPolicy (memory.offload=optimizer+params with sharding, CUDA only):
+    the shards rest in pinned host memory, each gather copies them to the device first, each
+    reduce-scatter's output goes back to the host, and the optimizer steps them there.
     """
     if mode not in ("optimizer", "full"):
         raise ValueError(f"parallel.shard must be one of {SHARD_MODES}, got {mode!r}")
@@ -62,6 +66,7 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
                           f"--nproc_per_node 1), or use parallel.shard=none for one plain process")
     model = sharded.model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    placement = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
     reshard = mode == "full"
     dp, edp = dense_mesh(groups.mesh), groups.mesh["edp"]
     expert_ids = {id(p) for p in sharded.expert_params.values()}
@@ -70,14 +75,16 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
     for module in model.modules():
         params = list(module.parameters(recurse=False))
         if params and all(id(p) in expert_ids for p in params):
-            fully_shard(module, mesh=edp, reshard_after_forward=reshard, mp_policy=policy)
+            fully_shard(module, mesh=edp, reshard_after_forward=reshard, mp_policy=policy,
+                         offload_policy=placement)
             units.append(module)
     for block in model.blocks:
-        fully_shard(block, mesh=dp, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(block, mesh=dp, reshard_after_forward=reshard, mp_policy=policy,
+                         offload_policy=placement)
         units.append(block)
     # The root's parameters are used first in forward and last in backward: freeing them after the
     # forward would only gather them again at once, so the root never reshards early.
-    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=policy, offload_policy=placement)
     units.append(model)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
@@ -142,17 +149,20 @@ def shard_rows(t: DTensor) -> tuple[int, int]:
     return (offset[0] if len(offset) else 0), (shape[0] if len(shape) else 0)
 
 
-def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group) -> float:
+def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, device: torch.device) -> float:
     """Clip the gradients of a model in FSDP2 units to the norm of the GLOBAL gradient; returns it.
 
     Every gradient is a DTensor shard: dense ones of the whole tensor over all ranks, expert ones
     of this EP rank's experts over its expert-data-parallel group; so all ranks together hold each
     element of the global gradient exactly once, and one sum over ``group`` (all ranks) of the
     local squares is its squared norm. Same coefficient formula as torch.nn.utils.clip_grad_norm_.
+    ``device``: the rank's compute device, where the sum travels (offloaded shards hold host
+    gradients, and NCCL reduces only CUDA tensors).
     """
     grads = [local_part(p.grad) for p in params if p.grad is not None]
     total_sq = sum_sq_of(grads)
     if group is not None and dist.get_world_size(group) > 1:
+        total_sq = total_sq.to(device)
         dist.all_reduce(total_sq, group=group)
     total = float(total_sq.sqrt())
     if math.isfinite(total) and max_norm < math.inf:

@@ -46,12 +46,16 @@ class ParameterUpdate:
         # The most gradient bytes the model's parameters held at the end of one of this step's backwards.
         self.grad_bytes_after_backward = 0
         layout = sharded.groups.layout
-        streamed = resolve_offload_blocks(cfg, model, no_decay_ids(model), layout.world_size,
-                                          layout.expert_parallel_size, device, log)
-        self.offload = build_offload(cfg.memory.offload, trainable, device,
-                                     streamed_layers=[model.blocks[i] for i in streamed])
         # Sharded (FSDP2) units reduce-scatter their own gradients: m6's all-reduce must not add them again.
         self.sharded_dp = cfg.parallel.shard != "none"
+        # Sharded with offload: FSDP2's CPUOffloadPolicy (m6.parallel.fsdp) holds the shards, their
+        # gradients and the optimizer state on the host, and torch's optimizer steps them there;
+        # m6's own offload (whole host masters per rank) is for unsharded runs.
+        self.fsdp_offload = self.sharded_dp and cfg.memory.offload != "none"
+        streamed = [] if self.sharded_dp else resolve_offload_blocks(
+            cfg, model, no_decay_ids(model), layout.world_size, layout.expert_parallel_size, device, log)
+        self.offload = None if self.sharded_dp else build_offload(
+            cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed])
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None)
@@ -64,8 +68,8 @@ class ParameterUpdate:
         self.world_group = sharded.groups.world
         # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
         self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, cfg.optim.name, sharded, log) \
-            if self.offload else None
-        if self.offload:  # the host clips and updates: whichever optimizer, its threads matter
+            if self.offload else ("torch" if self.fsdp_offload else None)
+        if self.offload or self.fsdp_offload:  # the host clips and updates: whichever optimizer, its threads matter
             note = thread_note(sharded.groups.layout.local_world_size)
             if note:
                 log(note)
@@ -117,7 +121,7 @@ class ParameterUpdate:
         unscaled first (in the same multiply) and the norm is the unscaled one."""
         limit = max_norm if max_norm > 0 else math.inf
         if self.sharded_dp:
-            return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group)
+            return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device)
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale)
 

@@ -22,14 +22,26 @@ SMALL = [
     "model.d_model=32", "model.num_layers=3", "model.num_heads=2", "model.ffn_dim=64", "model.max_text_len=48",
     "model.image_size=16", "model.moe.every=2", "model.moe.num_experts=4", "data.kind=synthetic",
     "data.num_workers=0", "data.num_samples=256", "data.eval_samples=8", "data.seq_len=48",
-    "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0", "train.device=cpu",
+    "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0",
     "logging.console=false", "checkpoint.every=0", "memory.host_optimizer=torch",
 ]
 FP16 = ["train.precision=fp16"]
+_DEVICE = ["cpu"]  # pytest --device (tests/conftest.py), set once per module below
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _selected_device(device):
+    _DEVICE[0] = device.type
 
 
 def trainer(tmp_path, *extra: str) -> Trainer:
-    return Trainer(load(None, [*SMALL, f"run.dir={tmp_path}", *extra]))
+    return Trainer(load(None, [*SMALL, f"train.device={_DEVICE[0]}", f"run.dir={tmp_path}", *extra]))
+
+
+def same_loss(got: float, want: float) -> bool:
+    """A resumed step's loss: bitwise on the CPU; on CUDA the MoE combine's index_add and the
+    embedding backward add with atomics in a run-to-run order (docs/gpu.md), so to fp32 rounding."""
+    return got == want if _DEVICE[0] == "cpu" else got == pytest.approx(want, rel=1e-5)
 
 
 def poison_after_finish(tr: Trainer, steps: set[int]) -> None:
@@ -109,7 +121,7 @@ def test_fp16_trains_like_fp32_with_overflow_skips_and_exact_resume(tmp_path):
     assert resumed.step == 7
     assert resumed.update.loss_scale.state_dict() == {"scale": 2.0 ** 16, "growth_tracker": 1, "overflow_steps": 2}
     m = resumed.train_step()
-    assert [m["loss"]] == straight and m["loss_scale"] == 2.0 ** 17  # the growth the straight run made
+    assert same_loss(m["loss"], straight[0]) and m["loss_scale"] == 2.0 ** 17  # the growth the straight run made
 
 
 def test_overflow_at_the_floor_is_a_bad_step(tmp_path):
