@@ -90,13 +90,29 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
         unit.set_gradient_divide_factor(1.0)
         # A plain SUM (factor 1 would otherwise be a PREMUL_SUM, which gloo lacks; a no-op scale on NCCL).
         unit.set_force_sum_reduction_for_comms(True)
-        unit.set_reduce_scatter_unused_params(True, recurse=False)
+        reduce_unused_params(unit)
     unmanaged = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
     assert not unmanaged, f"parameters outside every FSDP unit: {unmanaged[:3]}"
     # The ShardedModel's maps name the sharded DTensor parameters from now on.
     names = dict(model.named_parameters())
     sharded.expert_params = {n: names[n] for n in sharded.expert_params}
     sharded.replicated_params = {n: names[n] for n in sharded.replicated_params}
+
+
+def reduce_unused_params(unit: FSDPModule) -> None:
+    """Have ``unit`` reduce-scatter zeros for parameters this rank's backward did not reach, so that
+    every rank issues the same reduce-scatters (a batch with no image leaves the image embedding
+    without a gradient on that rank). Older FSDP2 (torch 2.11 has not the switch, 2.13 has) reduces
+    only the gradients a rank has, which over several ranks mismatches the collectives; one rank
+    per mesh has nobody to mismatch with, so it runs there without the switch."""
+    if hasattr(unit, "set_reduce_scatter_unused_params"):
+        unit.set_reduce_scatter_unused_params(True, recurse=False)
+        return
+    meshes = {id(p.device_mesh): p.device_mesh for p in unit.parameters() if isinstance(p, DTensor)}
+    if any(mesh.size() > 1 for mesh in meshes.values()):
+        raise LayoutError(f"parallel.shard over more than one rank needs FSDP2's set_reduce_scatter_unused_params, "
+                          f"which torch {torch.__version__} lacks (torch 2.13 has it): upgrade torch, or use "
+                          f"parallel.shard=none")
 
 
 class ShardedGradientSync:

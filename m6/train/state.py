@@ -154,6 +154,10 @@ def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor) -> torch.Siz
 OPTIMIZER_STATE_KEYS = {"adamw": {"exp_avg", "exp_avg_sq"}, "adafactor": {"row_var", "col_var", "variance"}}
 
 
+# Param-group keys that pick torch's optimizer kernels rather than the optimization itself.
+KERNEL_CHOICES = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 class OptimizerState:
     """The optimizer's moments keyed by parameter name (expert moments sharded like their experts)
     and its hyperparameters per group."""
@@ -163,6 +167,7 @@ class OptimizerState:
         self.sharded, self.optimizer = sharded, optimizer
         name_of = names if names is not None else {id(p): n for n, p in sharded.model.named_parameters()}
         self.params = {name_of[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
     def tensors(self, create: set[str] = frozenset()) -> dict[str, dict[str, torch.Tensor]]:
         """name -> {exp_avg, exp_avg_sq, step}; ``create``: names whose state is made (zeros) where
@@ -178,9 +183,12 @@ class OptimizerState:
         return out
 
     def _fresh_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The optimizer's own lazy state for ``p`` (foreach, not capturable: a float32 step count on
-        the CPU), made before its first step so that a load can fill it in place."""
-        step = torch.zeros((), dtype=torch.float32)
+        """The optimizer's own lazy state for ``p``, made before its first step so that a load can
+        fill it in place: a float32 step count on the CPU (foreach), or on ``p``'s device where its
+        group is fused or capturable (torch's fused AdamW refuses a host step count for CUDA params)."""
+        group = self._group_of[id(p)]
+        step = torch.zeros((), dtype=torch.float32,
+                           device=p.device if group.get("fused") or group.get("capturable") else None)
         if self.kind == "adamw":
             return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
@@ -222,7 +230,9 @@ class OptimizerState:
             raise CheckpointError(f"the checkpoint's optimizer has {len(groups)} parameter groups, this run's "
                                   f"{len(self.optimizer.param_groups)}")
         for group, saved in zip(self.optimizer.param_groups, groups):
-            group.update(saved)
+            # The kernels are this run's choice (optim.implementation, the device), not the saving
+            # run's: a checkpoint written on a CPU resumes with CUDA's fused AdamW, and back.
+            group.update({k: v for k, v in saved.items() if k not in KERNEL_CHOICES})
 
 
 class RNGState:

@@ -168,3 +168,25 @@ def _bf16_checks(rank: int, world: int, root: str) -> None:
 
 def test_bf16_gathers_bf16_and_follows_cast_on_use(tmp_path):
     run_distributed(_bf16_checks, 2, str(tmp_path), timeout_s=300)
+
+
+def _without_unused_param_reduction(rank: int, world: int, root: str) -> None:
+    """An FSDP2 without set_reduce_scatter_unused_params (torch 2.11's): one rank trains, more refuse."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from m6.parallel import LayoutError
+
+    _env(rank, world)
+    del FSDPModule.set_reduce_scatter_unused_params  # this rank's process only
+    argv = [*SMALL, f"run.dir={root}/w{world}", "train.max_steps=1", "parallel.shard=full"]
+    if world == 1:
+        assert Trainer(load(None, argv)).fit()[-1]["step"] == 1
+        return
+    with pytest.raises(LayoutError, match=r"parallel.shard over more than one rank needs FSDP2's "
+                                          r"set_reduce_scatter_unused_params, which torch .* lacks"):
+        Trainer(load(None, argv))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_an_fsdp2_without_unused_param_reduction_shards_one_rank_only(tmp_path, world):
+    run_distributed(_without_unused_param_reduction, world, str(tmp_path), timeout_s=120)

@@ -61,9 +61,10 @@ ALLOW_LIST = (
             "training thread may change the state again"),
     Allowed("m6/train/loop.py:all_reduce_sum", "save", 2, "world > 1: skipped-record counts summed over ranks"),
     # ---- per resume -----------------------------------------------------------------------------
-    Allowed("m6/checkpoint/sharded_io.py:read", "resume", 165,
+    Allowed("m6/checkpoint/sharded_io.py:read", "resume", 220,
             "DCP's load copies each tensor read from the files into its device target with a blocking "
-            "copy (tiny config, fp32: 55 parameters and 110 AdamW moments); once per resume"),
+            "copy (tiny config, fp32: 55 parameters, 110 AdamW moments and the fused AdamW's 55 step "
+            "counts, which live beside their parameters); once per resume"),
     # ---- once: start-up, the end of fit, the recompute plan ---------------------------------------
     Allowed("m6/moe/experts.py:reset_parameters", "run", 32,
             "initialisation: each expert's weights are drawn on the host from its own generator (the same "

@@ -217,6 +217,9 @@ def _trainer_run(name: str, overrides: list[str], workdir: Path, resume: bool = 
         "params_on_device": sum(on_device(p) for p in params),
         "checkpoints": sorted(p.name for p in (Path(cfg.run.dir) / "checkpoints").glob("step_*")),
         "collectives": {" ".join(k): n for k, n in mirror_world.calls.items()},
+        # Where the optimizer keeps its step counts (after a resume: where the load put them).
+        "step_count_devices": sorted({v.device.type for st in trainer.update.optimizer.state.values()
+                                      for k, v in st.items() if k == "step" and torch.is_tensor(v)}),
     }
     return {"facts": facts, "events": dict(run_phases.events), "findings": found.to_json()}
 

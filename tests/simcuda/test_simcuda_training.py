@@ -34,6 +34,9 @@ def test_trainer_run_is_clean_on_simulated_cuda(simcuda, group, name):
     assert len(facts["losses"]) == 2 and all(math.isfinite(loss) for loss in facts["losses"]), facts
     if name == "fp32":  # resumed from its checkpoint for a third step
         assert len(facts["resumed_losses"]) == 1 and math.isfinite(facts["resumed_losses"][0]), facts
+        # torch's fused AdamW (the default on CUDA) needs its step counts beside the parameters; a
+        # resume that loaded them into host tensors crashed the first step on a real GPU.
+        assert facts["step_count_devices"] == ["cuda"], facts
         assert facts["checkpoints"] == ["step_00000002", "step_00000003"]
         counts = (3, 2, 2, 2, 1, 2)
     else:

@@ -47,7 +47,7 @@ def assert_same_run(losses, want_losses, weights, want_weights) -> None:
     assert losses[0] == want_losses[0]
     assert losses == pytest.approx(want_losses, rel=1e-5)
     for k, v in weights.items():
-        torch.testing.assert_close(v, want_weights[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(v, want_weights[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def run(tr: Trainer, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:

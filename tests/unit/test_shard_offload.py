@@ -35,10 +35,12 @@ SETTINGS = {"none": ["parallel.shard=none"], "full": ["parallel.shard=full"],
 def test_sharded_offload_trains_like_the_device_runs_and_resumes(device, tmp_path):
     if device.type != "cuda":
         pytest.skip("FSDP2's CPU offload needs CUDA: run with pytest --device cuda")
+    repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, __file__, str(tmp_path)], env=env, capture_output=True, text=True,
-                          timeout=240, cwd=Path(__file__).resolve().parents[2])
+                          timeout=240, cwd=repo)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     curves = result["curves"]
