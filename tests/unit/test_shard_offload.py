@@ -76,6 +76,8 @@ def _free_port() -> int:
 
 def _checks(root: Path) -> None:
     """The child: train every setting, look where the offloaded state lives, resume."""
+    import gc
+
     import torch
     from torch.distributed.tensor import DTensor
 
@@ -87,6 +89,7 @@ def _checks(root: Path) -> None:
 
     curves, resident, peak = {}, {}, {}
     for name, extra in SETTINGS.items():
+        gc.collect()  # the previous setting's trainer (reference cycles) must not count in this one's bytes
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
