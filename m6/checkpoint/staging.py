@@ -12,14 +12,23 @@ would otherwise race the background write.
 
 Each staged tensor is a view of exactly its own bytes (its storage is a slice of the buffer), so
 DCP writes it as it is instead of cloning a view of a larger storage.
+
+The registration ends with the buffer, also when its owner is dropped without closing (a Trainer
+made and let go from Python): memory freed while still registered keeps its range registered in
+CUDA, so the next buffer the host allocator places there fails to register ("already mapped",
+seen on an H100 in one test process that made many Trainers), and any host tensor placed there is
+page-locked without knowing it (its device copies turn asynchronous). That process also saw
+weights off after a resume in two tests that pass alone; stale registrations would explain it, but
+that was not shown.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -65,6 +74,7 @@ class StagingBuffer:
         self.pinned: Optional[torch.Tensor] = None  # uint8, page-locked while registered
         self.pageable: Optional[torch.Tensor] = None
         self.registered = False
+        self._unregister: Optional[weakref.finalize] = None  # ends the registration once, at release or collection
         self.allocations = 0  # times the buffer was (re)allocated: once per run unless the state's tensors change
 
     @property
@@ -97,8 +107,9 @@ class StagingBuffer:
     def release(self) -> None:
         """Unpin and free the buffer (the manager's close, or before a re-allocation)."""
         if self.registered:
-            _check(torch.cuda.cudart().cudaHostUnregister(self.pinned.data_ptr()), "cudaHostUnregister")
-            self.registered = False
+            self._unregister.detach()
+            _check(_unregister(self.pinned), "cudaHostUnregister")
+            self.registered, self._unregister = False, None
         self.slots = self.pinned = self.pageable = None
 
     def _allocate(self, slots: dict[str, _Slot], pinned_bytes: int, pageable_bytes: int) -> None:
@@ -110,7 +121,10 @@ class StagingBuffer:
             error = int(torch.cuda.cudart().cudaHostRegister(self.pinned.data_ptr(), pinned_bytes, 0))
             if error == 0:
                 self.registered = True
+                # Holds the tensor until it is unregistered: the memory is not freed while registered.
+                self._unregister = weakref.finalize(self, _unregister, self.pinned)
             else:  # the save still works from pageable memory, only its device copies are slower
+                read_last_error(error)
                 warnings.warn(f"checkpoint staging: cudaHostRegister of {pinned_bytes:,} bytes failed (cudaError "
                               f"{error}); staging device tensors through pageable host memory")
         self.slots = slots
@@ -121,6 +135,24 @@ class StagingBuffer:
         nbytes = slot.shape.numel() * slot.dtype.itemsize
         storage = part.untyped_storage()[slot.offset:slot.offset + nbytes]  # shares the buffer's memory
         return torch.empty(0, dtype=slot.dtype).set_(storage, 0, slot.shape)
+
+
+def _unregister(pinned: torch.Tensor) -> int:
+    return int(torch.cuda.cudart().cudaHostUnregister(pinned.data_ptr()))
+
+
+def read_last_error(error: int, launch: Optional[Callable[[], object]] = None) -> None:
+    """Clear a failed runtime call's ``error`` from this thread's last CUDA error. CUDA keeps it
+    there, and torch reads the last error after every kernel it launches: left there, it fails the
+    next, unrelated op (seen on an H100: a reshape in the model's forward raised cudaHostRegister's
+    "already mapped"). One tiny launch (``launch``; default a one-element fill on the current
+    device) reads it here; an error other than ``error`` is raised."""
+    expected = torch.cuda.cudart().cudaGetErrorString(error)
+    try:
+        (launch or (lambda: torch.ones(1, device="cuda")))()
+    except RuntimeError as e:
+        if expected not in str(e):
+            raise
 
 
 def _check(error: Any, call: str) -> None:

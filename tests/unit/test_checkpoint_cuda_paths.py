@@ -25,6 +25,9 @@ from m6.checkpoint.rng import rng_state, set_rng_state
 from m6.checkpoint.staging import StagingBuffer, aligned
 
 
+ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+
+
 @dataclass(frozen=True)
 class Call:
     thread: str
@@ -120,8 +123,13 @@ class FakeCuda:
 
     def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802 (CUDA's name)
         self.record("cudaHostRegister", ptr, size)
+        if any(ptr < p + n and p < ptr + size for p, n in self.registered.items()):
+            return ALREADY_REGISTERED  # as CUDA: a range that overlaps a registered one
         self.registered[ptr] = size
         return 0
+
+    def cudaGetErrorString(self, error: int) -> str:  # noqa: N802
+        return {ALREADY_REGISTERED: "part or all of the requested memory range is already mapped"}.get(error, "?")
 
     def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
         self.record("cudaHostUnregister", ptr)
@@ -268,3 +276,53 @@ def test_cuda_rng_is_the_ranks_own_device_only(monkeypatch):
     with pytest.warns(UserWarning, match="without naming this rank's own"):
         set_rng_state(older)
     assert [c.args[0] for c in same.named("set_rng_state")] == [1]
+
+
+def test_a_staging_buffer_let_go_without_release_unregisters_its_memory(monkeypatch):
+    """A Trainer dropped without closing drops its buffer: the registration ends with it. Before,
+    the freed range stayed registered; on an H100 the next buffer placed there failed to register
+    (cudaError 712) and pageable tensors placed there got asynchronous copies."""
+    import gc
+
+    cuda = FakeCuda().install(monkeypatch)
+    staging = StagingBuffer()
+    staging.stage({"w": on_device(torch.randn(64, 64))})
+    assert len(cuda.registered) == 1
+    del staging
+    gc.collect()
+    assert cuda.registered == {}
+    # release() unregisters once; the collection after it does not unregister again
+    staging = StagingBuffer()
+    staging.stage({"w": on_device(torch.randn(64, 64))})
+    staging.release()
+    del staging
+    gc.collect()
+    assert len(cuda.named("cudaHostUnregister")) == 2 and cuda.registered == {}
+
+
+def test_a_failed_registration_is_read_off_the_last_cuda_error(monkeypatch):
+    """A failed cudaHostRegister stays this thread's last CUDA error, which torch raises at its next
+    kernel launch (an unrelated reshape, on the H100): staging reads it at once and goes on with
+    pageable memory; an error other than the registration's is not swallowed."""
+    from m6.checkpoint import staging as staging_module
+
+    cuda = FakeCuda().install(monkeypatch)
+    read = []
+    monkeypatch.setattr(staging_module, "read_last_error", lambda error: read.append(error))
+    cuda.registered[0] = 2**62  # everything is "already mapped"
+    buffer = StagingBuffer()
+    with pytest.warns(UserWarning, match="cudaHostRegister of .* bytes failed \\(cudaError 712\\)"):
+        staged = buffer.stage({"w": on_device(torch.ones(8))})
+    assert read == [ALREADY_REGISTERED] and not buffer.registered and torch.equal(staged["w"], torch.ones(8))
+    monkeypatch.undo()
+
+    FakeCuda().install(monkeypatch)
+
+    def launch_raising(message):
+        def launch():
+            raise RuntimeError(f"CUDA error: {message}")
+        return launch
+
+    staging_module.read_last_error(ALREADY_REGISTERED, launch_raising("part or all of the requested memory range is already mapped"))
+    with pytest.raises(RuntimeError, match="an illegal memory access"):
+        staging_module.read_last_error(ALREADY_REGISTERED, launch_raising("an illegal memory access was encountered"))
