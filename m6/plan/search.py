@@ -16,7 +16,7 @@ from m6.plan.timing import Hardware, HostProfile, StepTime, step_time
 
 RECOMPUTE = ("none", "auto", "full")
 OFFLOAD = ("none", "optimizer", "optimizer+params")
-SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding only offload none (m6.config)
+SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding, offload none or (GPUs) optimizer+params
 APPLY_GROUPS = (1, 2, 4, 8)
 OVERLAP = (1, 2, 4)  # model.moe.a2a_overlap_degree, searched on GPUs at EP > 1 (m6.plan.timing)
 
@@ -107,9 +107,12 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                                                                shard):
             if wire is not None and ep == 1:
                 continue  # no all-to-all to compress
-            if sh != "none" and (off != "none" or rc == "auto" or world_size == 1 or hw.precision == "fp16"
+            # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params) on a
+            # GPU; not with auto recompute, fp16 or Adafactor (config errors); nothing to shard at world 1.
+            if sh != "none" and ((off != "none" and (off != "optimizer+params" or hw.peak_tflops is None))
+                                 or rc == "auto" or world_size == 1 or hw.precision == "fp16"
                                  or cfg.optim.name == "adafactor"):
-                continue  # not combined yet (config errors), or nothing to shard over
+                continue
             budget = None
             trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh)
             if rc == "auto":

@@ -33,7 +33,9 @@ small collectives  the step's scalar all-reduces, one latency each (world > 1): 
           routing statistics per MoE layer and micro-batch (aux_loss_scope global; local: one
           aux-loss sum per step), the gradient sync's reach check, loss and metric sums, the expert
           gradient norm (EP > 1) and the stop-signal flag, as m6.train.loop issues them.
-offload   host<->device bytes / the PCIe figure, counted where the step waits for them: the
+offload   host<->device bytes / the PCIe figure, counted where the step waits for them (sharded:
+          FSDP2's CPU offload copies each unit's shards in at every gather and the gradient shards
+          out once, beside compute; nothing is copied back after the host update); unsharded: the
           gradients streamed out (the unshared ones in every micro-batch) and the streamed blocks'
           weights (fetched twice per micro-batch, the next block prefetched while one computes)
           overlap the forward and backward, so only what exceeds the compute time shows; the
@@ -463,17 +465,23 @@ def expert_exchange_s(cfg: Config, positions: int, wire_bytes: int, ep: int, gpu
     return hw.latency_s + max(inter / (hw.inter_node_GBps * 1e9), intra / (hw.intra_node_GBps * 1e9))
 
 
+def _shard_layout_of(cfg: Config, model: nn.Module, world_size: int, ep: int):
+    """m6.memory.shard_estimate.shard_layout, once per model and degrees (it reads only the model,
+    the degrees and optim.apply_groups off cfg)."""
+    layouts = _SHARD_LAYOUTS.setdefault(model, {})
+    key = (world_size, ep, cfg.optim.apply_groups)
+    if key not in layouts:
+        layouts[key] = shard_layout(cfg, model, model_facts(model).no_decay, world_size, ep)
+    return layouts[key]
+
+
 def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus_per_node: int, hw: Hardware) -> float:
     """parallel.shard: each FSDP2 unit's all-gathers and reduce-scatter (a ring moves (n-1)/n of
     the gathered or reduced bytes per rank; x ``hw.gather_scatter_cost``), one latency per unit and
     collective, none overlapped with compute (an upper bound: FSDP2 prefetches the next unit's gather)."""
     device = "cpu" if hw.peak_tflops is None else "cuda"
     # shard_layout reads only the model, the degrees and optim.apply_groups off cfg: one per model and those.
-    layouts = _SHARD_LAYOUTS.setdefault(model, {})
-    key = (world_size, ep, cfg.optim.apply_groups)
-    if key not in layouts:
-        layouts[key] = shard_layout(cfg, model, model_facts(model).no_decay, world_size, ep)
-    layout = layouts[key]
+    layout = _shard_layout_of(cfg, model, world_size, ep)
     traffic = data_parallel_traffic(cfg, layout, world_size, ep, device)
     edp = world_size // ep
     dense_share = layout.dense_numel * (world_size > 1)
@@ -567,14 +575,25 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             scalars = per_step + 1  # the aux-loss sums, once per step
     small = scalars * hw.latency_s
     numel = numel_rep + numel_exp
+    sharded = cfg.parallel.shard != "none"
+    # Sharded, the update runs over this rank's shards only (FSDP2 pads each to whole rows).
+    updated = _shard_layout_of(cfg, model, world_size, ep).shard_numel if sharded else numel
     if hw.peak_tflops is None:
         update = cpu_update
     elif cfg.memory.offload != "none":
-        update = host.host_step_s(facts.num_trainable, numel, cfg.optim.name)
+        update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name)
     else:
-        update = 28.0 * numel / (hw.memory_GBps * 1e9 * 0.7)
+        update = 28.0 * updated / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0
-    if cfg.memory.offload != "none":
+    if sharded and cfg.memory.offload != "none":
+        # FSDP2's CPU offload: every gather first copies the unit's fp32 shards to the device (the
+        # forward's and, for full, the backward's, in every micro-batch), each gradient shard goes
+        # back once after its reduce-scatter; on the gathers' and reduce-scatters' own streams,
+        # beside compute. The host shards are the masters: nothing is copied back after the update.
+        copy_Bps = (hw.pcie_GBps if hw.pcie_GBps else 10.0) * 1e9
+        gathers = (2 if cfg.parallel.shard == "full" else 1) * accum
+        offload = max(0.0, 4.0 * updated * (gathers + 1) / copy_Bps - compute)
+    elif cfg.memory.offload != "none":
         copy_Bps = (hw.pcie_GBps if hw.pcie_GBps else 10.0) * 1e9
         # Gradients out: the unshared ones (the experts at EP = world, everything at world 1) in
         # every micro-batch, the shared ones once after their all-reduce; all during backward.

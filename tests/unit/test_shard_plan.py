@@ -38,6 +38,26 @@ def test_dense_config_fits_80gb_only_sharded():
     assert "parallel.shard=full" in full.feasible[0].overrides()
 
 
+def test_one_node_fits_the_dense_config_only_with_sharded_cpu_offload():
+    """8 H100s: shard=full alone needs ~89 GiB per GPU; with FSDP2's CPU offload the shards, their
+    gradients and moments live on the host (1/8 each), and the layout fits device and host."""
+    cfg = load(DENSE)
+    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), apply_groups=(1,), a2a=(None,), shard=("full",))
+    hw = GPUS["h100"]
+    on_device = search(cfg, 8, 8, hw, HostProfile(1), 2048.0, **narrow, offload=("none",))
+    assert not on_device.feasible and on_device.smallest.memory.peak_device > 80 * 2**30
+    offloaded = search(cfg, 8, 8, hw, HostProfile(1), 2048.0, **narrow, offload=("optimizer+params",))
+    best = offloaded.feasible[0]
+    assert best.memory.peak_device < 80 * 2**30 and 8 * best.memory.peak_host < 2048 * 2**30
+    assert {"parallel.shard=full", "memory.offload=optimizer+params"} <= set(best.overrides())
+    # The host holds what the device run held: 16 B per shard element (fp32 shard, gradient, moments).
+    states = on_device.smallest.memory.device
+    for key in ("params", "grads", "optimizer state"):
+        assert key not in best.memory.device
+        assert best.memory.host[key] == states[key]
+    assert best.time.update > 0  # the host update over the shards
+
+
 # (16, 8): 4 local experts over EDP 2, whole rows each; (32, 32): experts whole (EDP 1). With
 # fewer local experts than EDP ranks (64, 8: 4 over 8) FSDP2's dim-0 shards pad to one expert
 # per rank, and the estimate counts that padding (docs/parallelism.md).
