@@ -4,7 +4,8 @@
 stays the default. The tests that honour the option take the ``device`` fixture: the MoE math
 against its float64 reference (tests/unit/test_moe_layer.py), the model's mask rules
 (test_model.py), cast-on-use (test_cast_on_use.py), offload (test_offload.py), the checkpoint
-round trip (test_checkpoint.py) and activation checkpointing (test_activation_checkpoint.py).
+round trip (test_checkpoint.py), activation checkpointing (test_activation_checkpoint.py), fp16
+(test_fp16.py), Adafactor (test_adafactor.py) and, CUDA only, sharded CPU offload (test_shard_offload.py).
 bench/gpu_suite.py runs them this way on a GPU.
 
 One build cache for DeepSpeed's cpu_adam op (memory.host_optimizer): the op compiles on first use
