@@ -67,30 +67,8 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
     model = sharded.model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     placement = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
-    reshard = mode == "full"
-    dp, edp = dense_mesh(groups.mesh), groups.mesh["edp"]
     expert_ids = {id(p) for p in sharded.expert_params.values()}
-    units: list[nn.Module] = []
-    # Experts first (innermost): an enclosing unit leaves parameters an inner unit manages alone.
-    for module in model.modules():
-        params = list(module.parameters(recurse=False))
-        if params and all(id(p) in expert_ids for p in params):
-            fully_shard(module, mesh=edp, reshard_after_forward=reshard, mp_policy=policy,
-                         offload_policy=placement)
-            units.append(module)
-    for block in model.blocks:
-        fully_shard(block, mesh=dp, reshard_after_forward=reshard, mp_policy=policy,
-                         offload_policy=placement)
-        units.append(block)
-    # The root's parameters are used first in forward and last in backward: freeing them after the
-    # forward would only gather them again at once, so the root never reshards early.
-    fully_shard(model, mesh=dp, reshard_after_forward=False, mp_policy=policy, offload_policy=placement)
-    units.append(model)
-    for unit in units:
-        unit.set_gradient_divide_factor(1.0)
-        # A plain SUM (factor 1 would otherwise be a PREMUL_SUM, which gloo lacks; a no-op scale on NCCL).
-        unit.set_force_sum_reduction_for_comms(True)
-        reduce_unused_params(unit)
+    shard_units(model, expert_ids, dense_mesh(groups.mesh), groups.mesh["edp"], mode == "full", policy, placement)
     unmanaged = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
     assert not unmanaged, f"parameters outside every FSDP unit: {unmanaged[:3]}"
     # The ShardedModel's maps name the sharded DTensor parameters from now on.
@@ -113,6 +91,35 @@ def reduce_unused_params(unit: FSDPModule) -> None:
         raise LayoutError(f"parallel.shard over more than one rank needs FSDP2's set_reduce_scatter_unused_params, "
                           f"which torch {torch.__version__} lacks (torch 2.13 has it): upgrade torch, or use "
                           f"parallel.shard=none")
+
+
+def shard_units(model: nn.Module, expert_ids: set[int], dense: DeviceMesh, experts: DeviceMesh, reshard: bool,
+                policy: MixedPrecisionPolicy | None = None, placement: OffloadPolicy | None = None) -> list[nn.Module]:
+    """``fully_shard`` m6's units of ``model`` in place (each MoE layer's experts over ``experts``,
+    each block and the root over ``dense``), with m6's reduction settings; returns the units.
+    Shared by the run (apply_sharding) and the planner's CPU profile (m6.plan.timing), which wraps
+    the profiled rank in the same units over a one-rank mesh to time FSDP2's own host work."""
+    policy, placement = policy or MixedPrecisionPolicy(), placement or OffloadPolicy()
+    units: list[nn.Module] = []
+    # Experts first (innermost): an enclosing unit leaves parameters an inner unit manages alone.
+    for module in model.modules():
+        params = list(module.parameters(recurse=False))
+        if params and all(id(p) in expert_ids for p in params):
+            fully_shard(module, mesh=experts, reshard_after_forward=reshard, mp_policy=policy, offload_policy=placement)
+            units.append(module)
+    for block in model.blocks:
+        fully_shard(block, mesh=dense, reshard_after_forward=reshard, mp_policy=policy, offload_policy=placement)
+        units.append(block)
+    # The root's parameters are used first in forward and last in backward: freeing them after the
+    # forward would only gather them again at once, so the root never reshards early.
+    fully_shard(model, mesh=dense, reshard_after_forward=False, mp_policy=policy, offload_policy=placement)
+    units.append(model)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        # A plain SUM (factor 1 would otherwise be a PREMUL_SUM, which gloo lacks; a no-op scale on NCCL).
+        unit.set_force_sum_reduction_for_comms(True)
+        reduce_unused_params(unit)
+    return units
 
 
 class ShardedGradientSync:

@@ -37,7 +37,8 @@ offload   host<->device bytes / the PCIe figure, counted where the step waits fo
           FSDP2's CPU offload copies each unit's shards in at every gather and the gradient shards
           out once, beside compute; nothing is copied back after the host update); unsharded: the
           gradients streamed out (the unshared ones in every micro-batch) and the streamed blocks'
-          weights (fetched twice per micro-batch, the next block prefetched while one computes)
+          weights (memory.offload_blocks: those listed; fetched twice per micro-batch, the next
+          block prefetched while one computes)
           overlap the forward and backward, so only what exceeds the compute time shows; the
           weights copied back overlap the update group by group (optim.apply_groups), so the last
           group's copy, or what exceeds the update, shows.
@@ -51,16 +52,21 @@ update    cpu: MEASURED on the rank's real parameters between the profiled steps
 
 from __future__ import annotations
 
+import os
 import queue
 import statistics
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves
 
 from m6.batch_format import IGNORE_INDEX, SEG_SOURCE, SEG_TARGET
@@ -72,6 +78,7 @@ from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
 from m6.model.param_groups import no_decay_ids
 from m6.moe.router import router_gemm_precision
 from m6.moe.chunked_all_to_all import auto_overlap_degree
+from m6.parallel.fsdp import clip_sharded_grad_norm, shard_units
 from m6.parallel.grad_sync import clip_grad_norm
 from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
@@ -179,9 +186,30 @@ def _profile_model(cfg: Config, world_size: int, ep: int, recompute: frozenset,
             layer.dispatcher = LoopbackDispatcher(cfg.model.moe.num_experts, ep, wire, sync)
     if sync is not None and cfg.parallel.shard != "none":
         _wait_at_shard_units(model, sync)
+    if cfg.parallel.shard != "none" and dist.is_initialized():
+        _shard_for_profile(model, cfg.parallel.shard)
     if recompute:
         RecomputeParts(model).apply(sorted(recompute))
     return model
+
+
+def _join_private_group(folder: str) -> None:
+    """A one-rank gloo process group of this profiling process's own (a file store in ``folder``):
+    what FSDP2 needs to wrap the profiled model (``_shard_for_profile``)."""
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(folder, f"store-{os.getpid()}"), 1),
+                            rank=0, world_size=1)
+
+
+def _shard_for_profile(model: nn.Module, mode: str) -> None:
+    """parallel.shard: wrap the profiled rank in the run's FSDP2 units (m6.parallel.fsdp.shard_units)
+    over a one-rank mesh, so its timed forward+backward and update include FSDP2's own host work:
+    the hooks around every unit, the copies into and out of the gather and reduce-scatter buffers,
+    the DTensor update. At one rank each gather and reduce-scatter copies whole units (at N ranks
+    the gather's input and the reduce-scatter's output are 1/N): a little more copying than the
+    run's; the bytes on the wire stay the sync term's."""
+    mesh = init_device_mesh("cpu", (1,))
+    experts = {id(p) for layer in model.moe_layers().values() for p in layer.experts.parameters()}
+    shard_units(model, experts, mesh, mesh, reshard=mode == "full")
 
 
 def _wait_at_shard_units(model: nn.Module, sync: Callable[[], None]) -> None:
@@ -237,6 +265,7 @@ def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: O
     assert sync is None or runs is not None, "ranks in lockstep must time the same number of steps"
     images, has, ids, seg, labels = inputs
     params = [p for p in model.parameters() if p.requires_grad]
+    sharded = any(isinstance(p, DTensor) for p in params)
     skip = no_decay_ids(model)
     optimizer = torch.optim.AdamW([{"params": [p for p in params if id(p) not in skip], "weight_decay": 0.1},
                                    {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}],
@@ -253,7 +282,10 @@ def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: O
         if sync is not None:
             sync()  # the gradient sync and the step's scalar all-reduces: every rank done with backward
         t1 = time.perf_counter()
-        clip_grad_norm(params, [], 1.0)
+        if sharded:
+            clip_sharded_grad_norm(params, 1.0, None, torch.device("cpu"))
+        else:
+            clip_grad_norm(params, [], 1.0)
         optimizer.step()
         update.append(time.perf_counter() - t1)
         compute.append(t1 - t0)
@@ -271,9 +303,14 @@ def _concurrent_rank(cfg: Config, world_size: int, ep: int, micro_batch: int, re
     all-to-all and sync terms' business (bytes / bandwidth)."""
     torch.set_num_threads(threads)
     sync = barrier.wait if world_size > 1 and barrier.parties == world_size else None
-    model, inputs = _profile_model(cfg, world_size, ep, recompute, sync), _densest_inputs(cfg, micro_batch)
-    barrier.wait()  # every rank's process times at once, as the ranks of a run compute at once
-    results.put(_time_rank_steps(model, inputs, runs, sync))
+    with tempfile.TemporaryDirectory(prefix="m6-plan-profile-") as folder:
+        if cfg.parallel.shard != "none":
+            _join_private_group(folder)
+        model, inputs = _profile_model(cfg, world_size, ep, recompute, sync), _densest_inputs(cfg, micro_batch)
+        barrier.wait()  # every rank's process times at once, as the ranks of a run compute at once
+        results.put(_time_rank_steps(model, inputs, runs, sync))
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _collect(procs: list, results, timeout_s: float) -> list:
@@ -327,15 +364,17 @@ class HostProfile:
 
     def _profile(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
                  recompute: frozenset) -> tuple[float, float]:
-        # Sharded ranks wait for each other at every unit when profiled in lockstep (_wait_at_shard_units).
-        key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype, cfg.parallel.shard != "none")
+        # Sharded: FSDP2's units around the profiled model, waits at each in lockstep (_shard_for_profile,
+        # _wait_at_shard_units); profiled in processes of their own (each its own one-rank group).
+        key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype, cfg.parallel.shard)
         if key in self._cache:
             return self._cache[key]
-        if self.concurrent > 1:
+        if self.concurrent > 1 or cfg.parallel.shard != "none":
             ctx = mp.get_context("spawn")
             barrier, results = ctx.Barrier(self.concurrent), ctx.Queue()
+            runs = self.CONCURRENT_RUNS if self.concurrent > 1 else None
             procs = [ctx.Process(target=_concurrent_rank, args=(cfg, world_size, ep, micro_batch, recompute,
-                                                                self.threads, self.CONCURRENT_RUNS, barrier, results))
+                                                                self.threads, runs, barrier, results))
                      for _ in range(self.concurrent)]
             for proc in procs:
                 proc.start()
@@ -600,7 +639,9 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         local = numel if world_size == 1 else (numel_exp if world_size // ep == 1 else 0)
         during_compute = 4.0 * (local * accum + numel - local)
         if cfg.memory.offload == "optimizer+params":
-            streamed = sum(p.numel() for b in model.blocks for p in b.parameters())
+            chosen = cfg.memory.offload_blocks  # auto: counted as all (the most the run may stream)
+            blocks = [model.blocks[i] for i in chosen] if isinstance(chosen, list) else model.blocks
+            streamed = sum(p.numel() for b in blocks for p in b.parameters())
             during_compute += 2 * 4.0 * streamed * accum  # fetched for forward and for backward, prefetched
         back = 4.0 * numel / copy_Bps  # new weights, group by group while the next group updates
         groups = max(1, cfg.optim.apply_groups)

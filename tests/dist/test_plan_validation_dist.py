@@ -80,3 +80,27 @@ def test_link_probe_runs_m6s_exchange_at_world2() -> None:
     """The bench's link probe (its all-to-all is m6's own, uneven-split API; FSDP2's all-gather and
     reduce-scatter beside it) at world 2."""
     run_distributed(_probe, 2, timeout_s=60)
+
+
+def _sharded_profile(rank: int, world: int, mode: str) -> None:
+    """One profiling process with its one-rank group (what m6.plan's profile gives it): the rank
+    model comes wrapped in the run's FSDP2 units, and a timed step (clip + AdamW on DTensors) runs."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from m6.plan.timing import _densest_inputs, _profile_model, _time_rank_steps
+
+    cfg = load("configs/tiny.yaml", [*COMMON, *SMALL, f"parallel.shard={mode}"])
+    model = _profile_model(cfg, 2, 2, frozenset())  # rank 0 of world 2 at EP 2: its two experts
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert len(units) == len(model.blocks) + len(model.moe_layers()) + 1  # blocks, experts, root
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    block = model.blocks[0]._get_fsdp_state()._fsdp_param_group
+    assert block.post_forward_mesh_info is not None if mode == "full" else block.post_forward_mesh_info is None
+    compute, update = _time_rank_steps(model, _densest_inputs(cfg, 2), runs=2)
+    assert compute > 0 and update > 0
+
+
+@pytest.mark.parametrize("mode", ["full", "optimizer"])
+def test_the_sharded_profile_times_fsdp2s_units(mode) -> None:
+    run_distributed(_sharded_profile, 1, mode, timeout_s=120)
