@@ -50,10 +50,25 @@ def resolve_offload_blocks(cfg: Config, model: nn.Module, no_decay: set[int], wo
         trial = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, offload_blocks=streamed))
         return estimate_memory(trial, model, no_decay, world_size, ep, "cuda").peak_device
 
-    streamed = list(range(num_blocks))
-    while streamed and peak(streamed[:-1]) <= budget:  # keep the last streamed block on the device too
-        streamed = streamed[:-1]
+    streamed = blocks_to_stream(num_blocks, peak, budget)
     log(f"memory.offload_blocks=auto: {num_blocks - len(streamed)} of {num_blocks} blocks stay on the device, "
         f"{len(streamed)} stream from the host (estimated peak {peak(streamed) / 2**30:.2f} GiB of "
         f"{budget / 2**30:.2f} GiB = {AUTO_MEMORY_FRACTION} of the device's memory)")
     return streamed
+
+
+def blocks_to_stream(num_blocks: int, peak: Callable[[list[int]], float], budget: float) -> list[int]:
+    """The fewest blocks to stream, 0..k-1, so that ``peak(streamed)`` (device bytes) fits ``budget``:
+    blocks are kept on the device from the last one down (see the module docstring). Keeping one
+    more block never lowers the peak, so the count is found by bisection: log2(blocks) estimates.
+    All blocks when even streaming every one does not fit (the caller tells it from the peak)."""
+    lo, hi = 0, num_blocks  # streaming hi blocks fits (or hi = all); find the least that fits
+    if peak(list(range(hi))) > budget:
+        return list(range(hi))
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak(list(range(mid))) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return list(range(hi))

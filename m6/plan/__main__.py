@@ -34,7 +34,9 @@ def describe(c: Candidate, rank: int, ranks_per_node: int = 1) -> str:
     t, mem = c.time, c.memory
     lines = [f"#{rank}  EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}"
              + (f" (budget {c.budget_gb:.2f} GiB)" if c.budget_gb is not None else "")
-             + f", offload {c.offload}, shard {c.shard}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}"
+             + f", offload {c.offload}"
+             + (f" (blocks {c.offload_blocks[0]}-{c.offload_blocks[-1]} streamed)" if c.offload_blocks else "")
+             + f", shard {c.shard}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}"
              + (f", overlap {c.a2a_overlap_degree}, dispatch {c.a2a_dispatch}" if c.expert_parallel_size > 1 else ""),
              f"    PREDICTED {c.tokens_per_s:,.0f} tokens/s, step {t.total:.3f} s = compute {t.compute:.3f} + "
              f"all-to-all {t.all_to_all:.3f}" + (f" exposed ({t.all_to_all_hidden:.3f} hidden)" if t.all_to_all_hidden else "")

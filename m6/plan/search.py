@@ -11,6 +11,7 @@ from typing import Optional, Union
 
 from m6.config import Config, num_patches
 from m6.memory.estimate import MemoryReport
+from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.plan.memory import RankMemory
 from m6.plan.timing import Hardware, HostProfile, StepTime, step_time
 
@@ -40,6 +41,7 @@ class Candidate:
     shard: str = "none"  # parallel.shard
     a2a_overlap_degree: Union[int, str] = 1  # model.moe.a2a_overlap_degree
     a2a_dispatch: str = "flat"  # model.moe.a2a_dispatch
+    offload_blocks: Optional[list[int]] = None  # memory.offload_blocks (None: all, with optimizer+params)
 
     def overrides(self) -> list[str]:
         """The train.py ``key=value`` overrides that run this layout."""
@@ -51,19 +53,24 @@ class Candidate:
                f"model.moe.a2a_overlap_degree={self.a2a_overlap_degree}", f"model.moe.a2a_dispatch={self.a2a_dispatch}"]
         if self.budget_gb is not None:
             out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
+        if self.offload_blocks is not None:
+            out.append(f"memory.offload_blocks=[{','.join(map(str, self.offload_blocks))}]")
         return out
 
 
 def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, groups: int,
                  a2a: Optional[str], budget_gb: Optional[float], precision: str, shard: Optional[str] = None,
-                 overlap: Optional[int] = None, dispatch: Optional[str] = None) -> Config:
+                 overlap: Optional[int] = None, dispatch: Optional[str] = None,
+                 offload_blocks: Optional[list[int]] = None) -> Config:
     """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``,
     ``overlap`` and ``dispatch`` None keep cfg's parallel.shard, model.moe.a2a_overlap_degree and
-    model.moe.a2a_dispatch)."""
+    model.moe.a2a_dispatch; ``offload_blocks`` None: every block streams with optimizer+params)."""
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard or cfg.parallel.shard),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing=recompute, offload=offload,
+                                   offload_blocks="all" if offload_blocks is None or offload != "optimizer+params"
+                                   else offload_blocks,
                                    activation_budget_gb=budget_gb if recompute == "auto" else None,
                                    activation_budget_fraction=None),
         optim=dataclasses.replace(cfg.optim, apply_groups=groups),
@@ -131,6 +138,16 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
             if mem.peak_device > limit or mem.peak_host * ranks_per_node > host_memory_gib * 2**30:
                 continue
             fitting += 1
+            if off == "optimizer+params" and sh == "none" and hw.peak_tflops is not None and rc != "auto":
+                # Granular offload: stream only the blocks the device cannot keep (what
+                # memory.offload_blocks=auto picks at start-up, as an explicit list), the rest resident.
+                def peak(streamed: list[int]) -> float:
+                    return rm.report(apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh,
+                                                  offload_blocks=streamed)).peak_device
+                streamed = blocks_to_stream(len(rm.model.blocks), peak, AUTO_MEMORY_FRACTION * limit)
+                if 0 < len(streamed) < len(rm.model.blocks):
+                    trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, offload_blocks=streamed)
+                    cand.memory, cand.offload_blocks = rm.report(trial), streamed
             # The exchange's form changes only the time (not the memory estimate): each overlap
             # degree a candidate, of the flat exchange and, where the expert-parallel group spans
             # nodes, of node-aware dispatch.
@@ -142,7 +159,8 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
             for degree, dispatch in exchanges:
                 timed = dataclasses.replace(cand)
                 timed.a2a_overlap_degree, timed.a2a_dispatch = degree, dispatch
-                run = apply_choice(trial, mb, rc, off, groups, wire, budget, hw.precision, sh, degree, dispatch)
+                run = apply_choice(trial, mb, rc, off, groups, wire, budget, hw.precision, sh, degree, dispatch,
+                                   cand.offload_blocks)
                 timed.time = step_time(run, world_size, ep, gpus_per_node, hw, host, cores, rm.model)
                 timed.tokens_per_s = tokens / timed.time.total
                 if hw.peak_tflops:
