@@ -631,8 +631,8 @@ def _check_cross_section(cfg: Config) -> None:
 
 def check_shard_offload(cfg: Config, device_type: str | None = None) -> None:
     """parallel.shard with memory.offload: FSDP2's CPUOffloadPolicy keeps each rank's parameter
-    shards, their gradients and the optimizer state on the host together (torch's optimizer steps
-    them there), so it is offload=optimizer+params, with torch's host optimizer, on CUDA (the
+    shards, their gradients and the optimizer state on the host together (the host optimizer,
+    memory.host_optimizer, steps them there), so it is offload=optimizer+params, on CUDA (the
     policy copies shards to an accelerator for compute). ``device_type``: the resolved device at
     start-up (train.device=auto); None checks what the config alone decides."""
     shard, mem = cfg.parallel.shard, cfg.memory
@@ -645,9 +645,6 @@ def check_shard_offload(cfg: Config, device_type: str | None = None) -> None:
     if mem.offload_blocks != "all":
         raise ConfigError(f"parallel.shard={shard} with memory.offload_blocks={mem.offload_blocks}: FSDP2 offloads "
                           "every unit's shards; granular offload is m6's unsharded offload (parallel.shard=none)")
-    if mem.host_optimizer == "deepspeed":
-        raise ConfigError(f"parallel.shard={shard} with memory.host_optimizer=deepspeed: the offloaded shards are "
-                          "DTensors that torch's optimizer steps on the host; use memory.host_optimizer=torch or auto")
     device = device_type or (cfg.train.device if cfg.train.device != "auto" else None)
     if device == "cpu":
         raise ConfigError(f"parallel.shard={shard} with memory.offload={mem.offload} on train.device=cpu: FSDP2's CPU "

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
+from torch.distributed.tensor import DTensor
 
 
 class DeepSpeedHostAdamW(DeepSpeedCPUAdam):
@@ -27,7 +28,9 @@ class DeepSpeedHostAdamW(DeepSpeedCPUAdam):
 
     Hyper-parameters per param group as in torch.optim.AdamW (lr, betas, eps, weight_decay); an
     LR scheduler drives ``group["lr"]``; stepping with a group's ``params`` narrowed to a subset
-    (m6.memory.grouped_apply) updates that subset only.
+    (m6.memory.grouped_apply) updates that subset only. A DTensor parameter (FSDP2's shards on the
+    host, parallel.shard with CPU offload) keeps DTensor moments, as torch's AdamW would, and the op
+    updates their local shards in place.
     """
 
     def __init__(self, params: Iterable, lr: float, betas: tuple[float, float], eps: float,
@@ -54,16 +57,22 @@ class DeepSpeedHostAdamW(DeepSpeedCPUAdam):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                # The op updates contiguous CPU copies of non-contiguous tensors: the update would be lost.
-                assert p.device.type == "cpu" and p.is_contiguous() and p.grad.is_contiguous(), p.shape
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.zeros((), dtype=torch.float32)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
+                # The op updates contiguous CPU copies of non-contiguous tensors: the update would be lost.
+                assert all(t.device.type == "cpu" and t.is_contiguous() for t in tensors), p.shape
                 state["step"] += 1
                 self._fresh_op_state(group)
                 self.ds_opt_adam.adam_update(self.opt_id, int(state["step"].item()), group["lr"], beta1, beta2,
                                              group["eps"], group["weight_decay"], group["bias_correction"],
-                                             p, p.grad, state["exp_avg"], state["exp_avg_sq"])
+                                             *tensors)
         return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view of its storage: updated in place), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -37,7 +37,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
         assert host_optimizer == "torch", "DeepSpeed's CPU op is Adam only (config.py refuses the combination)"
         return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
     if host_optimizer == "deepspeed":
-        assert master is not None, "DeepSpeed's CPU Adam updates host masters only"
+        assert all(t.device.type == "cpu" for t in decay + no_decay), "DeepSpeed's CPU Adam updates host tensors only"
         # Imported here: it imports deepspeed (~2 s), which runs without it do not pay.
         from m6.memory.deepspeed_adam import DeepSpeedHostAdamW
         return DeepSpeedHostAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)

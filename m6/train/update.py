@@ -68,7 +68,7 @@ class ParameterUpdate:
         self.world_group = sharded.groups.world
         # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
         self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, cfg.optim.name, sharded, log) \
-            if self.offload else ("torch" if self.fsdp_offload else None)
+            if self.offload or self.fsdp_offload else None
         if self.offload or self.fsdp_offload:  # the host clips and updates: whichever optimizer, its threads matter
             note = thread_note(sharded.groups.layout.local_world_size)
             if note:

@@ -406,3 +406,33 @@ def test_offloaded_update_with_torchs_adamw_says_it_runs_on_one_thread():
     finally:
         torch.set_num_threads(threads)
     assert any("offloaded update (host gradient clip and optimizer) runs on 1 thread" in line for line in lines), lines
+
+
+def _steps_on_dtensors(rank: int, world: int) -> None:
+    """One rank of a one-rank gloo group: DeepSpeed's update of DTensor parameters (FSDP2's host
+    shards under parallel.shard with CPU offload) equals its update of the same plain tensors,
+    bitwise, and keeps DTensor moments (torch AdamW's layout for DTensor parameters)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    g = torch.Generator().manual_seed(0)
+    plain = [torch.randn(s, generator=g) for s in SHAPES]
+    shards = [DTensor.from_local(p.clone(), mesh, [Shard(0)]) for p in plain]
+    opt_plain, opt_shards = _ds_adamw(_groups(plain)), _ds_adamw(_groups(shards))
+    for _ in range(3):
+        grads = _grads(g)
+        for p, q, grad in zip(plain, shards, grads):
+            p.grad, q.grad = grad, DTensor.from_local(grad.clone(), mesh, [Shard(0)])
+        opt_plain.step()
+        opt_shards.step()
+    for p, q in zip(plain, shards):
+        assert torch.equal(q.to_local(), p)
+        assert all(isinstance(opt_shards.state[q][k], DTensor) for k in ("exp_avg", "exp_avg_sq"))
+        assert torch.equal(opt_shards.state[q]["exp_avg_sq"].to_local(), opt_plain.state[p]["exp_avg_sq"])
+
+
+def test_deepspeed_steps_fsdp2_host_shards(cpu_adam):
+    sys.path.insert(0, str(REPO / "tests" / "dist"))
+    from dist_helpers import run_distributed
+    run_distributed(_steps_on_dtensors, 1, timeout_s=120)

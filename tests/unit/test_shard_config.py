@@ -17,8 +17,6 @@ TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.ff
 
 @pytest.mark.parametrize("extra, keys", [
     (["memory.offload=optimizer"], ("parallel.shard=full", "memory.offload=optimizer")),
-    (["memory.offload=optimizer+params", "memory.host_optimizer=deepspeed"],
-     ("parallel.shard=full", "memory.host_optimizer=deepspeed")),
     (["memory.offload=optimizer+params", "memory.offload_blocks=[0]"],
      ("parallel.shard=full", "memory.offload_blocks=[0]")),
     (["memory.offload=optimizer+params", "train.device=cpu"],
