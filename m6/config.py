@@ -629,12 +629,10 @@ def _check_cross_section(cfg: Config) -> None:
                           "CUDA grouped GEMM is fused only in bf16, in fp32 it loops over experts with a host sync "
                           "per GEMM; use train.precision=bf16 (or bf16-autocast), or model.moe.expert_kernel=auto or loop")
 
-def check_shard_offload(cfg: Config, device_type: str | None = None) -> None:
-    """parallel.shard with memory.offload: FSDP2's CPUOffloadPolicy keeps each rank's parameter
-    shards, their gradients and the optimizer state on the host together (the host optimizer,
-    memory.host_optimizer, steps them there), so it is offload=optimizer+params, on CUDA (the
-    policy copies shards to an accelerator for compute). ``device_type``: the resolved device at
-    start-up (train.device=auto); None checks what the config alone decides."""
+def check_shard_offload(cfg: Config) -> None:
+    """parallel.shard with memory.offload: FSDP2's CPU offload keeps each rank's parameter shards,
+    their gradients and the optimizer state on the host together, and the host optimizer
+    (memory.host_optimizer) steps them there: offload=optimizer+params, every block."""
     shard, mem = cfg.parallel.shard, cfg.memory
     if shard == "none" or mem.offload == "none":
         return
@@ -645,11 +643,6 @@ def check_shard_offload(cfg: Config, device_type: str | None = None) -> None:
     if mem.offload_blocks != "all":
         raise ConfigError(f"parallel.shard={shard} with memory.offload_blocks={mem.offload_blocks}: FSDP2 offloads "
                           "every unit's shards; granular offload is m6's unsharded offload (parallel.shard=none)")
-    device = device_type or (cfg.train.device if cfg.train.device != "auto" else None)
-    if device == "cpu":
-        raise ConfigError(f"parallel.shard={shard} with memory.offload={mem.offload} on train.device=cpu: FSDP2's CPU "
-                          "offload copies the shards to an accelerator for compute and needs CUDA; on a CPU the "
-                          "parameters are in host memory already (use parallel.shard alone)")
 
 
 def expert_ffn_dim(model: ModelConfig) -> int:

@@ -54,9 +54,10 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
     ``param_dtype``: the dtype the units gather their parameters in (bf16 for train.precision=bf16:
     FSDP2's MixedPrecisionPolicy casts the gathered copy, the sharded fp32 parameter stays the
     master, gradients are reduced in fp32) or None for the parameters' own dtype.
-    ``offload``: FSDP2's CPUOffloadPolicy (memory.offload=optimizer+params with sharding, CUDA only):
+    ``offload``: FSDP2's CPUOffloadPolicy (memory.offload=optimizer+params with sharding) on CUDA:
     the shards rest in pinned host memory, each gather copies them to the device first, each
-    reduce-scatter's output goes back to the host, and the optimizer steps them there.
+    reduce-scatter's output goes back to the host, and the optimizer steps them there. On a CPU
+    mesh the shards are in host memory already and stay as they are.
     """
     if mode not in ("optimizer", "full"):
         raise ValueError(f"parallel.shard must be one of {SHARD_MODES}, got {mode!r}")
@@ -66,7 +67,9 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
                           f"--nproc_per_node 1), or use parallel.shard=none for one plain process")
     model = sharded.model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
-    placement = CPUOffloadPolicy(pin_memory=True) if offload else OffloadPolicy()
+    # On a CPU device the shards live in host memory already: nothing to move (and the policy's
+    # copies need an accelerator); the host optimizer still steps them (m6.train.update).
+    placement = CPUOffloadPolicy(pin_memory=True) if offload and groups.mesh.device_type == "cuda" else OffloadPolicy()
     expert_ids = {id(p) for p in sharded.expert_params.values()}
     shard_units(model, expert_ids, dense_mesh(groups.mesh), groups.mesh["edp"], mode == "full", policy, placement)
     unmanaged = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m6.config import Config, ConfigError, check_shard_offload, dump_yaml, num_patches, run_dir, to_dict
+from m6.config import Config, ConfigError, dump_yaml, num_patches, run_dir, to_dict
 from m6.data.batch import MultimodalBatch, Sample
 from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
@@ -97,7 +97,6 @@ class Trainer:
             if self.world_size > 1 else None
         self.is_main = self.rank == 0
         self.device = resolve_device(cfg.train.device)
-        check_shard_offload(cfg, self.device.type)  # train.device=auto: known only now
         # Before the model's first matmul: cuBLAS reads its workspace setting when it starts.
         self._restore_determinism = use_determinism(cfg.train.deterministic)
         if cfg.logging.wandb.enabled and self.is_main:

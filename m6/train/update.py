@@ -69,6 +69,10 @@ class ParameterUpdate:
         # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
         self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, cfg.optim.name, sharded, log) \
             if self.offload or self.fsdp_offload else None
+        if self.fsdp_offload and device.type != "cuda":
+            log(f"parallel.shard={cfg.parallel.shard} with memory.offload={cfg.memory.offload} on a CPU device: the "
+                f"shards are in host memory already (FSDP2 moves nothing); the host optimizer "
+                f"({self.host_optimizer}) updates them")
         if self.offload or self.fsdp_offload:  # the host clips and updates: whichever optimizer, its threads matter
             note = thread_note(sharded.groups.layout.local_world_size)
             if note:

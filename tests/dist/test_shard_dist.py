@@ -190,3 +190,35 @@ def _without_unused_param_reduction(rank: int, world: int, root: str) -> None:
 @pytest.mark.parametrize("world", [1, 2])
 def test_an_fsdp2_without_unused_param_reduction_shards_one_rank_only(tmp_path, world):
     run_distributed(_without_unused_param_reduction, world, str(tmp_path), timeout_s=120)
+
+
+def _host_optimizer_on_shards(rank: int, world: int, root: str) -> None:
+    """parallel.shard with memory.offload=optimizer+params on a CPU device: the shards are in host
+    memory already (FSDP2 moves nothing) and the host optimizer, DeepSpeed's CPU Adam here, updates
+    them: the curve of torch's AdamW to fp32 rounding, and a resume continues it bitwise."""
+    from torch.distributed.tensor import DTensor
+
+    from m6.memory.deepspeed_adam import DeepSpeedHostAdamW
+
+    _env(rank, world)
+    base = [*SMALL, f"train.max_steps={STEPS}", "parallel.shard=full", "parallel.expert_parallel_size=2"]
+    offload = ["memory.offload=optimizer+params", "memory.host_optimizer=deepspeed"]
+    device = Trainer(load(None, [*base, f"run.dir={root}/device"]))
+    device.fit()
+    straight = Trainer(load(None, [*base, *offload, f"run.dir={root}/straight"]))
+    assert straight.update.host_optimizer == "deepspeed" and isinstance(straight.update.optimizer, DeepSpeedHostAdamW)
+    assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in straight.model.parameters())
+    straight.fit()
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(_curve(straight), _curve(device)), 1):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4), step
+    first = Trainer(load(None, [*base, *offload, f"run.dir={root}/resumed"]))
+    first.fit(stop_at=STEPS // 2)
+    first.save_checkpoint(wait=True)
+    resumed = Trainer(load(None, [*base, *offload, f"run.dir={root}/resumed"]))
+    assert resumed.step == STEPS // 2
+    resumed.fit()
+    assert _curve(resumed) == _curve(straight)[STEPS // 2:]
+
+
+def test_the_host_optimizer_updates_shards_on_a_cpu_device(tmp_path):
+    run_distributed(_host_optimizer_on_shards, 2, str(tmp_path), timeout_s=300)

@@ -19,8 +19,6 @@ TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.ff
     (["memory.offload=optimizer"], ("parallel.shard=full", "memory.offload=optimizer")),
     (["memory.offload=optimizer+params", "memory.offload_blocks=[0]"],
      ("parallel.shard=full", "memory.offload_blocks=[0]")),
-    (["memory.offload=optimizer+params", "train.device=cpu"],
-     ("parallel.shard=full", "memory.offload=optimizer+params", "train.device=cpu", "needs CUDA")),
     (["memory.activation_checkpointing=auto"], ("parallel.shard=full", "memory.activation_checkpointing=auto")),
     (["model.num_layers=2", "model.share_layers=2"], ("parallel.shard=full", "model.share_layers=2")),
     (["optim.name=adafactor"], ("parallel.shard=full", "optim.name=adafactor")),
@@ -31,15 +29,6 @@ def test_unsupported_combinations_name_their_keys(extra, keys):
         load(None, [*TINY, "parallel.shard=full", *extra])
     assert all(k in str(e.value) for k in keys), str(e.value)
     load(None, [*TINY, "parallel.shard=none", *extra])  # the same keys without sharding are fine
-
-
-def test_offload_on_an_auto_device_that_is_a_cpu_is_refused_at_start_up(tmp_path, monkeypatch):
-    """train.device=auto: the device is known at start-up; a CPU there is the same config error
-    (exit 2 from the CLI), before the model is built."""
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    cfg = load(None, [*TINY, f"run.dir={tmp_path}", "parallel.shard=full", "memory.offload=optimizer+params"])
-    with pytest.raises(ConfigError, match="parallel.shard=full with memory.offload=optimizer\\+params on train.device=cpu"):
-        Trainer(cfg)
 
 
 def test_unknown_mode_is_refused():
