@@ -114,8 +114,9 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                                                                shard):
             if wire is not None and ep == 1:
                 continue  # no all-to-all to compress
-            # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params) on a
-            # GPU; not with auto recompute, fp16 or Adafactor (config errors); nothing to shard at world 1.
+            # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params), on a
+            # GPU (on a CPU host it moves nothing); not with auto recompute, fp16 or Adafactor (config
+            # errors); nothing to shard at world 1.
             if sh != "none" and ((off != "none" and (off != "optimizer+params" or hw.peak_tflops is None))
                                  or rc == "auto" or world_size == 1 or hw.precision == "fp16"
                                  or cfg.optim.name == "adafactor"):

@@ -3,7 +3,8 @@ rank over NCCL: the same losses and gradient norms as the unsharded and the shar
 the shards, their gradients and the optimizer state really on the host (pinned), the device's
 resident bytes far below the sharded-on-device run's, and a checkpoint that resumes with offload
 and reshards to shard=none. CUDA only (``pytest --device cuda``): the policy copies shards to an
-accelerator for compute, and on a CPU m6 refuses the combination (tests/unit/test_shard_config.py).
+accelerator for compute; on a CPU device the shards stay in host memory and the host optimizer
+updates them (tests/dist/test_shard_dist.py).
 
 The checks run in a child process: a Trainer that sees RANK/WORLD_SIZE joins an NCCL process
 group, which would outlive this test in pytest's own process.
