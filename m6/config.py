@@ -629,6 +629,7 @@ def _check_cross_section(cfg: Config) -> None:
                           "CUDA grouped GEMM is fused only in bf16, in fp32 it loops over experts with a host sync "
                           "per GEMM; use train.precision=bf16 (or bf16-autocast), or model.moe.expert_kernel=auto or loop")
 
+
 def check_shard_offload(cfg: Config) -> None:
     """parallel.shard with memory.offload: FSDP2's CPU offload keeps each rank's parameter shards,
     their gradients and the optimizer state on the host together, and the host optimizer

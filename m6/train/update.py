@@ -49,7 +49,7 @@ class ParameterUpdate:
         # Sharded (FSDP2) units reduce-scatter their own gradients: m6's all-reduce must not add them again.
         self.sharded_dp = cfg.parallel.shard != "none"
         # Sharded with offload: FSDP2's CPUOffloadPolicy (m6.parallel.fsdp) holds the shards, their
-        # gradients and the optimizer state on the host, and torch's optimizer steps them there;
+        # gradients and the optimizer state on the host, and the host optimizer steps them there;
         # m6's own offload (whole host masters per rank) is for unsharded runs.
         self.fsdp_offload = self.sharded_dp and cfg.memory.offload != "none"
         streamed = [] if self.sharded_dp else resolve_offload_blocks(
