@@ -168,11 +168,13 @@ def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:
 
 
 def _profile_model(cfg: Config, world_size: int, ep: int, recompute: frozenset,
-                   sync: Optional[Callable[[], None]] = None) -> nn.Module:
+                   sync: Optional[Callable[[], None]] = None, fsdp_units: bool = False) -> nn.Module:
     """The rank's model, materialised on the CPU, recompute applied; under expert parallelism
     its experts only, with the exchange skipped (LoopbackDispatcher) and its local work kept.
     ``sync`` (ranks profiled together): called wherever the run's ranks wait for each other
-    inside forward and backward (the all-to-alls; each MoE layer's routing statistics)."""
+    inside forward and backward (the all-to-alls; each MoE layer's routing statistics).
+    ``fsdp_units`` (parallel.shard, in a process that joined its one-rank group): wrapped in the
+    run's FSDP2 units (``_shard_for_profile``)."""
     model = rank_model(cfg, world_size, ep)
     model.materialize(torch.device("cpu"), cfg.run.seed)
     if sync is not None and cfg.model.moe.aux_loss_scope == "global":
@@ -186,7 +188,7 @@ def _profile_model(cfg: Config, world_size: int, ep: int, recompute: frozenset,
             layer.dispatcher = LoopbackDispatcher(cfg.model.moe.num_experts, ep, wire, sync)
     if sync is not None and cfg.parallel.shard != "none":
         _wait_at_shard_units(model, sync)
-    if cfg.parallel.shard != "none" and dist.is_initialized():
+    if fsdp_units:
         _shard_for_profile(model, cfg.parallel.shard)
     if recompute:
         RecomputeParts(model).apply(sorted(recompute))
@@ -304,12 +306,14 @@ def _concurrent_rank(cfg: Config, world_size: int, ep: int, micro_batch: int, re
     torch.set_num_threads(threads)
     sync = barrier.wait if world_size > 1 and barrier.parties == world_size else None
     with tempfile.TemporaryDirectory(prefix="m6-plan-profile-") as folder:
-        if cfg.parallel.shard != "none":
+        sharded = cfg.parallel.shard != "none"
+        if sharded:
             _join_private_group(folder)
-        model, inputs = _profile_model(cfg, world_size, ep, recompute, sync), _densest_inputs(cfg, micro_batch)
+        model = _profile_model(cfg, world_size, ep, recompute, sync, fsdp_units=sharded)
+        inputs = _densest_inputs(cfg, micro_batch)
         barrier.wait()  # every rank's process times at once, as the ranks of a run compute at once
         results.put(_time_rank_steps(model, inputs, runs, sync))
-        if dist.is_initialized():
+        if sharded:
             dist.destroy_process_group()
 
 

@@ -91,7 +91,7 @@ def _sharded_profile(rank: int, world: int, mode: str) -> None:
     from m6.plan.timing import _densest_inputs, _profile_model, _time_rank_steps
 
     cfg = load("configs/tiny.yaml", [*COMMON, *SMALL, f"parallel.shard={mode}"])
-    model = _profile_model(cfg, 2, 2, frozenset())  # rank 0 of world 2 at EP 2: its two experts
+    model = _profile_model(cfg, 2, 2, frozenset(), fsdp_units=True)  # rank 0 of world 2 at EP 2: its two experts
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     assert len(units) == len(model.blocks) + len(model.moe_layers()) + 1  # blocks, experts, root
     assert all(isinstance(p, DTensor) for p in model.parameters())
