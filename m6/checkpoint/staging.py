@@ -107,8 +107,7 @@ class StagingBuffer:
     def release(self) -> None:
         """Unpin and free the buffer (the manager's close, or before a re-allocation)."""
         if self.registered:
-            self._unregister.detach()
-            _check(_unregister(self.pinned), "cudaHostUnregister")
+            _check(self._unregister(), "cudaHostUnregister")  # runs the finalizer now, once
             self.registered, self._unregister = False, None
         self.slots = self.pinned = self.pageable = None
 
@@ -118,11 +117,15 @@ class StagingBuffer:
         self.pinned = torch.empty(pinned_bytes, dtype=torch.uint8) if pinned_bytes else None
         self.pageable = torch.empty(pageable_bytes, dtype=torch.uint8) if pageable_bytes else None
         if self.pinned is not None:
-            error = int(torch.cuda.cudart().cudaHostRegister(self.pinned.data_ptr(), pinned_bytes, 0))
+            cudart = torch.cuda.cudart()
+            error = int(cudart.cudaHostRegister(self.pinned.data_ptr(), pinned_bytes, 0))
             if error == 0:
                 self.registered = True
                 # Holds the tensor until it is unregistered: the memory is not freed while registered.
-                self._unregister = weakref.finalize(self, _unregister, self.pinned)
+                # Unregistered through the runtime that registered it, whatever torch.cuda.cudart()
+                # returns when the buffer is collected (on an H100, a buffer collected while a test
+                # had replaced it was never unregistered, and later copies into its range failed).
+                self._unregister = weakref.finalize(self, _unregister, cudart, self.pinned)
             else:  # the save still works from pageable memory, only its device copies are slower
                 read_last_error(error)
                 warnings.warn(f"checkpoint staging: cudaHostRegister of {pinned_bytes:,} bytes failed (cudaError "
@@ -137,8 +140,8 @@ class StagingBuffer:
         return torch.empty(0, dtype=slot.dtype).set_(storage, 0, slot.shape)
 
 
-def _unregister(pinned: torch.Tensor) -> int:
-    return int(torch.cuda.cudart().cudaHostUnregister(pinned.data_ptr()))
+def _unregister(cudart: Any, pinned: torch.Tensor) -> int:
+    return int(cudart.cudaHostUnregister(pinned.data_ptr()))
 
 
 def read_last_error(error: int, launch: Optional[Callable[[], object]] = None) -> None:

@@ -284,6 +284,7 @@ def test_a_staging_buffer_let_go_without_release_unregisters_its_memory(monkeypa
     (cudaError 712) and pageable tensors placed there got asynchronous copies."""
     import gc
 
+    gc.collect()  # earlier tests' buffers go now, not inside this test
     cuda = FakeCuda().install(monkeypatch)
     staging = StagingBuffer()
     staging.stage({"w": on_device(torch.randn(64, 64))})
@@ -298,6 +299,24 @@ def test_a_staging_buffer_let_go_without_release_unregisters_its_memory(monkeypa
     del staging
     gc.collect()
     assert len(cuda.named("cudaHostUnregister")) == 2 and cuda.registered == {}
+
+
+def test_a_buffer_unregisters_through_the_runtime_that_registered_it(monkeypatch):
+    """A buffer collected while torch.cuda.cudart() answers with another runtime still unregisters
+    where it registered. On an H100 a test's fake runtime took the unregistration of real buffers
+    earlier tests had dropped: their ranges stayed registered and later host-to-device copies there
+    failed ("invalid argument")."""
+    import gc
+
+    gc.collect()  # earlier tests' buffers go now, not inside this test
+    first = FakeCuda().install(monkeypatch)
+    staging = StagingBuffer()
+    staging.stage({"w": on_device(torch.randn(64, 64))})
+    second = FakeCuda().install(monkeypatch)
+    del staging
+    gc.collect()
+    assert first.registered == {} and len(first.named("cudaHostUnregister")) == 1
+    assert second.named("cudaHostUnregister") == []
 
 
 def test_a_failed_registration_is_read_off_the_last_cuda_error(monkeypatch):
