@@ -368,6 +368,10 @@ class MemoryConfig:
     # The optimizer of the offloaded (host) update: DeepSpeed's CPU Adam, torch's AdamW, or auto
     # (DeepSpeed when its C++ op builds or loads, else torch with one console line saying why).
     host_optimizer: Literal["auto", "deepspeed", "torch"] = "auto"
+    # The offloaded gradients' dtype on the host: fp32, or the compute dtype (bf16/fp16: half the
+    # host bytes). compute needs one micro-batch per step (nothing to accumulate: a 16-bit sum
+    # would round every add); the update reads each group's gradients back in fp32.
+    host_grad_dtype: Literal["fp32", "compute"] = "fp32"
     activation_checkpointing: Literal["none", "full", "auto"] = "none"
     # auto: recompute the cheapest parts until saved activations fit this budget. Give GiB, or a
     # fraction of the no-checkpointing activation bytes of the densest micro-batch (no padding,
@@ -398,6 +402,9 @@ class MemoryConfig:
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.offload_blocks)):
             raise ConfigError(f"memory.offload_blocks must be all, auto or a list of distinct block indices, "
                               f"got {self.offload_blocks}")
+        if self.host_grad_dtype != "fp32" and self.offload == "none":
+            raise ConfigError(f"memory.host_grad_dtype={self.host_grad_dtype} only applies with memory.offload "
+                              "optimizer or optimizer+params (without offload no gradient is on the host)")
         if self.host_optimizer == "deepspeed" and self.offload == "none":
             raise ConfigError("memory.host_optimizer=deepspeed only applies with memory.offload optimizer or "
                               "optimizer+params (without offload the update runs on the device with torch's AdamW)")
@@ -641,6 +648,10 @@ def check_shard_offload(cfg: Config) -> None:
         raise ConfigError(f"parallel.shard={shard} with memory.offload=optimizer: FSDP2's CPU offload moves each "
                           "rank's parameter shards to the host together with their gradients and optimizer state; "
                           "use memory.offload=optimizer+params with sharding")
+    if mem.host_grad_dtype != "fp32":
+        raise ConfigError(f"parallel.shard={shard} with memory.host_grad_dtype={mem.host_grad_dtype}: FSDP2's CPU "
+                          "offload keeps the gradient shards in the parameters' dtype; 16-bit host gradients are "
+                          "m6's unsharded offload (parallel.shard=none)")
     if mem.offload_blocks != "all":
         raise ConfigError(f"parallel.shard={shard} with memory.offload_blocks={mem.offload_blocks}: FSDP2 offloads "
                           "every unit's shards; granular offload is m6's unsharded offload (parallel.shard=none)")

@@ -89,6 +89,7 @@ class ModelFacts:
         self.block_numels = [sum(p.numel() for p in b.parameters()) for b in getattr(model, "blocks", [])]
         self._walks: dict[tuple, _BackwardWalk] = {}
         self._largest_call: dict[tuple, int] = {}
+        self._largest_group: dict[int, int] = {}
 
     def walk(self, world_size: int, ep: int, bucket_bytes: float) -> "_BackwardWalk":
         key = (world_size, ep, bucket_bytes)
@@ -105,6 +106,14 @@ class ModelFacts:
             self._largest_call[key] = max((sum(p.numel() for p in g if (id(p) in no_decay) == nd)
                                            for g in groups for nd in (False, True)), default=0)
         return self._largest_call[key]
+
+    def largest_group(self, apply_groups: int) -> int:
+        """Elements of the largest apply group (optim.apply_groups), both decay groups together."""
+        if apply_groups not in self._largest_group:
+            groups = split_apply_groups(self.replicated, self.experts, apply_groups) if apply_groups > 1 \
+                else [self.params]
+            self._largest_group[apply_groups] = max((sum(p.numel() for p in g) for g in groups), default=0)
+        return self._largest_group[apply_groups]
 
 
 def _streamed_window_of(sizes: list[int]) -> int:
@@ -250,9 +259,14 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         else:
             device_params = 4.0 * numel
         device = {"params": device_params, "grads": device_grads, **transients}
-        host = {"params": states["params"], "grads": states["grads"], "optimizer state": states["optimizer state"],
-                "optimizer step temporaries": 0.0 if cfg.memory.host_optimizer == "deepspeed"
-                else states["optimizer step temporaries"]}
+        half_grads = cfg.memory.host_grad_dtype == "compute"
+        host = {"params": states["params"],
+                "grads": compute_bytes(cfg, device_type) * numel if half_grads else states["grads"],
+                "optimizer state": states["optimizer state"],
+                # 16-bit host gradients are read back in fp32 one apply group at a time.
+                "optimizer step temporaries": (0.0 if cfg.memory.host_optimizer == "deepspeed"
+                                               else states["optimizer step temporaries"])
+                + (4.0 * facts.largest_group(cfg.optim.apply_groups) if half_grads else 0.0)}
         grads_before = device_grads if accum > 1 else 0.0
         resident, update_device, update_host = device_params, 0.0, host["optimizer step temporaries"]
         grads_end = device_grads

@@ -119,13 +119,17 @@ class GroupedApply:
         self.groups = split_apply_groups(replicated, experts, num_groups) if num_groups > 1 else \
             [[*replicated, *experts]]
 
-    def step(self, after_group: Callable[[int], None] | None = None) -> None:
+    def step(self, after_group: Callable[[int], None] | None = None,
+             before_group: Callable[[int], None] | None = None) -> None:
         """Update every group in order; ``after_group(i)`` lets offload start copying group i's new
-        weights back to the device while group i + 1 updates."""
-        if len(self.groups) == 1 and after_group is None:
+        weights back to the device while group i + 1 updates; ``before_group(i)`` gives group i its
+        gradients (16-bit host gradients read back in fp32)."""
+        if len(self.groups) == 1 and after_group is None and before_group is None:
             self.optimizer.step()
             return
         for i, params in enumerate(self.groups):
+            if before_group is not None:
+                before_group(i)
             _step_subset(self.optimizer, params)
             if after_group is not None:
                 after_group(i)

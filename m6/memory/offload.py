@@ -186,8 +186,12 @@ class HostOffload:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
-                 streamed_layers: Sequence[nn.Module] = ()) -> None:
+                 streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32) -> None:
+        """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
+        masters' ``.grad``. 16-bit: they stay in their own buffers (one micro-batch per step, nothing
+        added on the host) and the update reads them group by group (``materialize_grads``)."""
         self.device = device
+        self.grad_dtype = grad_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pin = device.type == "cuda"
         self.streamer = ParamStreamer(streamed_layers, device, self.copy_stream) if streamed_layers else None
@@ -203,7 +207,11 @@ class HostOffload:
                     p.data = p.data.to(device)
                 self.masters[id(p)] = _host_copy(p, pin)
                 self.resident.append((p, self.masters[id(p)]))
-        self._grad_buffers = {id(p): torch.empty(p.shape, dtype=torch.float32, pin_memory=pin) for p in self.params}
+        self._grad_buffers = {id(p): torch.empty(p.shape, dtype=grad_dtype, pin_memory=pin) for p in self.params}
+        # 16-bit host gradients: which buffers hold this step's gradient (the masters' .grad stays
+        # None until the update reads them), and the multiplier the clip chose (unscale x clip).
+        self._filled: set[int] = set()
+        self.grad_multiplier = 1.0
         # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
         # this one is done all are, and the step waits once, not once per parameter.
         self._grads_copied: torch.cuda.Event | None = None
@@ -229,6 +237,9 @@ class HostOffload:
 
     def _stream_grad(self, p: nn.Parameter) -> None:
         grad, buf, master = p.grad, self._grad_buffers[id(p)], self.masters[id(p)]
+        if self.half_grads and id(p) in self._filled:
+            raise RuntimeError("memory.host_grad_dtype=compute: a second gradient for one parameter in a step "
+                               "(16-bit host gradients are not summed); use host_grad_dtype=fp32 with accumulation")
         if master.grad is not None:  # this step's sum is on the host already: add to it
             self._accumulator.add(grad, buf)
             p.grad = None
@@ -241,9 +252,38 @@ class HostOffload:
                 self._grads_copied = torch.cuda.Event()
                 self._grads_copied.record()
         else:
-            buf.copy_(grad)
-        self.masters[id(p)].grad = buf
+            buf.copy_(grad)  # 16-bit host gradients: cast in the copy (on the device, before it crosses)
+        if self.half_grads:
+            self._filled.add(id(p))
+        else:
+            self.masters[id(p)].grad = buf
         p.grad = None  # the device copy is no longer needed: this is the memory offload saves
+
+    @property
+    def half_grads(self) -> bool:
+        return self.grad_dtype != torch.float32
+
+    def host_grads(self, masters: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The host gradients of ``masters`` that this step filled: their ``.grad`` (fp32), or
+        their 16-bit buffers."""
+        if not self.half_grads:
+            return [m.grad for m in masters if m.grad is not None]
+        by_master = {id(self.masters[i]): i for i in self._filled}
+        return [self._grad_buffers[by_master[id(m)]] for m in masters if id(m) in by_master]
+
+    def materialize_grads(self, masters: Sequence[torch.Tensor]) -> None:
+        """16-bit host gradients: give ``masters`` fp32 ``.grad`` for the update (the buffer times
+        ``grad_multiplier``, the clip's unscale and clip in one pass); ``release_grads`` after it."""
+        by_master = {id(self.masters[i]): i for i in self._filled}
+        for m in masters:
+            i = by_master.get(id(m))
+            if i is not None:
+                m.grad = self._grad_buffers[i].to(torch.float32).mul_(self.grad_multiplier)
+
+    @staticmethod
+    def release_grads(masters: Sequence[torch.Tensor]) -> None:
+        for m in masters:
+            m.grad = None
 
     # ---- the step -----------------------------------------------------------------------------
     def finish_backward(self) -> None:
@@ -280,7 +320,13 @@ class HostOffload:
     def step(self, apply: GroupedApply) -> None:
         """Run the host update group by group; group i's weights copy back while group i+1 updates."""
         self.finish_backward()  # a no-op when the trainer already called it before clipping
-        apply.step(after_group=lambda i: self._copy_back(apply.groups[i]))
+        if self.half_grads:  # each group's fp32 gradients exist only while it updates
+            def after(i: int) -> None:
+                self.release_grads(apply.groups[i])
+                self._copy_back(apply.groups[i])
+            apply.step(after_group=after, before_group=lambda i: self.materialize_grads(apply.groups[i]))
+        else:
+            apply.step(after_group=lambda i: self._copy_back(apply.groups[i]))
         if self.copy_stream is not None:
             # Asynchronous: the next forward's kernels wait for the copies, the host does not.
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
@@ -292,6 +338,8 @@ class HostOffload:
             self.masters[id(p)].grad = None
             p.grad = None
         self._grads_copied = None
+        self._filled.clear()
+        self.grad_multiplier = 1.0
 
     def pull_masters(self) -> None:
         """After loading weights into the model (resume): refresh the host masters from them."""
@@ -303,11 +351,11 @@ class HostOffload:
 
 
 def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,
-                  streamed_layers: Sequence[nn.Module]) -> HostOffload | None:
-    """The offload for ``memory.offload``; None for "none"."""
+                  streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32) -> HostOffload | None:
+    """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients'."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"memory.offload must be one of {OFFLOAD_MODES}, got {mode!r}")
     if mode == "none":
         return None
     layers = list(streamed_layers) if mode == "optimizer+params" else []
-    return HostOffload(params, device, layers)
+    return HostOffload(params, device, layers, grad_dtype)

@@ -335,18 +335,34 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
     one multiply (one pass over the gradients, which matters on the host when offloaded), and the
     returned norm is the unscaled one. A non-finite norm leaves the gradients as they are.
     """
-    sq_rep, sq_exp = _sum_sq(replicated), _sum_sq(experts)
+    total = global_grad_norm(_grads(replicated), _grads(experts), expert_group, device) / grad_scale
+    if math.isfinite(total):
+        coef = clip_coefficient(total, max_norm)
+        if coef < 1.0 or grad_scale != 1.0:
+            for p in replicated + experts:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef / grad_scale)
+    return total
+
+
+def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def global_grad_norm(replicated_grads: list[torch.Tensor], expert_grads: list[torch.Tensor], expert_group=None,
+                     device: torch.device | None = None) -> float:
+    """The global gradient's norm from these gradient tensors (any float dtype, summed in float64),
+    counting every expert once (see clip_grad_norm)."""
+    sq_rep, sq_exp = sum_sq_of(replicated_grads), sum_sq_of(expert_grads)
     if expert_group is not None and dist.get_world_size(expert_group) > 1:
         # On the compute device (``device``): offloaded gradients live on the host, and NCCL
         # reduces device tensors only.
         reduced = sq_exp.to(device or sq_exp.device)
         dist.all_reduce(reduced, group=expert_group)
         sq_exp = reduced.to(sq_rep.device)
-    total = float((sq_rep + sq_exp).sqrt()) / grad_scale
-    if math.isfinite(total):
-        coef = min(1.0, max_norm / (total + 1e-6)) if max_norm < math.inf else 1.0
-        if coef < 1.0 or grad_scale != 1.0:
-            for p in replicated + experts:
-                if p.grad is not None:
-                    p.grad.detach().mul_(coef / grad_scale)
-    return total
+    return float((sq_rep + sq_exp).sqrt())
+
+
+def clip_coefficient(total: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s coefficient (1 when ``max_norm`` is inf)."""
+    return min(1.0, max_norm / (total + 1e-6)) if max_norm < math.inf else 1.0

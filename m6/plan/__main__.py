@@ -63,6 +63,31 @@ def short_of(c: Candidate, limit_gib: float, host_gib: float, ranks_per_node: in
     return f"the closest plan ({where}) needs {device} and {host}"
 
 
+# What the planner may change beyond the layout when nothing fits, in this order, each with why
+# it saves memory and what it costs.
+MEMORY_LIGHT_WHY = {
+    "checkpoint.async_save": "synchronous checkpoint saves: no host copy of the states to write from, "
+                             "training waits while a checkpoint is written",
+    "optim.name": "Adafactor: factored second moments and no first moment instead of AdamW's two "
+                  "fp32 moments; another optimizer, with its own learning-rate behaviour",
+}
+
+
+def memory_light_changes(cfg: m6config.Config, result) -> list[list[str]]:
+    """The overrides to try, lightest change first, when ``result`` (the config as given) has no
+    layout that fits: synchronous checkpoint saves, then Adafactor too. None where it fits, or
+    where the config already has them."""
+    if result.feasible:
+        return []
+    steps = []
+    if cfg.checkpoint.async_save:
+        steps.append("checkpoint.async_save=false")
+    tried = [list(steps)] if steps else []
+    if cfg.optim.name != "adafactor" and cfg.memory.host_optimizer != "deepspeed":
+        tried.append([*steps, "optim.name=adafactor"])
+    return tried
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
@@ -111,15 +136,23 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--host-cores-per-gpu must be >= 1, got {args.host_cores_per_gpu}")
         profile = HostProfile(threads, concurrent=min(args.gpus, args.gpus_per_node) if args.gpu == "cpu" else 1,
                               host_cores_per_gpu=None if args.gpu == "cpu" else args.host_cores_per_gpu)
-        result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1,
-                        shard=SHARD if args.shard == "any" else
-                        (cfg.parallel.shard if args.shard == "config" else args.shard,))
+        shards = SHARD if args.shard == "any" else (cfg.parallel.shard if args.shard == "config" else args.shard,)
+        result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1, shard=shards)
+        first, changes = result, []
+        for extra in memory_light_changes(cfg, result):
+            lighter = m6config.load(args.config, [*args.overrides, *extra])
+            found = search(lighter, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1, shard=shards)
+            if found.feasible:
+                cfg, result, changes = lighter, found, extra
+                break
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     if not result.feasible:
-        print(f"no layout fits: {short_of(result.smallest, memory_gib, host_gib, min(args.gpus, args.gpus_per_node))} "
-              f"({result.considered} layouts considered)", file=sys.stderr)
+        print(f"no layout fits: {short_of(first.smallest, memory_gib, host_gib, min(args.gpus, args.gpus_per_node))} "
+              f"({first.considered} layouts considered"
+              + ("; none either with " + " or ".join(" ".join(c) for c in memory_light_changes(cfg, first))
+                 if memory_light_changes(cfg, first) else "") + ")", file=sys.stderr)
         return 2
     print(f"{args.config} on {args.gpus} x {hw.name} ({memory_gib:g} GiB), {args.gpus_per_node} per node: "
           f"{result.fitting} of {result.considered} layouts fit, {len(result.feasible)} timed with their exchange "
@@ -130,15 +163,18 @@ def main(argv: list[str] | None = None) -> int:
                        f"{args.host_cores_per_gpu} cores per GPU (--host-cores-per-gpu), scaling linearly")
     if assumed:
         print("ASSUMED (not measured): " + "; ".join(assumed))
+    if changes:
+        print(f"NOTE: no layout fits with the config as given ({first.considered} layouts considered); these do with "
+              f"{' '.join(changes)} (" + "; ".join(MEMORY_LIGHT_WHY[c.split('=')[0]] for c in changes) + ")")
     for i, c in enumerate(result.feasible[:args.top], 1):
         print(describe(c, i, min(args.gpus, args.gpus_per_node)))
     best = result.feasible[0]
     with open(args.out, "w", encoding="utf-8") as f:
-        f.write("\n".join(best.overrides()) + "\n")
+        f.write("\n".join(changes + best.overrides()) + "\n")
     launcher = f"torchrun --nnodes {max(1, args.gpus // args.gpus_per_node)} --nproc_per_node " \
                f"{min(args.gpus, args.gpus_per_node)}"
     print(f"wrote {args.out}; run:\n  {launcher} train.py --config {args.config} "
-          + " ".join(list(args.overrides) + best.overrides()))
+          + " ".join(list(args.overrides) + changes + best.overrides()))
     return 0
 
 

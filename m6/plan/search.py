@@ -19,6 +19,9 @@ RECOMPUTE = ("none", "auto", "full")
 OFFLOAD = ("none", "optimizer", "optimizer+params")
 SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding, offload none or (GPUs) optimizer+params
 APPLY_GROUPS = (1, 2, 4, 8)
+# With offload the update's temporaries are host memory, shared by a node's ranks: finer groups too.
+OFFLOAD_APPLY_GROUPS = (16, 32)
+HOST_GRADS = ("fp32", "compute")  # memory.host_grad_dtype, with m6's offload at one micro-batch per step
 OVERLAP = (1, 2, 4)  # model.moe.a2a_overlap_degree, searched on GPUs at EP > 1 (m6.plan.timing)
 
 
@@ -42,6 +45,7 @@ class Candidate:
     a2a_overlap_degree: Union[int, str] = 1  # model.moe.a2a_overlap_degree
     a2a_dispatch: str = "flat"  # model.moe.a2a_dispatch
     offload_blocks: Optional[list[int]] = None  # memory.offload_blocks (None: all, with optimizer+params)
+    host_grad_dtype: str = "fp32"  # memory.host_grad_dtype
 
     def overrides(self) -> list[str]:
         """The train.py ``key=value`` overrides that run this layout."""
@@ -55,22 +59,26 @@ class Candidate:
             out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
         if self.offload_blocks is not None:
             out.append(f"memory.offload_blocks=[{','.join(map(str, self.offload_blocks))}]")
+        if self.offload != "none" and self.shard == "none":
+            out.append(f"memory.host_grad_dtype={self.host_grad_dtype}")
         return out
 
 
 def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, groups: int,
                  a2a: Optional[str], budget_gb: Optional[float], precision: str, shard: Optional[str] = None,
                  overlap: Optional[int] = None, dispatch: Optional[str] = None,
-                 offload_blocks: Optional[list[int]] = None) -> Config:
+                 offload_blocks: Optional[list[int]] = None, host_grads: str = "fp32") -> Config:
     """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``,
     ``overlap`` and ``dispatch`` None keep cfg's parallel.shard, model.moe.a2a_overlap_degree and
-    model.moe.a2a_dispatch; ``offload_blocks`` None: every block streams with optimizer+params)."""
+    model.moe.a2a_dispatch; ``offload_blocks`` None: every block streams with optimizer+params;
+    ``host_grads``: memory.host_grad_dtype, with offload)."""
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard or cfg.parallel.shard),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing=recompute, offload=offload,
                                    offload_blocks="all" if offload_blocks is None or offload != "optimizer+params"
                                    else offload_blocks,
+                                   host_grad_dtype=host_grads if offload != "none" else "fp32",
                                    activation_budget_gb=budget_gb if recompute == "auto" else None,
                                    activation_budget_fraction=None),
         optim=dataclasses.replace(cfg.optim, apply_groups=groups),
@@ -110,10 +118,16 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
     feasible, smallest, considered, fitting = [], None, 0, 0
     for ep in eps:
         rm = RankMemory(cfg, world_size, ep, "cpu" if hw.peak_tflops is None else "cuda")
-        for mb, rc, off, groups, wire, sh in itertools.product(micro_batches, recompute, offload, apply_groups, a2a,
-                                                               shard):
+        for mb, rc, off, groups, wire, sh, hg in itertools.product(micro_batches, recompute, offload,
+                                                                   (*apply_groups, *OFFLOAD_APPLY_GROUPS), a2a,
+                                                                   shard, HOST_GRADS):
             if wire is not None and ep == 1:
                 continue  # no all-to-all to compress
+            if groups in OFFLOAD_APPLY_GROUPS and (off == "none" or apply_groups != APPLY_GROUPS):
+                continue
+            # 16-bit host gradients: m6's own offload, one micro-batch per step, a 16-bit compute dtype.
+            if hg != "fp32" and (off == "none" or sh != "none" or mb != per_rank or hw.precision == "fp32"):
+                continue
             # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params), on a
             # GPU (on a CPU host it moves nothing); not with auto recompute, fp16 or Adafactor (config
             # errors); nothing to shard at world 1.
@@ -122,17 +136,19 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                                  or cfg.optim.name == "adafactor"):
                 continue
             budget = None
-            trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh)
+            trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, host_grads=hg)
             if rc == "auto":
                 # The budget: what the device has left after the step's other memory (half the
                 # no-recompute activations when that is less: auto between none and full).
-                none = rm.report(apply_choice(cfg, mb, "none", off, groups, wire, None, hw.precision, sh))
+                none = rm.report(apply_choice(cfg, mb, "none", off, groups, wire, None, hw.precision, sh,
+                                              host_grads=hg))
                 spare = limit - (none.peak_device - none.device["activations (per micro-batch)"])
                 budget = max(min(0.95 * spare, none.device["activations (per micro-batch)"]), 2**20) / 2**30
-                trial = apply_choice(cfg, mb, rc, off, groups, wire, budget, hw.precision, sh)
+                trial = apply_choice(cfg, mb, rc, off, groups, wire, budget, hw.precision, sh, host_grads=hg)
             considered += 1
             mem = rm.report(trial)
-            cand = Candidate(ep, mb, rc, off, groups, wire, mem, None, 0.0, None, budget, shard=sh)  # type: ignore[arg-type]
+            cand = Candidate(ep, mb, rc, off, groups, wire, mem, None, 0.0, None, budget, shard=sh,  # type: ignore[arg-type]
+                             host_grad_dtype=hg if off != "none" else "fp32")
             cand.shortfall = max(mem.peak_device / limit, mem.peak_host * ranks_per_node / (host_memory_gib * 2**30))
             if smallest is None or cand.shortfall < smallest.shortfall:
                 smallest = cand
@@ -144,10 +160,11 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 # memory.offload_blocks=auto picks at start-up, as an explicit list), the rest resident.
                 def peak(streamed: list[int]) -> float:
                     return rm.report(apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh,
-                                                  offload_blocks=streamed)).peak_device
+                                                  offload_blocks=streamed, host_grads=hg)).peak_device
                 streamed = blocks_to_stream(len(rm.model.blocks), peak, AUTO_MEMORY_FRACTION * limit)
                 if 0 < len(streamed) < len(rm.model.blocks):
-                    trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, offload_blocks=streamed)
+                    trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, offload_blocks=streamed,
+                                         host_grads=hg)
                     cand.memory, cand.offload_blocks = rm.report(trial), streamed
             # The exchange's form changes only the time (not the memory estimate): each overlap
             # degree a candidate, of the flat exchange and, where the expert-parallel group spans
@@ -161,7 +178,7 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 timed = dataclasses.replace(cand)
                 timed.a2a_overlap_degree, timed.a2a_dispatch = degree, dispatch
                 run = apply_choice(trial, mb, rc, off, groups, wire, budget, hw.precision, sh, degree, dispatch,
-                                   cand.offload_blocks)
+                                   cand.offload_blocks, host_grads=hg)
                 timed.time = step_time(run, world_size, ep, gpus_per_node, hw, host, cores, rm.model)
                 timed.tokens_per_s = tokens / timed.time.total
                 if hw.peak_tflops:

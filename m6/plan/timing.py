@@ -79,7 +79,7 @@ from m6.model.param_groups import no_decay_ids
 from m6.moe.router import router_gemm_precision
 from m6.moe.chunked_all_to_all import auto_overlap_degree
 from m6.parallel.fsdp import clip_sharded_grad_norm, shard_units
-from m6.parallel.grad_sync import clip_grad_norm
+from m6.parallel.grad_sync import clip_coefficient, clip_grad_norm, global_grad_norm
 from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
 
@@ -394,35 +394,40 @@ class HostProfile:
             torch.set_num_threads(previous)
         return self._cache[key]
 
-    def host_step_s(self, num_tensors: int, numel: int, optimizer: str = "adamw") -> float:
+    def host_step_s(self, num_tensors: int, numel: int, optimizer: str = "adamw", half_grads: bool = False) -> float:
         """Seconds of the host's clip + foreach ``optimizer`` step over ``num_tensors`` tensors
         holding ``numel`` elements: a per-element and a per-tensor cost, fitted to two measured
         shapes (8 tensors of 512K elements; 512 of 1K), since a real model's many small tensors
         (norms, biases) cost far more per element than one large buffer. With
-        ``host_cores_per_gpu``: timed on one thread, divided by the cores."""
-        if optimizer not in self._step_costs:
+        ``host_cores_per_gpu``: timed on one thread, divided by the cores. ``half_grads``: the
+        gradients are 16-bit host buffers (memory.host_grad_dtype=compute), their norm taken from
+        them and each read back in fp32 before the step."""
+        key = (optimizer, half_grads)
+        if key not in self._step_costs:
             previous = torch.get_num_threads()
             torch.set_num_threads(1 if self.host_cores_per_gpu else self.threads)
             try:
-                big = self._time_host_update(8, 2**19, optimizer)
-                small = self._time_host_update(512, 2**10, optimizer)
+                big = self._time_host_update(8, 2**19, optimizer, half_grads)
+                small = self._time_host_update(512, 2**10, optimizer, half_grads)
             finally:
                 torch.set_num_threads(previous)
             # big = 8 a + 8*2^19 b ; small = 512 a + 512*2^10 b
             n1, e1, n2, e2 = 8, 8 * 2**19, 512, 512 * 2**10
             per_elem = max((big * n2 - small * n1) / (e1 * n2 - e2 * n1), 0.0)
             per_tensor = max((small - e2 * per_elem) / n2, 0.0)
-            self._step_costs[optimizer] = (per_tensor, per_elem)
-        per_tensor, per_elem = self._step_costs[optimizer]
+            self._step_costs[key] = (per_tensor, per_elem)
+        per_tensor, per_elem = self._step_costs[key]
         return (num_tensors * per_tensor + numel * per_elem) / (self.host_cores_per_gpu or 1)
 
     @staticmethod
-    def _time_host_update(num_tensors: int, size: int, optimizer: str = "adamw") -> float:
+    def _time_host_update(num_tensors: int, size: int, optimizer: str = "adamw", half_grads: bool = False) -> float:
         """Median of 3 (after one warm-up) host steps as the run makes them: m6's own gradient
         clipping (a norm per tensor) and a foreach AdamW (or Adafactor) step. Adafactor's state is
-        factored per matrix: the tensors are timed as 512-row matrices."""
+        factored per matrix: the tensors are timed as 512-row matrices. ``half_grads``: the norm
+        from bf16 buffers, each read back in fp32 (times the clip) before the step."""
         shape = (512, size // 512) if optimizer == "adafactor" and size >= 512 * 2 else (size,)
         params = [torch.zeros(shape, requires_grad=True) for _ in range(num_tensors)]
+        halves = [torch.randn(shape).to(torch.bfloat16) for _ in params] if half_grads else []
         for p in params:
             p.grad = torch.randn_like(p)
         opt = torch.optim.Adafactor(params, lr=1e-3, foreach=True) if optimizer == "adafactor" \
@@ -430,7 +435,12 @@ class HostProfile:
         times = []
         for _ in range(4):
             t0 = time.perf_counter()
-            clip_grad_norm(params, [], 1.0)
+            if half_grads:
+                coef = clip_coefficient(global_grad_norm(halves, []), 1.0)
+                for p, h in zip(params, halves):
+                    p.grad = h.to(torch.float32).mul_(coef)
+            else:
+                clip_grad_norm(params, [], 1.0)
             opt.step()
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
@@ -624,7 +634,8 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     if hw.peak_tflops is None:
         update = cpu_update
     elif cfg.memory.offload != "none":
-        update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name)
+        update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name,
+                                  half_grads=cfg.memory.host_grad_dtype == "compute")
     else:
         update = 28.0 * updated / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0
@@ -641,7 +652,8 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         # Gradients out: the unshared ones (the experts at EP = world, everything at world 1) in
         # every micro-batch, the shared ones once after their all-reduce; all during backward.
         local = numel if world_size == 1 else (numel_exp if world_size // ep == 1 else 0)
-        during_compute = 4.0 * (local * accum + numel - local)
+        grad_bytes = 2.0 if cfg.memory.host_grad_dtype == "compute" and cfg.train.precision != "fp32" else 4.0
+        during_compute = grad_bytes * (local * accum + numel - local)
         if cfg.memory.offload == "optimizer+params":
             chosen = cfg.memory.offload_blocks  # auto: counted as all (the most the run may stream)
             blocks = [model.blocks[i] for i in chosen] if isinstance(chosen, list) else model.blocks

@@ -143,7 +143,8 @@ class Trainer:
         set_cast_on_use(self.model, self.cast_on_use and not self.fsdp_bf16)
         self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
                                             log=self._print_main)
-        self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main)
+        self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main,
+                                      compute_dtype=self.autocast_dtype or torch.float32)
         self._use_batch_plan(self.batch_plan or self._measure_balance())
         self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.world, self.device)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts

@@ -21,13 +21,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from m6.config import Config
+from m6.config import Config, ConfigError, accumulation_steps
 from m6.memory import GroupedApply, build_offload
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.live_bytes import grad_bytes
 from m6.memory.offload_blocks import resolve_offload_blocks
 from m6.model.param_groups import no_decay_ids
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
+from m6.parallel.grad_sync import clip_coefficient, global_grad_norm
 from m6.parallel.fsdp import ShardedGradientSync, clip_sharded_grad_norm
 from m6.train.loss_scale import DynamicLossScale
 from m6.train.optim import build_optimizer, build_scheduler
@@ -37,8 +38,9 @@ class ParameterUpdate:
     """Gradient sync + offload + grouped apply + schedule for this process's share of the model."""
 
     def __init__(self, sharded: ShardedModel, cfg: Config, device: torch.device,
-                 log: Callable[[str], None] = lambda line: None) -> None:
-        """``log``: where the host optimizer's lines go (its build, a fallback; rank 0 prints them)."""
+                 log: Callable[[str], None] = lambda line: None, compute_dtype: torch.dtype = torch.float32) -> None:
+        """``log``: where the host optimizer's lines go (its build, a fallback; rank 0 prints them);
+        ``compute_dtype``: the forward's (memory.host_grad_dtype=compute keeps host gradients in it)."""
         model = sharded.model
         self.device = device
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -54,8 +56,16 @@ class ParameterUpdate:
         self.fsdp_offload = self.sharded_dp and cfg.memory.offload != "none"
         streamed = [] if self.sharded_dp else resolve_offload_blocks(
             cfg, model, no_decay_ids(model), layout.world_size, layout.expert_parallel_size, device, log)
+        host_grad_dtype = compute_dtype if cfg.memory.host_grad_dtype == "compute" else torch.float32
+        if host_grad_dtype != torch.float32 and accumulation_steps(cfg.train, layout.world_size) > 1:
+            raise ConfigError(f"memory.host_grad_dtype=compute with {accumulation_steps(cfg.train, layout.world_size)} "
+                              f"micro-batches per step (train.global_batch_size {cfg.train.global_batch_size}, "
+                              f"train.micro_batch_size {cfg.train.micro_batch_size}, {layout.world_size} ranks): "
+                              "16-bit host gradients are not summed over micro-batches; use one micro-batch per "
+                              "step or memory.host_grad_dtype=fp32")
         self.offload = None if self.sharded_dp else build_offload(
-            cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed])
+            cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
+            grad_dtype=host_grad_dtype)
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None)
@@ -127,6 +137,14 @@ class ParameterUpdate:
         if self.sharded_dp:
             return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device)
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        if self.offload is not None and self.offload.half_grads:
+            # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
+            # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in
+            # fp16 would flush small gradients to zero).
+            total = global_grad_norm(self.offload.host_grads(self.replicated), self.offload.host_grads(self.experts),
+                                     self.expert_group, self.device) / scale
+            self.offload.grad_multiplier = (clip_coefficient(total, limit) if math.isfinite(total) else 1.0) / scale
+            return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale)
 
     def overflow_is_normal(self) -> bool:

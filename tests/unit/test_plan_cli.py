@@ -3,6 +3,7 @@ load with m6.config.load and train a step; the search over a scale config takes 
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -15,12 +16,43 @@ TINY_SYNTH = ["data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "d
 
 
 def test_infeasible_request_names_the_shortfall(capsys, tmp_path):
-    rc = main([str(CONFIGS / "m6-10t.yaml"), "--gpus", "512", "--gpu-memory", "32GB", "--gpu", "v100",
-               "--out", str(tmp_path / "p")])
+    rc = main([str(CONFIGS / "m6-base-moe.yaml"), "--gpus", "1", "--gpu", "v100", "--gpu-memory", "4GB",
+               "--host-memory", "4GB", "--out", str(tmp_path / "p")])
     err = capsys.readouterr().err
     assert rc == 2
-    assert "no layout fits: the closest plan" in err and "GiB per GPU of 32 GiB" in err and "host memory" in err
+    assert "no layout fits: the closest plan" in err and "GiB per GPU of 4 GiB" in err and "host memory" in err
+    assert "none either with checkpoint.async_save=false or checkpoint.async_save=false optim.name=adafactor" in err
     assert not (tmp_path / "p").exists()
+
+
+def test_when_nothing_fits_the_plan_says_which_lighter_settings_fit(capsys, tmp_path):
+    """The lightest change that fits (here synchronous checkpoint saves) is printed, written with the
+    layout and loads."""
+    out = tmp_path / "p"
+    rc = main([str(CONFIGS / "m6-base-moe.yaml"), "--gpus", "1", "--gpu", "v100", "--gpu-memory", "8GB",
+               "--host-memory", "16GB", "--top", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0 and "NOTE: no layout fits with the config as given" in printed
+    assert "these do with checkpoint.async_save=false (synchronous checkpoint saves" in printed
+    overrides = out.read_text().split()
+    assert overrides[0] == "checkpoint.async_save=false" and "optim.name=adafactor" not in overrides
+    assert not m6config.load(CONFIGS / "m6-base-moe.yaml", overrides).checkpoint.async_save
+
+
+def test_m6_10t_fits_512_v100s_with_1tb_hosts(capsys, tmp_path):
+    """#27's figure: with Adafactor and synchronous saves (what the planner adds by itself when the
+    config as given fits nowhere, tested above), 16-bit host gradients, full recompute and the
+    update in 32 groups, each V100 holds its share and each node's 1 TB the host states."""
+    rc = main([str(CONFIGS / "m6-10t.yaml"), "optim.name=adafactor", "checkpoint.async_save=false", "--gpus", "512",
+               "--gpu", "v100", "--gpu-memory", "32GB", "--gpus-per-node", "8", "--host-memory", "1TB", "--top", "1",
+               "--out", str(tmp_path / "p")])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    device = float(re.search(r"per-GPU device memory peak ([\d.]+) GiB", printed).group(1))
+    host = float(re.search(r"per node of 8 ranks ([\d,.]+) GiB", printed).group(1).replace(",", ""))
+    assert device <= 32 and host <= 1024
+    overrides = (tmp_path / "p").read_text().split()
+    assert "memory.host_grad_dtype=compute" in overrides and "memory.offload=optimizer+params" in overrides
 
 
 def test_overrides_round_trip_and_train_one_step(capsys, tmp_path):

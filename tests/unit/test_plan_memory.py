@@ -142,7 +142,7 @@ def test_offloaded_update_runs_on_the_gpus_host_cores_and_its_copies_overlap():
     cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL + ["train.global_batch_size=16", "train.micro_batch_size=2",
                                                         "memory.offload=optimizer+params", "optim.apply_groups=4"])
     host = HostProfile(threads=1, host_cores_per_gpu=12)
-    host._step_costs["adamw"] = (2e-6, 3e-9)  # as if measured on one thread of this host
+    host._step_costs[("adamw", False)] = (2e-6, 3e-9)  # as if measured on one thread of this host
     assert host.host_step_s(10, 1000) == pytest.approx((10 * 2e-6 + 1000 * 3e-9) / 12)
     t = step_time(cfg, 4, 2, 8, GPUS["v100"], host)
     from m6.plan.memory import rank_model
@@ -182,3 +182,31 @@ def test_the_planner_counts_the_checkpoint_staging_buffer_in_host_memory():
     only = dict(eps=[2], recompute=("none",), offload=("none",), apply_groups=(1,), a2a=(None,), micro_batches=[1])
     found = {mode: search(cfg, 2, 2, GPUS["h100"], HostProfile(1), host_gib, **only) for mode, cfg in cfgs.items()}
     assert found["false"].feasible and not found["true"].feasible
+
+
+def test_the_planner_keeps_host_gradients_in_16_bit_where_fp32_ones_do_not_fit():
+    """memory.host_grad_dtype in the search: at one micro-batch per step an offloaded layout may keep
+    its host gradients in fp16 (V100), 2 bytes per parameter less on the host, and its gradients
+    cross PCIe in half the bytes; a node whose host memory holds only those plans gets them."""
+    from m6.plan.memory import rank_model
+    from m6.plan.search import search
+    from m6.plan.timing import GPUS, HostProfile
+
+    cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL + ["train.global_batch_size=2", "checkpoint.async_save=false"])
+    # Update groups of an eighth: the fp32 read-back of one group costs less than the 2 bytes saved.
+    only = dict(eps=[2], recompute=("none",), offload=("optimizer+params",), apply_groups=(8,), a2a=(None,),
+                micro_batches=[1])
+    everything = search(cfg, 2, 2, GPUS["v100"], HostProfile(1), 1024.0, **only)
+    by = {c.host_grad_dtype: c for c in everything.feasible if c.a2a_overlap_degree == 1}
+    numel = sum(p.numel() for p in rank_model(cfg, 2, 2).parameters())
+    assert by["fp32"].memory.host["grads"] - by["compute"].memory.host["grads"] == 2 * numel
+    assert by["compute"].time.offload <= by["fp32"].time.offload
+    assert "memory.host_grad_dtype=compute" in by["compute"].overrides()
+    assert by["compute"].memory.peak_host < by["fp32"].memory.peak_host
+    between = (by["compute"].memory.peak_host + by["fp32"].memory.peak_host) / 2**30  # two ranks per node, halfway
+    tight = search(cfg, 2, 2, GPUS["v100"], HostProfile(1), between, **only)
+    assert tight.feasible and {c.host_grad_dtype for c in tight.feasible} == {"compute"}
+    # With accumulation (2 micro-batches of 1 per rank) 16-bit host gradients are not searched.
+    accumulating = m6config.load(CONFIGS / "tiny.yaml", SMALL + ["train.global_batch_size=4", "checkpoint.async_save=false"])
+    assert {c.host_grad_dtype for c in search(accumulating, 2, 2, GPUS["v100"], HostProfile(1), 1024.0,
+                                              **only).feasible} == {"fp32"}

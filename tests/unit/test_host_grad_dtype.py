@@ -1,0 +1,121 @@
+"""memory.host_grad_dtype=compute: offloaded gradients kept on the host in the compute dtype (bf16
+or fp16, half the host bytes of fp32), the norm taken from them, the unscale and clip applied as
+the update reads each group back in fp32. Trains like fp32 host gradients (bf16 and fp16, with a
+forced overflow skipped), resumes, and refuses what it cannot do (accumulation, no offload)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from m6.config import ConfigError, load
+from m6.train.loop import Trainer
+
+SMALL = [
+    "model.d_model=32", "model.num_layers=3", "model.num_heads=2", "model.ffn_dim=64", "model.max_text_len=48",
+    "model.image_size=16", "model.moe.every=2", "model.moe.num_experts=4", "data.kind=synthetic",
+    "data.num_workers=0", "data.num_samples=256", "data.eval_samples=8", "data.seq_len=48",
+    "train.global_batch_size=8", "train.micro_batch_size=8", "train.eval_every=0", "train.device=cpu",
+    "logging.console=false", "checkpoint.every=0", "memory.host_optimizer=torch",
+    "memory.offload=optimizer+params", "train.grad_clip=0.05", "optim.apply_groups=2",
+]
+STEPS = 5
+
+
+def trainer(path, *extra: str) -> Trainer:
+    return Trainer(load(None, [*SMALL, f"run.dir={path}", *extra]))
+
+
+def host_grad_buffers(tr: Trainer) -> list[torch.Tensor]:
+    return list(tr.update.offload._grad_buffers.values())
+
+
+def watch_update_grads(tr: Trainer) -> list[float]:
+    """Squared norms of the gradients the optimizer steps with, summed per step over the apply
+    groups (AdamW is blind to a gradient's scale: the losses alone would not show a missed unscale)."""
+    seen: list[float] = []
+
+    def pre_step(optimizer, args, kwargs) -> None:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        seen[-1] += float(sum(g.double().square().sum() for g in grads))
+    tr.update.optimizer.register_step_pre_hook(pre_step)
+    step = tr.train_step
+
+    def train_step():
+        seen.append(0.0)
+        return step()
+    tr.train_step = train_step
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_compute_dtype_host_grads_train_like_fp32_host_grads(tmp_path, precision):
+    wide = trainer(tmp_path / "fp32", f"train.precision={precision}")
+    half = trainer(tmp_path / "half", f"train.precision={precision}", "memory.host_grad_dtype=compute")
+    want = torch.bfloat16 if precision == "bf16" else torch.float16
+    assert {b.dtype for b in host_grad_buffers(half)} == {want}
+    assert sum(b.nbytes for b in host_grad_buffers(half)) * 2 == sum(b.nbytes for b in host_grad_buffers(wide))
+    stepped = {"fp32": watch_update_grads(wide), "half": watch_update_grads(half)}
+    rows = {name: [tr.train_step() for _ in range(STEPS)] for name, tr in (("fp32", wide), ("half", half))}
+    # The update steps with the unscaled, clipped gradient (norm grad_clip), in fp32 as from fp32 buffers.
+    for name in rows:
+        assert [math.sqrt(v) for v in stepped[name]] == pytest.approx([0.05] * STEPS, rel=1e-4), name
+    assert rows["half"][0]["loss"] == rows["fp32"][0]["loss"]  # same weights, same forward
+    # The norm is taken from 16-bit gradients; each clips (grad_clip 0.05 is far under the norms).
+    norms = [r["grad_norm"] for r in rows["half"]]
+    assert norms == pytest.approx([r["grad_norm"] for r in rows["fp32"]], rel=1e-2) and min(norms) > 0.05
+    assert [r["loss"] for r in rows["half"]] == pytest.approx([r["loss"] for r in rows["fp32"]], rel=1e-3)
+    # The update left no fp32 gradient behind on the host masters.
+    assert all(m.grad is None for m in half.update.offload.masters.values())
+
+
+def test_fp16_overflow_in_a_16bit_host_gradient_skips_the_step_and_resumes(tmp_path):
+    args = ("train.precision=fp16", "memory.host_grad_dtype=compute", "train.max_steps=10")
+    tr = trainer(tmp_path, *args)
+    tr.train_step()
+    finish = tr.update.finish
+
+    def finish_then_poison() -> None:
+        finish()
+        tr.update.offload.host_grads(tr.update.replicated)[0].view(-1)[0] = math.inf
+    tr.update.finish = finish_then_poison
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    row = tr.train_step()
+    assert not math.isfinite(row["grad_norm"]) and row["skipped_steps"] == 1 and row["loss_scale"] == 2.0 ** 15
+    for k, v in tr.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    tr.update.finish = finish
+    tr.train_step()
+    tr.save_checkpoint(wait=True)
+    straight = tr.train_step()["loss"]
+    resumed = trainer(tmp_path, *args)
+    assert resumed.step == 3 and resumed.train_step()["loss"] == straight
+
+
+def test_the_memory_estimate_counts_16bit_host_grads_and_their_fp32_reads(tmp_path):
+    from m6.memory.estimate import estimate_memory
+    from m6.train.optim import no_decay_ids
+
+    reports = {}
+    for dtype in ("fp32", "compute"):
+        tr = trainer(tmp_path / dtype, "train.precision=bf16", f"memory.host_grad_dtype={dtype}")
+        tr.train_step()
+        reports[dtype] = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model))
+        assert reports[dtype].host["grads"] == sum(b.nbytes for b in host_grad_buffers(tr))
+    largest_group = max(sum(m.numel() for m in group) for group in tr.update.apply.groups)
+    extra = reports["compute"].host["optimizer step temporaries"] - reports["fp32"].host["optimizer step temporaries"]
+    assert extra == 4 * largest_group  # one apply group's gradients read back in fp32
+
+
+def test_accumulation_with_compute_dtype_host_grads_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"memory.host_grad_dtype=compute with 2 micro-batches per step"):
+        trainer(tmp_path, "train.precision=bf16", "memory.host_grad_dtype=compute", "train.micro_batch_size=4")
+
+
+def test_compute_dtype_host_grads_without_offload_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"memory.host_grad_dtype=compute only applies with memory.offload"):
+        load(None, [*SMALL, "memory.offload=none", "memory.host_grad_dtype=compute", "memory.host_optimizer=auto"])
+    with pytest.raises(ConfigError, match=r"parallel.shard=full with memory.host_grad_dtype=compute"):
+        load(None, [*SMALL, "parallel.shard=full", "memory.host_grad_dtype=compute"])
