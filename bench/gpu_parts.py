@@ -35,7 +35,7 @@ DEVICE_TESTS = ["tests/unit/test_moe_layer.py", "tests/unit/test_expert_kernel.p
                 "tests/unit/test_model.py", "tests/unit/test_cast_on_use.py", "tests/unit/test_fp16.py",
                 "tests/unit/test_checkpoint_cuda_paths.py", "tests/unit/test_offload.py", "tests/unit/test_checkpoint.py",
                 "tests/unit/test_activation_checkpoint.py", "tests/unit/test_adafactor.py",
-                "tests/unit/test_shard_offload.py"]
+                "tests/unit/test_shard_offload.py", "tests/unit/test_host_grad_dtype.py"]
 
 
 def device_info(device: torch.device) -> dict:
@@ -462,6 +462,8 @@ OFFLOAD_LAYOUTS = {
     "cast-on-use (bf16)": [],
     "offload=optimizer+params": ["memory.offload=optimizer+params"],
     "offload=optimizer+params, first half of the blocks": ["memory.offload=optimizer+params", "HALF_THE_BLOCKS"],
+    "offload=optimizer+params, 16-bit host gradients": ["memory.offload=optimizer+params",
+                                                        "memory.host_grad_dtype=compute"],
     "shard=full": ["parallel.shard=full"],
     "shard=full + offload": ["parallel.shard=full", "memory.offload=optimizer+params"],
     "shard=optimizer + offload": ["parallel.shard=optimizer", "memory.offload=optimizer+params"],

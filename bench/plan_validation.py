@@ -95,6 +95,16 @@ PLANS = [
     Plan("w2-ep2-shard-opt", 2, [*SMALL, ep(2), "parallel.shard=optimizer"]),
     Plan("w4-ep1-shard-opt", 4, [*SMALL, ep(1), "parallel.shard=optimizer"]),
     Plan("w4-ep2-shard-full", 4, [*SMALL, ep(2), "parallel.shard=full"]),
+    # fp16, gradient streaming with 16-bit host gradients, Adafactor and granular offload (#27):
+    # `--only stream` runs these alone.
+    Plan("w1-stream-fp16-off-params-mb8", 1, [*SMALL, "train.precision=fp16", "memory.offload=optimizer+params",
+                                              "train.micro_batch_size=8"]),
+    Plan("w1-stream-bf16-half-grads", 1, [*SMALL, "train.precision=bf16", "memory.offload=optimizer+params",
+                                          "memory.host_grad_dtype=compute"]),
+    Plan("w1-stream-adafactor-off-opt", 1, [*SMALL, "optim.name=adafactor", "memory.offload=optimizer"]),
+    Plan("w1-stream-blocks-0-2", 1, [*SMALL, "memory.offload=optimizer+params", "memory.offload_blocks=[0,2]"]),
+    Plan("w2-ep2-stream-fp16-adafactor-half-grads", 2, [*SMALL, ep(2), "train.precision=fp16", "optim.name=adafactor",
+                                                        "memory.offload=optimizer+params", "memory.host_grad_dtype=compute"]),
 ]
 
 

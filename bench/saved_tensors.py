@@ -95,6 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="bench/memory's quick model")
+    ap.add_argument("--override", action="append", default=[], help="a config override (repeatable), e.g. "
+                    "model.moe.force_balance=true: every assignment kept, the formula's assumption")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with socket.socket() as sock:
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     overrides = [*COMMON, *MODEL["quick" if args.smoke else "cuda"], "train.precision=bf16",
-                 f"train.device={args.device}", f"run.dir={args.out / 'saved_tensors_run'}"]
+                 f"train.device={args.device}", f"run.dir={args.out / 'saved_tensors_run'}", *args.override]
     cfg = load("configs/tiny.yaml", overrides)
     trainer = Trainer(cfg)
     loaded, _ = trainer.loader.next_step()
@@ -121,7 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"{u:<24} {measured.get(u, 0.0) / mib:>12.2f} {formula.get(u, 0.0) / mib:>12.2f}")
     lines.append(f"{'total':<24} {sum(measured.values()) / mib:>12.2f} {sum(formula.values()) / mib:>12.2f}")
     print("\n".join(lines))
-    (args.out / f"saved_tensors-{args.device}.json").write_text(json.dumps(
+    stem = f"saved_tensors-{args.device}" + ("-" + "-".join(o.split("=")[0].split(".")[-1] for o in args.override)
+                                              if args.override else "")
+    (args.out / f"{stem}.json").write_text(json.dumps(
         {"device": args.device, "torch": torch.__version__, "overrides": overrides, "loss": loss,
          "measured_by_unit": measured, "formula_by_unit": formula, "records": records}, indent=1))
 

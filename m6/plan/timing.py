@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import os
 import queue
+from contextlib import nullcontext
 import statistics
 import tempfile
 import time
@@ -74,6 +75,7 @@ from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
 from m6.memory.estimate import activation_report, recomputed_parts
 from m6.memory.recompute import RecomputeParts
 from m6.memory.shard_estimate import data_parallel_traffic, shard_layout
+from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import TokenCounts, forward_flop_rates, step_flops
 from m6.model.param_groups import no_decay_ids
 from m6.moe.router import router_gemm_precision
@@ -253,8 +255,29 @@ def _densest_inputs(cfg: Config, micro_batch: int) -> tuple[torch.Tensor, ...]:
     return images, torch.ones(micro_batch, dtype=torch.bool), ids, seg, labels
 
 
+@dataclass(frozen=True)
+class ProfiledStep:
+    """How the profiled rank computes and updates, from the run's config: the forward's 16-bit dtype
+    (None: fp32) and whether it casts on use (else autocast), the optimizer, and whether the host
+    gradients are 16-bit buffers read back in fp32 by the update (memory.host_grad_dtype=compute)."""
+
+    dtype: Optional[torch.dtype] = None
+    cast_on_use: bool = False
+    optimizer: str = "adamw"
+    half_grads: bool = False
+
+    @staticmethod
+    def of(cfg: Config) -> "ProfiledStep":
+        precision = cfg.train.precision  # on a CPU host: auto is fp32
+        dtype = torch.float16 if precision == "fp16" else \
+            torch.bfloat16 if precision in ("bf16", "bf16-autocast") else None
+        return ProfiledStep(dtype, dtype is not None and precision != "bf16-autocast", cfg.optim.name,
+                            dtype is not None and cfg.memory.offload != "none" and cfg.memory.host_grad_dtype == "compute")
+
+
 def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int],
-                     sync: Optional[Callable[[], None]] = None) -> tuple[float, float]:
+                     sync: Optional[Callable[[], None]] = None,
+                     how: ProfiledStep = ProfiledStep()) -> tuple[float, float]:
     """Median seconds of (forward+backward, update) of the rank's steps after one warm-up: ``runs``
     timed steps, or (None) at least 5 and up to 0.5 s of them (a burst of another process's work
     on a shared host can stretch a few runs several-fold).
@@ -263,15 +286,23 @@ def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: O
     foreach AdamW over the two groups m6's optimizer uses (decayed matrices, the rest), then the
     gradients dropped. On a CPU the update streams every weight, gradient and moment through the
     caches, so the next forward starts cold, as in the run; timed back to back without it, the
-    forward+backward came out 10-35% faster than the trainer's."""
+    forward+backward came out 10-35% faster than the trainer's.
+
+    ``how``: the run's precision (cast-on-use or autocast in 16 bits), optimizer (AdamW or
+    Adafactor) and, with 16-bit host gradients, their cast after backward and fp32 read-back
+    before the update."""
     assert sync is None or runs is not None, "ranks in lockstep must time the same number of steps"
     images, has, ids, seg, labels = inputs
     params = [p for p in model.parameters() if p.requires_grad]
     sharded = any(isinstance(p, DTensor) for p in params)
     skip = no_decay_ids(model)
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if id(p) not in skip], "weight_decay": 0.1},
-                                   {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}],
-                                  lr=1e-6, foreach=True)
+    groups = [{"params": [p for p in params if id(p) not in skip], "weight_decay": 0.1},
+              {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}]
+    optimizer = torch.optim.Adafactor(groups, lr=1e-6, foreach=True) if how.optimizer == "adafactor" \
+        else torch.optim.AdamW(groups, lr=1e-6, foreach=True)
+    set_cast_on_use(model, how.cast_on_use)
+    autocast = (lambda: torch.autocast("cpu", dtype=how.dtype, cache_enabled=not how.cast_on_use)) \
+        if how.dtype is not None else nullcontext
     compute: list[float] = []
     update: list[float] = []
     while (len(compute) < 6 or (sum(compute[1:]) < 0.5 and len(compute) < 40)) if runs is None \
@@ -279,13 +310,21 @@ def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: O
         if sync is not None:
             sync()  # the step's first collective (its target count): nobody starts while another updates
         t0 = time.perf_counter()
-        hidden, aux = model(images, has, ids, seg)
-        (model.target_loss_sum(hidden, labels) + aux).backward()
+        with autocast():
+            hidden, aux = model(images, has, ids, seg)
+            loss = model.target_loss_sum(hidden, labels) + aux
+        loss.backward()
+        if how.half_grads:  # streamed out in the compute dtype as backward makes them
+            halves = [p.grad.to(how.dtype) for p in params if p.grad is not None]
         if sync is not None:
             sync()  # the gradient sync and the step's scalar all-reduces: every rank done with backward
         t1 = time.perf_counter()
         if sharded:
             clip_sharded_grad_norm(params, 1.0, None, torch.device("cpu"))
+        elif how.half_grads:
+            coef = clip_coefficient(global_grad_norm(halves, []), 1.0)
+            for p, h in zip([p for p in params if p.grad is not None], halves):
+                p.grad = h.to(torch.float32).mul_(coef)
         else:
             clip_grad_norm(params, [], 1.0)
         optimizer.step()
@@ -312,7 +351,7 @@ def _concurrent_rank(cfg: Config, world_size: int, ep: int, micro_batch: int, re
         model = _profile_model(cfg, world_size, ep, recompute, sync, fsdp_units=sharded)
         inputs = _densest_inputs(cfg, micro_batch)
         barrier.wait()  # every rank's process times at once, as the ranks of a run compute at once
-        results.put(_time_rank_steps(model, inputs, runs, sync))
+        results.put(_time_rank_steps(model, inputs, runs, sync, ProfiledStep.of(cfg)))
         if sharded:
             dist.destroy_process_group()
 
@@ -370,7 +409,7 @@ class HostProfile:
                  recompute: frozenset) -> tuple[float, float]:
         # Sharded: FSDP2's units around the profiled model, waits at each in lockstep (_shard_for_profile,
         # _wait_at_shard_units); profiled in processes of their own (each its own one-rank group).
-        key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype, cfg.parallel.shard)
+        key = (world_size, ep, micro_batch, recompute, cfg.model.moe.a2a_dtype, cfg.parallel.shard, ProfiledStep.of(cfg))
         if key in self._cache:
             return self._cache[key]
         if self.concurrent > 1 or cfg.parallel.shard != "none":
@@ -389,7 +428,7 @@ class HostProfile:
         torch.set_num_threads(self.threads)
         try:
             self._cache[key] = _time_rank_steps(_profile_model(cfg, world_size, ep, recompute),
-                                                _densest_inputs(cfg, micro_batch), None)
+                                                _densest_inputs(cfg, micro_batch), None, how=ProfiledStep.of(cfg))
         finally:
             torch.set_num_threads(previous)
         return self._cache[key]
