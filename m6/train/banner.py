@@ -117,7 +117,9 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
         f"{dp}{'' if cfg.parallel.shard == 'none' else f', sharded {_SHARD_WORDS[cfg.parallel.shard]}'}; batch {t.global_batch_size} = {split}; per sample {cfg.data.seq_len} text tokens + "
         f"{num_patches(cfg.model)} image patches",
         *([facts.balance] if facts.balance else []),
-        f"memory   offload {mem.offload}, recompute {mem.activation_checkpointing}",
+        f"memory   offload {mem.offload}"
+        f"{', host gradients in the compute dtype' if mem.offload != 'none' and mem.host_grad_dtype == 'compute' else ''}"
+        f", recompute {mem.activation_checkpointing}",
         *_data_lines(cfg, facts),
         f"run      {facts.run_dir} | {facts.start} | {t.max_steps} steps | metrics.jsonl"
         f"{', W&B ' + facts.wandb if facts.wandb else ''}"
