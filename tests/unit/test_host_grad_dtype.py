@@ -22,16 +22,11 @@ SMALL = [
     "memory.offload=optimizer+params", "train.grad_clip=0.05", "optim.apply_groups=2",
 ]
 STEPS = 5
-_DEVICE = ["cpu"]  # pytest --device (tests/conftest.py), set once per module below
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _selected_device(device):
-    _DEVICE[0] = device.type
-
-
-def trainer(path, *extra: str) -> Trainer:
-    return Trainer(load(None, [*SMALL, f"train.device={_DEVICE[0]}", f"run.dir={path}", *extra]))
+def trainer(path, device: torch.device, *extra: str) -> Trainer:
+    """``device``: pytest --device (tests/conftest.py)."""
+    return Trainer(load(None, [*SMALL, f"train.device={device.type}", f"run.dir={path}", *extra]))
 
 
 def host_grad_buffers(tr: Trainer) -> list[torch.Tensor]:
@@ -57,9 +52,9 @@ def watch_update_grads(tr: Trainer) -> list[float]:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_compute_dtype_host_grads_train_like_fp32_host_grads(tmp_path, precision):
-    wide = trainer(tmp_path / "fp32", f"train.precision={precision}")
-    half = trainer(tmp_path / "half", f"train.precision={precision}", "memory.host_grad_dtype=compute")
+def test_compute_dtype_host_grads_train_like_fp32_host_grads(tmp_path, device, precision):
+    wide = trainer(tmp_path / "fp32", device, f"train.precision={precision}")
+    half = trainer(tmp_path / "half", device, f"train.precision={precision}", "memory.host_grad_dtype=compute")
     want = torch.bfloat16 if precision == "bf16" else torch.float16
     assert {b.dtype for b in host_grad_buffers(half)} == {want}
     assert sum(b.nbytes for b in host_grad_buffers(half)) * 2 == sum(b.nbytes for b in host_grad_buffers(wide))
@@ -75,12 +70,12 @@ def test_compute_dtype_host_grads_train_like_fp32_host_grads(tmp_path, precision
     assert [r["loss"] for r in rows["half"]] == pytest.approx([r["loss"] for r in rows["fp32"]], rel=1e-3)
     # The update left no fp32 gradient behind on the host masters; the buffers are pinned on CUDA.
     assert all(m.grad is None for m in half.update.offload.masters.values())
-    assert all(b.is_pinned() == (_DEVICE[0] == "cuda") for b in host_grad_buffers(half))
+    assert all(b.is_pinned() == (device.type == "cuda") for b in host_grad_buffers(half))
 
 
-def test_fp16_overflow_in_a_16bit_host_gradient_skips_the_step_and_resumes(tmp_path):
+def test_fp16_overflow_in_a_16bit_host_gradient_skips_the_step_and_resumes(tmp_path, device):
     args = ("train.precision=fp16", "memory.host_grad_dtype=compute", "train.max_steps=10")
-    tr = trainer(tmp_path, *args)
+    tr = trainer(tmp_path, device, *args)
     tr.train_step()
     finish = tr.update.finish
 
@@ -97,19 +92,19 @@ def test_fp16_overflow_in_a_16bit_host_gradient_skips_the_step_and_resumes(tmp_p
     tr.train_step()
     tr.save_checkpoint(wait=True)
     straight = tr.train_step()["loss"]
-    resumed = trainer(tmp_path, *args)
+    resumed = trainer(tmp_path, device, *args)
     # Bitwise on the CPU; on CUDA the MoE combine's index_add adds with atomics (docs/gpu.md).
     assert resumed.step == 3 and resumed.train_step()["loss"] == (
-        straight if _DEVICE[0] == "cpu" else pytest.approx(straight, rel=1e-5))
+        straight if device.type == "cpu" else pytest.approx(straight, rel=1e-5))
 
 
-def test_the_memory_estimate_counts_16bit_host_grads_and_their_fp32_reads(tmp_path):
+def test_the_memory_estimate_counts_16bit_host_grads_and_their_fp32_reads(tmp_path, device):
     from m6.memory.estimate import estimate_memory
     from m6.train.optim import no_decay_ids
 
     reports = {}
     for dtype in ("fp32", "compute"):
-        tr = trainer(tmp_path / dtype, "train.precision=bf16", f"memory.host_grad_dtype={dtype}")
+        tr = trainer(tmp_path / dtype, device, "train.precision=bf16", f"memory.host_grad_dtype={dtype}")
         tr.train_step()
         reports[dtype] = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model))
         assert reports[dtype].host["grads"] == sum(b.nbytes for b in host_grad_buffers(tr))
@@ -118,9 +113,9 @@ def test_the_memory_estimate_counts_16bit_host_grads_and_their_fp32_reads(tmp_pa
     assert extra == 4 * largest_group  # one apply group's gradients read back in fp32
 
 
-def test_accumulation_with_compute_dtype_host_grads_is_a_config_error(tmp_path):
+def test_accumulation_with_compute_dtype_host_grads_is_a_config_error(tmp_path, device):
     with pytest.raises(ConfigError, match=r"memory.host_grad_dtype=compute with 2 micro-batches per step"):
-        trainer(tmp_path, "train.precision=bf16", "memory.host_grad_dtype=compute", "train.micro_batch_size=4")
+        trainer(tmp_path, device, "train.precision=bf16", "memory.host_grad_dtype=compute", "train.micro_batch_size=4")
 
 
 def test_compute_dtype_host_grads_without_offload_is_a_config_error():
