@@ -332,7 +332,7 @@ def allowed_host_syncs(moe_forwards: int, logging: bool) -> dict[str, int]:
     """The documented allow-list's budget for one single-GPU, no-offload training step
     (tests/simcuda/host_sync_allow_list.py, docs/simulated-cuda.md)."""
     allowed = {"m6/moe/dispatch.py:host_ints": moe_forwards, "m6/train/loop.py:train_step": 3,
-               "m6/parallel/grad_sync.py:clip_grad_norm": 1}
+               "m6/parallel/grad_sync.py:global_grad_norm": 1}
     if logging:
         allowed["m6/train/metrics.py:expert_load"] = 1
     return allowed

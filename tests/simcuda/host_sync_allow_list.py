@@ -37,7 +37,7 @@ ALLOW_LIST = (
             "the step's loss terms and kept assignments in one read; torch.cuda.synchronize before "
             "reading the clock for step_time_s; the compute events' elapsed time, read after it (complete "
             "by then: no wait on a GPU; the simulation counts every elapsed_time)"),
-    Allowed("m6/parallel/grad_sync.py:clip_grad_norm", "step", 1,
+    Allowed("m6/parallel/grad_sync.py:global_grad_norm", "step", 1,
             "the global gradient norm read on the host: a non-finite step is skipped there, and the "
             "norm is the step's grad_norm metric"),
     Allowed("m6/memory/offload.py:finish_backward", "step", 1,
