@@ -41,6 +41,8 @@ class HostDrawnInit(TorchFunctionMode):
         if _fills_in_place(func):
             # nn.init passes its tensor by keyword (torch.overrides.handle_torch_function), Tensor methods by position.
             target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.device.type == "meta":
+                return target  # holds no values: nothing to draw (the planner sizes giant models on meta)
             if isinstance(target, torch.Tensor) and self.redirect(target):
                 host = torch.empty(target.shape, dtype=target.dtype)
                 with torch.no_grad():

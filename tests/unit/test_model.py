@@ -443,6 +443,20 @@ def test_the_host_drawn_init_path_draws_what_a_cpu_init_draws():
     assert len({float(v.float().std()) for k, v in plain.items() if v.dim() == 2}) > 3  # really random
 
 
+def test_a_fill_of_a_meta_tensor_draws_nothing():
+    """Meta tensors hold no values: the host-drawn path skips them (drawing M6-10T's router weights
+    on the host took the planner's scale tests seconds per rank) and leaves the generator as it was."""
+    from m6.model.host_drawn_init import HostDrawnInit
+
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    target = torch.empty(4096, 4096, device="meta")
+    with HostDrawnInit():
+        torch.nn.init.normal_(target, std=0.02)
+        target.uniform_(-1, 1)
+    assert torch.equal(torch.random.get_rng_state(), before) and target.device.type == "meta"
+
+
 def test_the_same_seed_gives_the_same_model_on_every_device(device):
     """pytest --device cuda: the weights materialized on the GPU equal the CPU's bitwise (torch's
     CUDA generator draws other numbers; m6 draws on the host: m6.model.host_drawn_init)."""

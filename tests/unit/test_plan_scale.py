@@ -48,10 +48,11 @@ def real_shard(cfg: m6config.Config, world: int, rank: int, ep: int):
 def test_planner_bytes_equal_the_sharded_model(name, world, ep):
     cfg = m6config.load(CONFIGS / f"{name}.yaml", [f"train.global_batch_size={2 * world}", "train.micro_batch_size=1"])
     t0 = time.perf_counter()
-    planned = RankMemory(cfg, world, ep, "cuda").report(cfg)
+    memory = RankMemory(cfg, world, ep, "cuda")
+    planned = memory.report(cfg)
     offloaded = m6config.load(CONFIGS / f"{name}.yaml", [f"train.global_batch_size={4 * world}", "train.micro_batch_size=1",
                                                           "memory.offload=optimizer"])
-    streamed = RankMemory(cfg, world, ep, "cuda").report(offloaded)
+    streamed = memory.report(offloaded)
     for rank in (0, ep - 1, world - 1):
         sharded = real_shard(cfg, world, rank, ep)
         params = [p for p in sharded.model.parameters()]
