@@ -208,9 +208,9 @@ class HostOffload:
                 self.masters[id(p)] = _host_copy(p, pin)
                 self.resident.append((p, self.masters[id(p)]))
         self._grad_buffers = {id(p): torch.empty(p.shape, dtype=grad_dtype, pin_memory=pin) for p in self.params}
-        # 16-bit host gradients: which buffers hold this step's gradient (the masters' .grad stays
-        # None until the update reads them), and the multiplier the clip chose (unscale x clip).
-        self._filled: set[int] = set()
+        # 16-bit host gradients: id(master) -> its buffer, for those this step filled (the masters'
+        # .grad stays None until the update reads them), and the multiplier the clip chose (unscale x clip).
+        self._filled: dict[int, torch.Tensor] = {}
         self.grad_multiplier = 1.0
         # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
         # this one is done all are, and the step waits once, not once per parameter.
@@ -237,7 +237,7 @@ class HostOffload:
 
     def _stream_grad(self, p: nn.Parameter) -> None:
         grad, buf, master = p.grad, self._grad_buffers[id(p)], self.masters[id(p)]
-        if self.half_grads and id(p) in self._filled:
+        if self.half_grads and id(master) in self._filled:
             raise RuntimeError("memory.host_grad_dtype=compute: a second gradient for one parameter in a step "
                                "(16-bit host gradients are not summed); use host_grad_dtype=fp32 with accumulation")
         if master.grad is not None:  # this step's sum is on the host already: add to it
@@ -254,9 +254,9 @@ class HostOffload:
         else:
             buf.copy_(grad)  # 16-bit host gradients: cast in the copy (on the device, before it crosses)
         if self.half_grads:
-            self._filled.add(id(p))
+            self._filled[id(master)] = buf
         else:
-            self.masters[id(p)].grad = buf
+            master.grad = buf
         p.grad = None  # the device copy is no longer needed: this is the memory offload saves
 
     @property
@@ -268,17 +268,15 @@ class HostOffload:
         their 16-bit buffers."""
         if not self.half_grads:
             return [m.grad for m in masters if m.grad is not None]
-        by_master = {id(self.masters[i]): i for i in self._filled}
-        return [self._grad_buffers[by_master[id(m)]] for m in masters if id(m) in by_master]
+        return [self._filled[id(m)] for m in masters if id(m) in self._filled]
 
     def materialize_grads(self, masters: Sequence[torch.Tensor]) -> None:
         """16-bit host gradients: give ``masters`` fp32 ``.grad`` for the update (the buffer times
         ``grad_multiplier``, the clip's unscale and clip in one pass); ``release_grads`` after it."""
-        by_master = {id(self.masters[i]): i for i in self._filled}
         for m in masters:
-            i = by_master.get(id(m))
-            if i is not None:
-                m.grad = self._grad_buffers[i].to(torch.float32).mul_(self.grad_multiplier)
+            buf = self._filled.get(id(m))
+            if buf is not None:
+                m.grad = buf.to(torch.float32).mul_(self.grad_multiplier)
 
     @staticmethod
     def release_grads(masters: Sequence[torch.Tensor]) -> None:

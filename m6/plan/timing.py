@@ -275,6 +275,14 @@ class ProfiledStep:
                             dtype is not None and cfg.memory.offload != "none" and cfg.memory.host_grad_dtype == "compute")
 
 
+def _clip_from_half_grads(params: list[torch.Tensor], halves: list[torch.Tensor]) -> None:
+    """The host clip over 16-bit gradients as the run makes it (memory.host_grad_dtype=compute):
+    the norm from the 16-bit buffers, each read back into fp32 ``.grad`` times the coefficient."""
+    coef = clip_coefficient(global_grad_norm(halves, []), 1.0)
+    for p, h in zip(params, halves):
+        p.grad = h.to(torch.float32).mul_(coef)
+
+
 def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: Optional[int],
                      sync: Optional[Callable[[], None]] = None,
                      how: ProfiledStep = ProfiledStep()) -> tuple[float, float]:
@@ -322,9 +330,7 @@ def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: O
         if sharded:
             clip_sharded_grad_norm(params, 1.0, None, torch.device("cpu"))
         elif how.half_grads:
-            coef = clip_coefficient(global_grad_norm(halves, []), 1.0)
-            for p, h in zip([p for p in params if p.grad is not None], halves):
-                p.grad = h.to(torch.float32).mul_(coef)
+            _clip_from_half_grads([p for p in params if p.grad is not None], halves)
         else:
             clip_grad_norm(params, [], 1.0)
         optimizer.step()
@@ -475,9 +481,7 @@ class HostProfile:
         for _ in range(4):
             t0 = time.perf_counter()
             if half_grads:
-                coef = clip_coefficient(global_grad_norm(halves, []), 1.0)
-                for p, h in zip(params, halves):
-                    p.grad = h.to(torch.float32).mul_(coef)
+                _clip_from_half_grads(params, halves)
             else:
                 clip_grad_norm(params, [], 1.0)
             opt.step()
