@@ -258,7 +258,7 @@ def train_overrides(args, out: Path) -> list[str]:
     seq_len = 64 if args.smoke else 1024
     _text_corpus(corpus, lines=64 if args.smoke else 2048, words_per_line=max(4, seq_len // 10))
     extra = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64",
-             "model.moe.num_experts=4", "model.moe.ffn_dim=32", "model.max_text_len=64", "train.global_batch_size=2",
+             "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_dim=32", "model.max_text_len=64", "train.global_batch_size=2",
              "train.micro_batch_size=2"] if args.smoke else []
     return ["data.kind=files", f"data.sources=[{{path: {corpus}, format: text, weight: 1.0}}]",
             "data.tasks={denoise: 1.0}", "data.eval_samples=0", "data.num_workers=2", f"data.seq_len={seq_len}",
@@ -266,33 +266,76 @@ def train_overrides(args, out: Path) -> list[str]:
             "logging.every=1", "logging.wandb.enabled=false", *extra]
 
 
+# The end-to-end runs of issue #45's table: (config, micro-batch, accumulation); each one process
+# that times steps and then profiles two (bench.step_breakdown), and the HF peer of the
+# fine-grained config at the same tokens per step.
+E2E_RUNS = [("configs/m6-gpu-2b.yaml", 8, 1), ("configs/m6-gpu-2b.yaml", 32, 1),
+            ("configs/m6-gpu-finegrained.yaml", 8, 1), ("configs/m6-gpu-finegrained.yaml", 16, 4)]
+E2E_PEER = ("configs/m6-gpu-finegrained.yaml", [(8, 1), (16, 4)])
+E2E_TIMEOUT_S = 240
+
+
+def _child(cmd: list[str], log: Path) -> str | None:
+    """Run one measuring process; None when it succeeded, else the error to report."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=E2E_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        log.write_text(f"{e.stdout or ''}{e.stderr or ''}")
+        return f"timed out after {E2E_TIMEOUT_S} s"
+    log.write_text(proc.stdout + proc.stderr)
+    return None if proc.returncode == 0 else f"exited {proc.returncode}: {proc.stderr[-1500:]}"
+
+
+def e2e_run(args, out: Path, config: str, micro: int, accum: int) -> dict:
+    """Throughput (the Trainer's own metrics, median of the timed steps), then a step breakdown by
+    category and the host syncs per step, in one process per run."""
+    tag = f"{Path(config).stem}-mb{micro}x{accum}"
+    batch = [] if args.smoke else [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * accum}"]
+    cmd = [sys.executable, "-m", "bench.step_breakdown", "--config", config, "--out", str(out / tag),
+           "--timed-steps", str(2 if args.smoke else 8), "--host-syncs", *train_overrides(args, out), *batch]
+    error = _child(cmd, out / f"{tag}.log")
+    if error:
+        return {"run": tag, "error": error}
+    return {"run": tag, "command": " ".join(cmd[1:]), **json.loads((out / tag / "step_breakdown.json").read_text())}
+
+
+def e2e_peer(args, out: Path, config: str, micro: int, accum: int) -> dict:
+    tag = f"hf-{Path(config).stem}-mb{micro}x{accum}"
+    small = ["model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.moe.num_experts=4",
+             "model.moe.top_k=2", "model.moe.ffn_dim=32", "data.seq_len=64", "model.max_text_len=64"] if args.smoke else []
+    cmd = [sys.executable, "-m", "bench.hf_peer", "--config", config, "--micro-batch", str(2 if args.smoke else micro),
+           "--accumulation", str(accum), "--device", args.device, "--out", str(out / f"{tag}.json"), *small]
+    error = _child(cmd, out / f"{tag}.log")
+    if error:
+        return {"run": tag, "error": error}
+    return {"run": tag, "command": " ".join(cmd[1:]), **json.loads((out / f"{tag}.json").read_text())}
+
+
 def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
-    steps = 3 if args.smoke else 12
-    run_dir = out / "train_run"
-    overrides = train_overrides(args, out) + [f"train.max_steps={steps}", f"run.dir={run_dir}"]
-    cmd = [sys.executable, "train.py", "--config", "configs/m6-gpu-2b.yaml", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    (out / "train_e2e.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"train.py exited {proc.returncode}: {proc.stderr[-2000:]}")
-    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    history = [h for h in history if "tokens_per_s" in h]
-    steady = history[min(2, len(history) - 1):]  # the first steps carry start-up work
-    med = lambda k: statistics.median(h[k] for h in steady) if all(k in h for h in steady) else None  # noqa: E731
-    result = {"command": " ".join(cmd[1:]), "steps": len(history), "steady_steps": len(steady),
-              "tokens_per_s_median": med("tokens_per_s"), "mfu_median": med("mfu"), "tflops_median": med("tflops"),
-              "step_time_s_median": med("step_time_s"), "peak_mem_gb_max": max(h["peak_mem_gb"] for h in history),
-              "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"]}
-    result["profile_top15"], result["host_syncs"] = profile_steps(args, device, out, overrides)
-    mfu = result["mfu_median"]
-    md = [f"`python {result['command']}`",
-          f"- steps {len(history)} (median over the last {len(steady)}): {result['tokens_per_s_median']:.0f} tokens/s, "
-          f"{result['tflops_median']:.1f} TFLOP/s, MFU {'-' if mfu is None else f'{mfu:.3f}'}, "
-          f"step {result['step_time_s_median']:.3f} s, peak memory {result['peak_mem_gb_max']:.2f} GB, "
-          f"loss {result['loss_first']:.3f} -> {result['loss_last']:.3f}",
-          f"- torch profiler, top-15 kernels by device time: {result['profile_top15']}"]
-    md += host_sync_markdown(result["host_syncs"])
-    return result, md
+    """Issue #45's table in one call: m6-gpu-2b and the fine-grained config at several tokens per
+    step (each with its step breakdown), and the HF Qwen3-MoE peer of the fine-grained shapes."""
+    from bench.step_breakdown import markdown as breakdown_markdown
+
+    runs = [e2e_run(args, out, c, m, a) for c, m, a in (E2E_RUNS[:1] if args.smoke else E2E_RUNS)]
+    peer_config, peer_shapes = E2E_PEER
+    peers = [] if importlib.util.find_spec("transformers") is None else \
+        [e2e_peer(args, out, peer_config, m, a) for m, a in (peer_shapes[:1] if args.smoke else peer_shapes)]
+    md = ["| run | tokens / step | tokens/s | MFU | peak GB | loss first -> last |", "|---|---|---|---|---|---|"]
+    for r in runs + peers:
+        if "error" in r:
+            md.append(f"| {r['run']} | error: {r['error'][-300:]!r} | | | | |")
+            continue
+        tps = r.get("tokens_per_s_median", r.get("tokens_per_s"))
+        mfu, first = r.get("mfu_median"), r.get("loss_first")
+        md.append(f"| {r['run']} | {r.get('tokens_per_step')} | {tps:,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | "
+                  f"{r.get('peak_mem_gb_max', r.get('peak_mem_gb', float('nan'))):.1f} | "
+                  f"{'' if first is None else f'{first:.3f} -> '}{r['loss_last']:.3f} |")
+    for r in runs:
+        if "error" not in r:
+            md += ["", *breakdown_markdown(r["run"], r)]
+            if "host_syncs" in r:
+                md += host_sync_markdown(r["host_syncs"])
+    return {"runs": runs, "peers": peers}, md
 
 
 def innermost_m6_site(stack: list[traceback.FrameSummary]) -> str:
@@ -348,44 +391,6 @@ def host_sync_markdown(syncs: dict | None) -> list[str]:
     lines += [f"  - {site}: {n / syncs['steps']:.1f}/step (allowed {syncs['allowed_per_step'].get(site, 0)})"
               for site, n in sorted(syncs["sites"].items())]
     return lines
-
-
-def profile_steps(args, device: torch.device, out: Path, overrides: list[str]) -> tuple[str, dict | None]:
-    """Two profiled train steps of the same configuration (after two warm-ups); the top 15 kernels
-    by self device time (CPU: self CPU time) go to profile_top15.txt. On CUDA, then two more steps
-    with the sync debug mode on: host syncs per step by site, against the allow-list."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from m6.config import load
-    from m6.train.loop import Trainer
-
-    cfg = load("configs/m6-gpu-2b.yaml", [*overrides, "train.max_steps=100", f"run.dir={out / 'profile_run'}"])
-    trainer = Trainer(cfg)
-    for _ in range(2):
-        trainer.train_step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(2):
-            trainer.train_step()
-    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    try:
-        table = prof.key_averages().table(sort_by=key, row_limit=15)
-    except (AttributeError, KeyError, RuntimeError):  # newer torch names device time differently
-        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15)
-    path = out / "profile_top15.txt"
-    path.write_text(table)
-    if device.type != "cuda":
-        return path.name, None
-    steps = 2
-    sites = count_host_syncs(lambda: [trainer.train_step() for _ in range(steps)])
-    moe_forwards = sum(1 for m in trainer.model.modules() if type(m).__name__ == "MoELayer") * \
-        (cfg.train.global_batch_size // cfg.train.micro_batch_size)
-    allowed = allowed_host_syncs(moe_forwards, logging=cfg.logging.every == 1)
-    over = {site: n / steps for site, n in sites.items() if n / steps > allowed.get(site, 0)}
-    syncs = {"steps": steps, "moe_forwards_per_step": moe_forwards, "sites": dict(sites),
-             "per_step_total": sum(sites.values()) / steps, "allowed_per_step": allowed,
-             "allowed_per_step_total": sum(allowed.values()), "over_allow_list": over}
-    return path.name, syncs
 
 
 # ---------------------------------------------------------------------------------------------
