@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -160,9 +160,30 @@ def plan_dispatch(
                         routed_counts_E=routed_counts_E, num_tokens=T, num_assignments=K)
 
 
-def permute_tokens(x_TD: torch.Tensor, kept: KeptAssignments) -> torch.Tensor:
-    """[T, D] -> [N, D] rows in expert order (backward is a scatter-add into the token rows)."""
-    return x_TD.index_select(0, kept.token_idx_N)
+class _GatherRowsCast(torch.autograd.Function):
+    """x_TD [T, D] -> x_TD.to(dtype)[idx_N] [N, D]: the cast on the T token rows before the gather
+    (N = T*K rows written in ``dtype`` only, instead of N rows in x's dtype and then N casts); the
+    backward sums each token's K row gradients in x's dtype, as the gather-then-cast did."""
+
+    @staticmethod
+    def forward(ctx, x_TD, idx_N, dtype):
+        ctx.save_for_backward(idx_N)
+        ctx.num_tokens, ctx.x_dtype = x_TD.shape[0], x_TD.dtype
+        return x_TD.to(dtype).index_select(0, idx_N)
+
+    @staticmethod
+    def backward(ctx, dx_ND):
+        (idx_N,) = ctx.saved_tensors
+        dx_TD = dx_ND.new_zeros((ctx.num_tokens, dx_ND.shape[-1]), dtype=ctx.x_dtype)
+        return dx_TD.index_add_(0, idx_N, dx_ND.to(ctx.x_dtype)), None, None
+
+
+def permute_tokens(x_TD: torch.Tensor, kept: KeptAssignments, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """[T, D] -> [N, D] rows in expert order, in ``dtype`` (default x's); backward is a scatter-add
+    into the token rows in x's dtype."""
+    if dtype is None or dtype == x_TD.dtype:
+        return x_TD.index_select(0, kept.token_idx_N)
+    return _GatherRowsCast.apply(x_TD, kept.token_idx_N, dtype)
 
 
 def combine_tokens(y_ND: torch.Tensor, kept: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
@@ -170,9 +191,11 @@ def combine_tokens(y_ND: torch.Tensor, kept: KeptAssignments, out_dtype: torch.d
 
     Accumulates in at least fp32 (router weights are fp32) so low-precision expert outputs of a
     token's K experts are summed without extra rounding; tokens with every assignment dropped get 0.
+    The multiply promotes y as it reads it (no [N, D] copy of y in the accumulation dtype, and
+    autograd keeps y itself for the router weights' gradient): the same values as casting first.
     """
     acc_dtype = torch.promote_types(y_ND.dtype, kept.weights_N.dtype)
-    weighted_ND = y_ND.to(acc_dtype) * kept.weights_N.to(acc_dtype).unsqueeze(-1)
+    weighted_ND = y_ND * kept.weights_N.to(acc_dtype).unsqueeze(-1)
     out_TD = weighted_ND.new_zeros(kept.num_tokens, y_ND.shape[-1])
     out_TD = out_TD.index_add(0, kept.token_idx_N, weighted_ND)
     return out_TD.to(out_dtype)
@@ -229,7 +252,10 @@ class LocalDispatcher(Dispatcher):
         (the layer's one host sync)."""
         (splits,) = host_ints(plan.counts_E)
         kept = plan.kept(sum(splits))
-        return permute_tokens(x_TD, kept), splits, kept
+        # Under autocast the experts compute in its dtype: the rows are gathered in it already.
+        device_type = x_TD.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        return permute_tokens(x_TD, kept, dtype), splits, kept
 
     def combine(self, y_ND: torch.Tensor, handle: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to token order, weighted by the router."""
