@@ -169,6 +169,10 @@ class ModelConfig:
     # Pseudo-to-real (M6-10T): blocks in consecutive groups of this many share one set of weights
     # (1 = off); delink with train.delink_at_step or `python -m m6.checkpoint delink`.
     share_layers: int = 1
+    # The LM head's cross-entropy over chunks of this many target rows, never [targets, vocab]
+    # logits at once (m6.model.chunked_cross_entropy): 0 = one pass over every row, auto = rows
+    # for ~256 MiB of fp32 logits (a byte vocabulary never chunks; 152k entries: ~440 rows).
+    loss_chunk_rows: Union[int, Literal["auto"]] = "auto"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def validate(self) -> None:
@@ -189,6 +193,9 @@ class ModelConfig:
         for key, value in (("model.norm_eps", self.norm_eps), ("model.init_std", self.init_std)):
             if not value > 0:
                 raise ConfigError(f"{key} must be > 0, got {value}")
+        if self.loss_chunk_rows != "auto" and self.loss_chunk_rows < 0:
+            raise ConfigError(f"model.loss_chunk_rows must be auto, 0 (no chunks) or a positive number of rows, "
+                              f"got {self.loss_chunk_rows!r}")
         self.moe.validate()
         self._check_share_layers()
         expert_ffn = self.moe.ffn_dim if self.moe.ffn_dim is not None else self.ffn_dim

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from m6.config import ModelConfig, expert_ffn_dim, num_patches
+from m6.model.chunked_cross_entropy import chunk_rows_for
 
 RESIDUAL_BYTES = 4  # the residual stream stays fp32 (embeddings are fp32; x + bf16 promotes)
 INDEX_BYTES = 8  # int64 permutation and label indices
@@ -125,8 +126,15 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
         layer_transient = max(layer_transient, 4 * c * T * D + r * T * D)
         out.backward_transient = max(out.backward_transient, layer_transient)
     # Head: final norm input (last residual) and stats, the gathered target rows, fp32 logits and
-    # labels. The logits' gradient (same size) is the backward's first transient.
+    # labels. The logits' gradient (same size) is the backward's first transient. Chunked
+    # (model.loss_chunk_rows): one fp32 log-sum-exp per row instead of its logits, and one chunk's
+    # logits (compute dtype and fp32) formed again in backward.
     targets = B * (L - 1)
-    out._add_outside("head", r * T * D + norm_stats + targets * (4 * D + 4 * V + INDEX_BYTES) + B * L)
-    out.backward_transient = max(out.backward_transient, 4 * targets * V)
+    chunk = chunk_rows_for(cfg.loss_chunk_rows, V)
+    if 0 < chunk < targets:
+        out._add_outside("head", r * T * D + norm_stats + targets * (4 * D + 4 + INDEX_BYTES) + B * L)
+        out.backward_transient = max(out.backward_transient, (c + 4) * chunk * V)
+    else:
+        out._add_outside("head", r * T * D + norm_stats + targets * (4 * D + 4 * V + INDEX_BYTES) + B * L)
+        out.backward_transient = max(out.backward_transient, 4 * targets * V)
     return out

@@ -16,6 +16,7 @@ from m6.batch_format import IGNORE_INDEX, SEG_PAD, SEG_SOURCE
 from m6.config import ModelConfig, expert_ffn_dim
 from m6.model.block import DenseMLP, TransformerBlock
 from m6.model.cast_on_use import linear
+from m6.model.chunked_cross_entropy import chunk_rows_for, linear_cross_entropy_sum
 from m6.model.embeddings import PatchEmbedding, TextEmbedding
 from m6.model.host_drawn_init import HostDrawnInit
 from m6.model.mask import prefix_lm_mask
@@ -135,12 +136,15 @@ class M6Model(nn.Module):
                 aux_total = aux_total + aux
         return self.final_norm(x[:, N:]), aux_total
 
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's [V, D] weight (the token embedding when tied)."""
+        return self.text_embed.tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., V]."""
-        weight = self.text_embed.tokens.weight if self.lm_head is None else self.lm_head.weight
         # The tied [V, D] embedding is the largest weight: a bf16 copy of it kept until backward
         # is what cast-on-use avoids most.
-        return linear(hidden, weight, None, self.cast_on_use)
+        return linear(hidden, self.head_weight(), None, self.cast_on_use)
 
     def target_loss_sum(self, hidden_BLD: torch.Tensor, labels_BL: torch.Tensor,
                         num_targets: int | None = None) -> torch.Tensor:
@@ -162,6 +166,12 @@ class M6Model(nn.Module):
             rows_T = torch.nonzero_static(keep_BL.reshape(-1), size=num_targets).squeeze(1)
             hidden_TD = hidden_BLD.reshape(-1, hidden_BLD.shape[-1]).index_select(0, rows_T)
             labels_T = labels_BL.reshape(-1).index_select(0, rows_T)
+        chunk_rows = chunk_rows_for(self.cfg.loss_chunk_rows, self.cfg.vocab_size)
+        if 0 < chunk_rows < hidden_TD.shape[0]:
+            # [targets, V] logits never exist at once (m6.model.chunked_cross_entropy).
+            device_type = hidden_TD.device.type
+            dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+            return linear_cross_entropy_sum(hidden_TD, self.head_weight(), labels_T, chunk_rows, dtype)
         logits = self.logits(hidden_TD)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits, labels_T, reduction="sum")
