@@ -44,7 +44,10 @@ class StopOnSignal:
         if signum == signal.SIGINT and self.received is not None:
             # os._exit: no finally block may wait on a save or a peer now; buffered lines first.
             for stream in (sys.stdout, sys.stderr):
-                stream.flush()
+                try:
+                    stream.flush()
+                except (OSError, RuntimeError, ValueError):  # a reentrant flush (the handler interrupted a print), a closed pipe
+                    pass
             os.write(2, b"SIGINT again: stopped at once, without a checkpoint of the current step\n")
             os._exit(EXIT_AT_ONCE)
         if self.received is None:

@@ -1,14 +1,17 @@
-"""SIGTERM to torchrun, as a user, Slurm or a cluster scheduler stops a job: torchrun sends SIGTERM
+"""SIGTERM under torchrun, as a user, Slurm or a cluster scheduler stops a job: torchrun sends SIGTERM
 to each worker's process group (the worker and its data-loader workers), waits up to 30 s, then
-SIGKILLs. Every rank must save the same step and exit 0, with data workers on."""
+SIGKILLs; Slurm's scancel and preemption signal every process of the step. Every rank must save
+the same step and exit 0, with data workers on."""
 
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
 
+import pytest
 from dist_helpers import REPO, free_port
 
 TINY = str(REPO / "configs" / "tiny.yaml")
@@ -30,10 +33,21 @@ sys.exit(code)
 """
 
 
-def test_sigterm_to_torchrun_saves_the_agreed_step_on_every_rank_and_exits_0(tmp_path):
-    """2 ranks (expert-parallel 2), 2 data workers each; SIGTERM to torchrun after the first logged
-    step. Every rank records exit code 0, the stop step's checkpoint is complete, nothing died of
-    the signal."""
+def signal_every_process(agent_pid: int) -> None:
+    """SIGTERM as Slurm's scancel or preemption sends it: to every process of the job step (here
+    each worker's process group, its data workers included), then to torchrun, which forwards it
+    again: each worker receives it twice."""
+    for worker in pathlib.Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split():
+        os.killpg(int(worker), signal.SIGTERM)  # torchrun starts each worker in its own session
+    os.kill(agent_pid, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("deliver", ["to torchrun", "to every process"])
+def test_sigterm_saves_the_agreed_step_on_every_rank_and_exits_0(tmp_path, deliver):
+    """2 ranks (expert-parallel 2), 2 data workers each; SIGTERM after the first logged step, to
+    torchrun (which forwards it to each worker's process group) or to every process at once.
+    Every rank records exit code 0, the stop step's checkpoint is complete, nothing died of the
+    signal."""
     script = tmp_path / "record_exit.py"
     script.write_text(RECORD_EXIT)
     exits = tmp_path / "exits"
@@ -47,7 +61,10 @@ def test_sigterm_to_torchrun_saves_the_agreed_step_on_every_rank_and_exits_0(tmp
     try:
         for line in agent.stdout:
             if line.startswith("step"):
-                agent.send_signal(signal.SIGTERM)
+                if deliver == "to torchrun":
+                    agent.send_signal(signal.SIGTERM)
+                else:
+                    signal_every_process(agent.pid)
                 break
         out, err = agent.communicate(timeout=120)
     finally:
