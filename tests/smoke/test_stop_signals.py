@@ -61,7 +61,7 @@ def test_a_signal_to_the_process_group_saves_the_stop_step_and_exits_0(tmp_path,
     assert "Traceback" not in err and "killed by signal" not in err, err[-3000:]
 
 
-def test_a_second_ctrl_c_stops_at_once(tmp_path):
+def test_a_second_ctrl_c_stops_at_once():
     """Ctrl-C twice: the first asks for the stop, the second ends the process at once with one
     line and exit 130 (the handler's own process: two signals sent to a training run would merge
     into one while it is busy, or arrive after its save)."""
@@ -78,3 +78,16 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert proc.stdout == "stopping\n"
     assert proc.stderr == "SIGINT again: stopped at once, without a checkpoint of the current step\n"
+
+
+def test_ctrl_c_while_the_run_is_built_is_one_line_and_130(monkeypatch, capsys):
+    """Before the first step (building the model, reading a checkpoint) nothing is to be saved:
+    one line, exit 130, no KeyboardInterrupt traceback."""
+    from m6.train import cli
+
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "train", interrupted)
+    assert cli.main(["--config", TINY, "data.kind=synthetic", "data.sources=[]"]) == 130
+    assert capsys.readouterr().err == "SIGINT outside the training steps: stopped without a checkpoint\n"
