@@ -306,8 +306,7 @@ def _read_yaml(path: Path) -> dict:
     try:
         data = yaml.load(text, Loader=_Loader)
     except yaml.MarkedYAMLError as e:
-        line = e.problem_mark.line + 1 if e.problem_mark else "?"
-        raise ConfigError(f"{path}:{line}: invalid YAML: {e.problem}") from e
+        raise ConfigError(describe_yaml_error(path, text, e)) from e
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from e
     if data is None:  # an empty file means "all defaults"
@@ -315,6 +314,63 @@ def _read_yaml(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping of config sections, got {type(data).__name__}")
     return data
+
+
+_SNIPPET_LINES = 6  # the most lines of a YAML error's snippet (the first, "...", the last ones)
+
+
+def describe_yaml_error(path: Path, text: str, error: yaml.MarkedYAMLError) -> str:
+    """``PATH:LINE: invalid YAML: ...`` naming where the mistake starts, then the lines from there
+    to where the parser gave up, with carets.
+
+    The parser's problem mark is where it noticed, often a line after the typo: a key without its
+    ':' is read as a value running on into the next line, and the ':' there is the problem. So the
+    message starts at the construct the problem belongs to: the parser's context mark (an unclosed
+    bracket or quote), or, for "mapping values are not allowed here", the value that ran on."""
+    problem = error.problem_mark
+    if problem is None:
+        return f"{path}: invalid YAML: {error.problem}"
+    start, why = error.context_mark, error.context
+    if start is None and error.problem and error.problem.startswith("mapping values are not allowed"):
+        start = _last_scalar_start(text)
+        why = "in a value"
+    if start is None or (start.line, start.column) >= (problem.line, problem.column):
+        start, why = problem, None
+    where = f"line {problem.line + 1}, column {problem.column + 1}"
+    message = f"{path}:{start.line + 1}: invalid YAML: {error.problem} at {where}"
+    if why:
+        message += f", {why} that starts at line {start.line + 1}, column {start.column + 1}"
+        if why == "in a value":
+            message += (f" (a ':' missing after a key, or line {problem.line + 1} indented differently from "
+                        f"the line above?)")
+    lines = text.splitlines() or [""]
+    shown = list(range(start.line, min(problem.line, len(lines) - 1) + 1)) or [min(problem.line, len(lines) - 1)]
+    if len(shown) > _SNIPPET_LINES:
+        shown = shown[:1] + [None] + shown[-(_SNIPPET_LINES - 2):]
+    width = len(str(problem.line + 1))
+    snippet = []
+    for number in shown:
+        if number is None:
+            snippet.append(f"  {'':>{width}} | ...")
+            continue
+        snippet.append(f"  {number + 1:>{width}} | {lines[number].expandtabs(1)}")  # a tab: one column, as marks count
+        carets = [mark.column for mark in {start, problem} if mark.line == number]
+        if carets:
+            marks = "".join("^" if i in carets else " " for i in range(max(carets) + 1))
+            snippet.append(f"  {'':>{width}} | {marks}")
+    return message + "\n" + "\n".join(snippet)
+
+
+def _last_scalar_start(text: str):
+    """The start mark of the last scalar the scanner read before its error (None if none)."""
+    start = None
+    try:
+        for token in yaml.scan(text, Loader=_Loader):
+            if isinstance(token, yaml.ScalarToken):
+                start = token.start_mark
+    except yaml.YAMLError:
+        pass
+    return start
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:

@@ -7,12 +7,19 @@ DataLoader hands micro-batches to its workers in turn. So over a source's epoch 
 read exactly once, by exactly one (rank, worker), and the split never changes which samples the
 job sees (a run on 1, 2 or 4 ranks trains on the same global batches).
 
+Stop signals: launchers signal whole process groups (torchrun each worker's group, Slurm every
+process of the job step, a terminal its foreground group on Ctrl-C), which holds the worker
+processes too. The workers ignore SIGTERM and SIGINT: the main process decides when the run stops
+(m6.train.preemption) and shuts them down; a worker killed by the signal would fail the run
+("DataLoader worker ... is killed by signal") before its stop checkpoint.
+
 Resuming: workers read ahead, so the position saved is the one *consumed* by the trainer, kept by a
 second MixtureSampler advanced one global batch per step; a restored loader starts its stream there.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -95,6 +102,18 @@ def even_shares(global_batch: int, micro_batch: int, world_size: int) -> tuple[l
     return [per_rank] * world_size, per_rank // micro_batch
 
 
+WORKER_IGNORED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """DataLoader worker_init_fn: the worker ignores SIGTERM and SIGINT (the main process owns the
+    stop), then unblocks them (TrainLoader blocks them while it starts its workers, so that a signal
+    arriving before this runs stays pending, and is dropped here, instead of killing the worker)."""
+    for sig in WORKER_IGNORED_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, WORKER_IGNORED_SIGNALS)
+
+
 class TrainLoader:
     """Micro-batches for each optimizer step, the time spent waiting for them, and a resumable position.
 
@@ -124,10 +143,20 @@ class TrainLoader:
         extra = {"prefetch_factor": self.prefetch_factor, "persistent_workers": True} if self.num_workers else {}
         # Own generator: DataLoader draws worker base seeds from it, and drawing them from the global
         # RNG would shift the model's dropout masks by the point at which the loader (re)started.
+        if self.num_workers:
+            extra["worker_init_fn"] = ignore_stop_signals
         self._loader = torch.utils.data.DataLoader(self.dataset, batch_sampler=sampler, collate_fn=self.collator,
                                                    num_workers=self.num_workers, pin_memory=self.pin_memory,
                                                    generator=torch.Generator().manual_seed(self.seed), **extra)
-        self._iterator = iter(self._loader)
+        # The workers start inside iter(): blocked here, a stop signal that arrives before a worker
+        # has set it to ignored stays pending in that worker (the mask is inherited), and pending
+        # in this thread until the unblock below delivers it to the run's handler.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, WORKER_IGNORED_SIGNALS) if self.num_workers else None
+        try:
+            self._iterator = iter(self._loader)
+        finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
     def next_step(self) -> tuple[list[LoadedBatch], float]:
         """This rank's micro-batches of the next global batch, and the seconds spent waiting for them."""
@@ -169,5 +198,16 @@ class TrainLoader:
 
     def close(self) -> None:
         """Stop the workers; the next ``next_step`` starts new ones at the consumed position."""
-        self._iterator = None
-        self._loader = None
+        iterator, self._iterator, self._loader = self._iterator, None, None
+        workers = list(getattr(iterator, "_workers", ()))
+        if not workers:
+            return
+        iterator._shutdown_workers()  # the workers' end-of-data message, a join, then terminate()
+        if not iterator._shutdown:  # the interpreter is exiting: torch leaves the workers alone
+            return
+        for worker in workers:
+            # terminate() sends SIGTERM, which the workers ignore: a worker that did not leave by
+            # itself (pytorch/pytorch#39570) is killed, or the interpreter's exit would wait on it.
+            if worker.is_alive():
+                worker.kill()
+                worker.join(timeout=5)

@@ -61,7 +61,8 @@ def human_bytes(n: float) -> str:
 def device_label(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'' if threads == 1 else 's'})"
 
 
 def _model_line(cfg: Config, size: ModelSize, blocks: list[int], device: torch.device) -> str:

@@ -6,9 +6,10 @@
 Config keys: the "Config reference" table in docs/training.md (defaults and comments in
 m6/config.py); every key with the value this command line gives it: add --print-config.
 
-Exit codes: 0 trained (or stopped cleanly on SIGTERM with a checkpoint), 1 a failure during
-training (named), 2 bad input (a config error; a checkpoint that cannot continue the run or whose
-files are damaged; a run.dir the nodes do not share, found at the first save).
+Exit codes: 0 trained (or stopped cleanly on SIGTERM or Ctrl-C with a checkpoint), 1 a failure
+during training (named), 2 bad input (a config error; a checkpoint that cannot continue the run or
+whose files are damaged; a run.dir the nodes do not share, found at the first save), 130 Ctrl-C
+outside the training steps (building the run) or a second Ctrl-C while stopping.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from m6.parallel import LayoutError
 from m6.parallel.peer_check import describe_peer_failure, is_peer_failure, report_once
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
+from m6.train.preemption import EXIT_AT_ONCE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError) as e:
         print(f"{where}config error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C outside the steps (building the model, loading a checkpoint): nothing new to save.
+        # While steps run, m6.train.preemption turns SIGINT into a stop with a checkpoint.
+        print(f"{where}SIGINT outside the training steps: stopped without a checkpoint", file=sys.stderr)
+        return EXIT_AT_ONCE
     except CheckpointMismatch as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 2

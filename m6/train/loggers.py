@@ -2,8 +2,9 @@
 and TensorBoard (m6.train.tensorboard_writer).
 
 Only the main process writes anything; other ranks get a logger whose methods return at once.
-The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s``,
-``grad_norm``, ``loss_scale`` with ``overflow_steps`` (fp16); every key, recognised or not, goes to the jsonl file and to W&B unchanged.
+The console line recognises these metric keys (all optional): ``loss``, ``lr``, ``tokens_per_s`` and
+``step_time_s`` (for its speed: MetricsLogger.speed), ``grad_norm``, ``loss_scale`` with
+``overflow_steps`` (fp16); every key, recognised or not, goes to the jsonl file and to W&B unchanged.
 The per-expert token counts of a training step ride on its jsonl row as
 ``"expert_tokens": {"block1": [int, ...], ...}`` (the row's last key) and go to W&B (a table and
 histograms) and TensorBoard (histograms). With aux-free balancing the experts' router biases ride
@@ -32,12 +33,23 @@ WANDB_MODES = ("auto", "online", "offline", "disabled")
 WANDB_SAAS_HOST = "api.wandb.ai"
 FORGE_DEFAULT_HOST = "api.forge.coreweave.com"
 FORGE_DOMAIN = "forge.coreweave.com"
-ETA_WINDOW = 20  # logged intervals averaged for s/step and ETA: recent enough to follow a speed change
+# Logged intervals whose median speed the console shows (tok/s, s/step and the ETA alike): short
+# enough to follow a change of speed within a few lines, and a stall in one or two of them (a
+# checkpoint, an eval, a slow read) moves nothing.
+SPEED_WINDOW = 5
 WANDB_INIT_TIMEOUT_S = 60.0
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 EXPERT_TOKENS_KEY = "expert_tokens"  # on a training row: {moe layer name: [tokens routed to expert e, ...]}
 EXPERT_BIAS_KEY = "expert_bias"  # on a training row: {moe layer name: [selection bias of expert e, ...]}
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Wall seconds per training step and real tokens per second, of one logged interval."""
+
+    seconds_per_step: float
+    tokens_per_s: float | None
 
 
 @dataclass
@@ -150,7 +162,8 @@ class MetricsLogger:
         self._jsonl = None
         self._closed = False
         self._summary: dict[str, Any] = {}
-        self._step_times: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW + 1)
+        self._last_log: tuple[int, float] | None = None  # (step, perf_counter) of the previous log
+        self._speeds: deque[Speed] = deque(maxlen=SPEED_WINDOW)
         if not self.active:
             return
         # Resolve the W&B mode first so a bad config fails before any file is written.
@@ -211,7 +224,7 @@ class MetricsLogger:
         per expert and expert biases (aux-free balancing) everywhere, and print the console line."""
         if not self.active:
             return
-        self._step_times.append((step, time.perf_counter()))
+        self._record_speed(step, metrics)
         row: dict[str, Any] = dict(metrics)
         if expert_tokens:
             # Plain ints: the counts are exact, and "12" is half of "12.0" on a line that holds
@@ -325,14 +338,34 @@ class MetricsLogger:
         width = max(5, len(str(self.total_steps)))
         return f"step {step:>{width}}/{self.total_steps}"
 
-    def seconds_per_step(self) -> float | None:
-        """Mean wall time per step over the last ETA_WINDOW logged intervals, or None before two logs."""
-        if len(self._step_times) < 2:
+    def _record_speed(self, step: int, metrics: dict[str, Any]) -> None:
+        """One sample of the speed window: the wall time per step since the previous log (evals,
+        saves and data waits included, as the ETA needs), or at a run's first log that step's own
+        ``step_time_s``; tokens per second = the logged step's tokens (``tokens_per_s`` x
+        ``step_time_s``) over that time."""
+        now = time.perf_counter()
+        previous, self._last_log = self._last_log, (step, now)
+        if previous is not None and step > previous[0]:
+            seconds = (now - previous[1]) / (step - previous[0])
+        elif "step_time_s" in metrics:
+            seconds = float(metrics["step_time_s"])
+        else:
+            return
+        tokens_per_s = None
+        if "tokens_per_s" in metrics:
+            step_time = float(metrics.get("step_time_s", seconds))
+            tokens_per_s = float(metrics["tokens_per_s"]) * step_time / seconds if seconds > 0 else None
+        self._speeds.append(Speed(seconds, tokens_per_s))
+
+    def speed(self) -> Speed | None:
+        """The console's speed: of the last SPEED_WINDOW logged intervals, the one with the median
+        time per step (the lower of the two middle ones), so tok/s, s/step and the ETA all come
+        from one sample of one window; None before the first log."""
+        if not self._speeds:
             return None
-        (first_step, first_t), (last_step, last_t) = self._step_times[0], self._step_times[-1]
-        if last_step <= first_step:
-            return None
-        return (last_t - first_t) / (last_step - first_step)
+        # Ties go to the most recent interval: its tokens per step are the current ones.
+        ordered = sorted(enumerate(self._speeds), key=lambda pair: (pair[1].seconds_per_step, -pair[0]))
+        return ordered[(len(ordered) - 1) // 2][1]
 
     def _train_line(self, step: int, metrics: dict[str, Any]) -> str:
         """Build the concise console line for a training step."""
@@ -345,13 +378,13 @@ class MetricsLogger:
             parts.append(f"gnorm {float(metrics['grad_norm']):.3f}")
         if "loss_scale" in metrics:  # fp16: the scale, and the steps its overflows skipped
             parts.append(f"scale {float(metrics['loss_scale']):g} ({int(metrics.get('overflow_steps', 0))} overflow skips)")
-        if "tokens_per_s" in metrics:
-            parts.append(f"{float(metrics['tokens_per_s']):,.0f} tok/s")
-        sec = self.seconds_per_step()
-        if sec is not None:
-            parts.append(f"{sec:.2f} s/step")
-            parts.append(f"eta {format_duration(sec * max(0, self.total_steps - step))}")
+        speed = self.speed()
+        if speed is not None:
+            if speed.tokens_per_s is not None:
+                parts.append(f"{speed.tokens_per_s:,.0f} tok/s")
+            parts.append(f"{speed.seconds_per_step:.2f} s/step")
+            parts.append(f"eta {format_duration(speed.seconds_per_step * max(0, self.total_steps - step))}")
         return " | ".join(parts)
 
 
-__all__ = ["MetricsLogger", "WandbSettings", "format_duration", "has_wandb_credentials", "resolve_wandb_mode"]
+__all__ = ["MetricsLogger", "Speed", "WandbSettings", "format_duration", "has_wandb_credentials", "resolve_wandb_mode"]

@@ -41,6 +41,7 @@ from m6.train.expert_bias import ExpertBiasUpdate
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
+from m6.train.optim import schedule_change_note
 from m6.train.preemption import StopOnSignal
 from m6.train.pseudo_to_real import train_pseudo_to_real
 from m6.train.run_directory import prepare_run_dir
@@ -488,6 +489,10 @@ class Trainer:
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
                       f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
 
+        note = schedule_change_note(self.cfg.optim, meta.get("config", {}).get("train", {}).get("max_steps"),
+                                    self.cfg.train.max_steps, self.step)
+        if note:
+            self._print_main(note)
         if "loss_scale" in self.state.missing:
             self._print_main(f"the checkpoint holds no loss scale (its run was not fp16): the scale starts at "
                              f"train.loss_scale_init={self.cfg.train.loss_scale_init:g}")

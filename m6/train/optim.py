@@ -59,6 +59,40 @@ def lr_at(step: int, cfg: OptimConfig, max_steps: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+class ScheduledLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose restored state is its position (last_epoch): the learning rate of the next
+    update is recomputed from this run's schedule, not taken from the checkpoint (LambdaLR's own
+    load keeps the saved rate, and the optimizer's saved param_groups carry it, so a resume with
+    another train.max_steps would make its first update at the saved run's rate). With the same
+    schedule the recomputed rate is the saved one, bit for bit (the same expression)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        rates = [base_lr * rate(self.last_epoch) for rate, base_lr in zip(self.lr_lambdas, self.base_lrs)]
+        for group, rate in zip(self.optimizer.param_groups, rates):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(rate)
+            else:
+                group["lr"] = rate
+        self._last_lr = rates  # what get_last_lr() reports
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int) -> ScheduledLR:
     """LambdaLR over lr_at, so its state (last_epoch) travels in checkpoints."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, cfg, max_steps) / cfg.lr)
+    return ScheduledLR(optimizer, lambda step: lr_at(step, cfg, max_steps) / cfg.lr)
+
+
+def schedule_change_note(cfg: OptimConfig, saved_max_steps: int | None, max_steps: int, step: int) -> str | None:
+    """The line a resume prints when train.max_steps differs from the saved run's: the schedule is
+    that of the new max_steps from the resumed step on (LambdaLR recomputes it), so a cosine decay
+    is stretched or squeezed and the learning rate jumps at the resume. None when nothing changes
+    (same max_steps, or a constant schedule, whose warmup does not depend on max_steps)."""
+    if saved_max_steps is None or saved_max_steps == max_steps or cfg.schedule == "constant":
+        return None
+    before, after = lr_at(step, cfg, saved_max_steps), lr_at(step, cfg, max_steps)
+    at_step = (f"the learning rate at step {step} is {after:.3g} where the saved run's schedule had {before:.3g}"
+               if step >= cfg.warmup_steps else f"the warmup is unchanged (to step {cfg.warmup_steps})")
+    return (f"train.max_steps changed from {saved_max_steps} (the checkpoint's run) to {max_steps}: the cosine "
+            f"schedule is recomputed over {max_steps} steps ({'stretched' if max_steps > saved_max_steps else 'squeezed'}): "
+            f"{at_step}, and it reaches optim.min_lr={cfg.min_lr:g} at step {max_steps}. To keep the saved "
+            f"schedule, resume with train.max_steps={saved_max_steps}")

@@ -1,25 +1,38 @@
-"""Preemption: SIGTERM (a Slurm time limit or preemption, a cluster scheduler draining a node,
-torchrun stopping its workers) asks the run to stop after the current step with a checkpoint.
+"""Preemption and Ctrl-C: SIGTERM (a Slurm time limit, preemption or scancel, a cluster scheduler
+draining a node, torchrun stopping its workers) or SIGINT (Ctrl-C; torchrun forwards it too) asks
+the run to stop after the current step with a checkpoint, and exit 0.
 
 The handler only records the signal; the loop asks ``requested()`` once per step, which agrees
 across ranks (any rank signalled -> every rank stops at the same step), because the final save is
-a collective that every rank must enter.
+a collective that every rank must enter. Launchers signal whole process groups (torchrun each
+worker's group, Slurm every process of the step, a terminal its foreground group), so the data
+loader's worker processes receive the same signal: they ignore it (m6.data.loader), and the main
+process owns the shutdown.
+
+A second SIGINT while the run is stopping ends the process at once (exit 130, no checkpoint of
+this step): the way out of a save that takes too long. A second SIGTERM changes nothing: a
+launcher and a scheduler may both deliver one for the same stop.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_AT_ONCE = 128 + signal.SIGINT  # the shell's code for a process ended by Ctrl-C
+
 
 class StopOnSignal:
-    """Records SIGTERM while the run trains; ``close()`` restores the previous handler."""
+    """Records SIGTERM and SIGINT while the run trains; ``close()`` restores the previous handlers."""
 
-    def __init__(self, group=None, signals: tuple[int, ...] = (signal.SIGTERM,)) -> None:
+    def __init__(self, group=None, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
         self.group = group  # a CPU (gloo) group: the flag is a host tensor
         self.received: Optional[int] = None
         self._previous: dict[int, object] = {}
@@ -28,7 +41,17 @@ class StopOnSignal:
                 self._previous[sig] = signal.signal(sig, self._record)
 
     def _record(self, signum: int, frame) -> None:
-        self.received = signum
+        if signum == signal.SIGINT and self.received is not None:
+            # os._exit: no finally block may wait on a save or a peer now; buffered lines first.
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except (OSError, RuntimeError, ValueError):  # a reentrant flush (the handler interrupted a print), a closed pipe
+                    pass
+            os.write(2, b"SIGINT again: stopped at once, without a checkpoint of the current step\n")
+            os._exit(EXIT_AT_ONCE)
+        if self.received is None:
+            self.received = signum
 
     def requested(self) -> bool:
         """True on every rank when any rank received a stop signal (one tiny all-reduce per call)."""
@@ -42,7 +65,7 @@ class StopOnSignal:
         return signal.Signals(self.received).name if self.received is not None else "a stop signal on another rank"
 
     def keep_holding(self) -> None:
-        """Leave the handler installed for the rest of the process (``close`` becomes a no-op)."""
+        """Leave the handlers installed for the rest of the process (``close`` becomes a no-op)."""
         self._previous.clear()
 
     def close(self) -> None:

@@ -45,8 +45,8 @@ def test_uneven_split_trains_the_even_curve(tmp_path, even_run, ep=1):
     even, uneven = train_rows(even_dir), train_rows(tmp_path / "w21")
     assert len(even) == 8
     assert_same_curve(uneven, even)
-    assert "balance  weights [2.0, 1.0], 1 micro-batch(es) per rank | rank 0 cpu (1 threads): 5 samples; " \
-           "rank 1 cpu (1 threads): 3 samples" in stdout
+    assert "balance  weights [2.0, 1.0], 1 micro-batch(es) per rank | rank 0 cpu (1 thread): 5 samples; " \
+           "rank 1 cpu (1 thread): 3 samples" in stdout
     assert all(r["compute_s/rank0"] > 0 and r["compute_s/rank1"] > 0 for r in uneven)
     # Resume from even into uneven (step 4 of the even run), and from uneven back into even.
     ckpt = even_dir / "checkpoints" / "step_00000004"

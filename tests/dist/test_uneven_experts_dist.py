@@ -23,14 +23,14 @@ def test_uneven_experts_train_the_even_curve_and_reshard(tmp_path):
 
     # [2, 1] straight through: 5 + 3 samples, experts 0-4 and 5-7; every loss term and the grad norm.
     stdout = ranks(tmp_path / "w21", 2, *EP2, "train.max_steps=8", "parallel.balance=[2,1]")
-    assert ("rank 0 cpu (1 threads): 5 samples, experts 0-4; rank 1 cpu (1 threads): 3 samples, experts 5-7"
+    assert ("rank 0 cpu (1 thread): 5 samples, experts 0-4; rank 1 cpu (1 thread): 3 samples, experts 5-7"
             in stdout), stdout
     assert_same_curve(train_rows(tmp_path / "w21"), even)
 
     # even -> [3, 1] (6 + 2 experts) from step 2 to 6 -> even again to step 8: the straight curve.
     stdout = ranks(tmp_path / "w31", 2, *EP2, "train.max_steps=6", "parallel.balance=[3,1]",
                    f"checkpoint.resume={ckpt(tmp_path / 'even', 2)}")
-    assert "6 samples, experts 0-5; rank 1 cpu (1 threads): 2 samples, experts 6-7" in stdout, stdout
+    assert "6 samples, experts 0-5; rank 1 cpu (1 thread): 2 samples, experts 6-7" in stdout, stdout
     assert_same_curve(train_rows(tmp_path / "w31"), even[2:6])
     ranks(tmp_path / "back", 2, *EP2, "train.max_steps=8", f"checkpoint.resume={ckpt(tmp_path / 'w31', 6)}")
     assert_same_curve(train_rows(tmp_path / "back"), even[6:8])
@@ -40,7 +40,7 @@ def test_uneven_experts_train_the_even_curve_and_reshard(tmp_path):
     # their own bytes the pairs would close them at different parameters (the ranks' bucket check then fails).
     stdout = ranks(tmp_path / "w4", 4, *EP2, "train.max_steps=4", "checkpoint.every=0", "parallel.bucket_size_mb=0.03",
                    "parallel.balance=[2,1,2,1]")
-    assert "rank 2 cpu (1 threads): 2 samples, experts 0-4; rank 3 cpu (1 threads): 2 samples, experts 5-7" \
+    assert "rank 2 cpu (1 thread): 2 samples, experts 0-4; rank 3 cpu (1 thread): 2 samples, experts 5-7" \
         in stdout, stdout
     assert_same_curve(train_rows(tmp_path / "w4"), even[:4])
 

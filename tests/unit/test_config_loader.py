@@ -203,13 +203,35 @@ def test_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  dim: 3\n  moe: [1, 2\n")
     msg = errmsg(load_config, Root, bad)
-    assert str(bad) in msg and "invalid YAML" in msg and ":4:" in msg
+    # The bracket left open on line 3 is named, not the end of the file where the parser gave up.
+    assert msg.startswith(f"{bad}:3: invalid YAML: expected ',' or ']', but got '<stream end>' at line 4, column 1, "
+                          "while parsing a flow sequence that starts at line 3, column 8\n"), msg
     top = tmp_path / "top.yaml"
     top.write_text("- 1\n- 2\n")
     assert "top level must be a mapping" in errmsg(load_config, Root, top)
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert load_config(Root, empty) == Root()
+
+
+def test_yaml_typo_names_its_line_and_shows_it(tmp_path):
+    """A key without its ':' reads as a value running into the next line, where the parser stops:
+    the error names the typo's line and shows both lines, with carets."""
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("model:\n  dim 3\n  moe: 1\n")
+    assert errmsg(load_config, Root, bad) == (
+        f"{bad}:2: invalid YAML: mapping values are not allowed here at line 3, column 6, in a value that starts "
+        "at line 2, column 3 (a ':' missing after a key, or line 3 indented differently from the line above?)\n"
+        "  2 |   dim 3\n"
+        "    |   ^\n"
+        "  3 |   moe: 1\n"
+        "    |      ^")
+    tab = tmp_path / "tab.yaml"
+    tab.write_text("model:\n\tdim: 3\n")
+    assert errmsg(load_config, Root, tab) == (
+        f"{tab}:2: invalid YAML: found character '\\t' that cannot start any token at line 2, column 1\n"
+        "  2 |  dim: 3\n"
+        "    | ^")
 
 
 def test_load_applies_overrides_and_validate(tmp_path):

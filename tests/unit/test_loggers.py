@@ -108,18 +108,19 @@ def test_console_line_format(tmp_path: Path, capsys: pytest.CaptureFixture, monk
     clock = FakeClock()
     monkeypatch.setattr(loggers, "time", SimpleNamespace(perf_counter=clock.perf_counter))
     logger = MetricsLogger(tmp_path, CONFIG, WandbSettings(), total_steps=200)
-    logger.log(10, {"loss": 3.5, "lr": 5e-4, "tokens_per_s": 999.6})
+    # The first log: the step's own time (0.50 s/step; 190 steps left -> 95 s) and tokens.
+    logger.log(10, {"loss": 3.5, "lr": 5e-4, "tokens_per_s": 999.6, "step_time_s": 0.5})
     clock.now = 20.0  # 40 steps in 20 s -> 0.50 s/step; 150 steps left -> 75 s
-    logger.log(50, {"loss": 3.21449, "lr": 1e-3, "tokens_per_s": 12345.4})
-    clock.now = 45.0  # window now spans steps 10..100 in 45 s -> 0.50 s/step; 100 left -> 50 s
-    logger.log(100, {"loss": 3.0, "lr": 1e-3, "grad_norm": 0.75, "tokens_per_s": 1e6})
+    logger.log(50, {"loss": 3.21449, "lr": 1e-3, "tokens_per_s": 12345.4, "step_time_s": 0.5})
+    clock.now = 45.0  # steps 50..100 in 25 s -> 0.50 s/step; 100 left -> 50 s
+    logger.log(100, {"loss": 3.0, "lr": 1e-3, "grad_norm": 0.75, "tokens_per_s": 12345.4, "step_time_s": 0.5})
     logger.log_eval(100, {"loss": 2.98765, "tokens": 4096})
     logger.close()
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
-        "step    10/200 | loss 3.5000 | lr 5.00e-04 | 1,000 tok/s",
+        "step    10/200 | loss 3.5000 | lr 5.00e-04 | 1,000 tok/s | 0.50 s/step | eta 0:01:35",
         "step    50/200 | loss 3.2145 | lr 1.00e-03 | 12,345 tok/s | 0.50 s/step | eta 0:01:15",
-        "step   100/200 | loss 3.0000 | lr 1.00e-03 | gnorm 0.750 | 1,000,000 tok/s | 0.50 s/step | eta 0:00:50",
+        "step   100/200 | loss 3.0000 | lr 1.00e-03 | gnorm 0.750 | 12,345 tok/s | 0.50 s/step | eta 0:00:50",
         "eval step   100/200 | loss 2.988 | tokens 4096",
     ]
 
@@ -132,19 +133,31 @@ def test_console_off_prints_nothing(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert capsys.readouterr().out == ""
 
 
-def test_eta_uses_recent_window(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_speed_is_one_window_for_tokens_seconds_and_eta_and_ignores_a_stall(
+        tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tok/s, s/step and the ETA come from the same logged interval, the median of the last
+    SPEED_WINDOW: one stalled interval (a save, a slow read) moves none of them; a lasting change
+    of speed shows within a few logs."""
     clock = FakeClock()
     monkeypatch.setattr(loggers, "time", SimpleNamespace(perf_counter=clock.perf_counter))
-    logger = MetricsLogger(tmp_path, CONFIG, WandbSettings(), total_steps=10_000, console=False)
-    assert logger.seconds_per_step() is None
-    for step in range(1, 11):  # slow start: 10 s/step
-        clock.now = step * 10.0
-        logger.log(step, {"loss": 1.0})
-    assert logger.seconds_per_step() == pytest.approx(10.0)
-    for step in range(11, 11 + loggers.ETA_WINDOW):  # then 1 s/step for a whole window
-        clock.now += 1.0
-        logger.log(step, {"loss": 1.0})
-    assert logger.seconds_per_step() == pytest.approx(1.0)
+    logger = MetricsLogger(tmp_path, CONFIG, WandbSettings(), total_steps=10_000)
+    assert logger.speed() is None
+
+    def log(step: int, seconds: float) -> str:  # 10 steps of `seconds` each, 1,000 tokens per step
+        clock.now += 10 * seconds
+        logger.log(step, {"loss": 1.0, "tokens_per_s": 1000 / seconds, "step_time_s": seconds})
+        return capsys.readouterr().out.strip()
+
+    for step in range(10, 60, 10):
+        log(step, 1.0)
+    stalled = log(60, 30.0)  # one interval 30x slower
+    assert stalled.endswith("| 1,000 tok/s | 1.00 s/step | eta 2:45:40"), stalled
+    assert logger.speed() == loggers.Speed(1.0, 1000.0)
+    lines = [log(step, 2.0) for step in range(70, 70 + 10 * loggers.SPEED_WINDOW, 10)]
+    settled = loggers.SPEED_WINDOW // 2  # the median moves once half the window is slower
+    assert all("| 1.00 s/step |" in line for line in lines[:settled - 1]), lines
+    assert all(line.endswith(f"| 500 tok/s | 2.00 s/step | eta {loggers.format_duration(2.0 * (10_000 - step))}")
+               for line, step in zip(lines[settled:], range(70 + 10 * settled, 200, 10))), lines
     logger.close()
 
 
