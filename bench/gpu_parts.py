@@ -316,10 +316,13 @@ def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[st
     step (each with its step breakdown), and the HF Qwen3-MoE peer of the fine-grained shapes."""
     from bench.step_breakdown import markdown as breakdown_markdown
 
-    runs = [e2e_run(args, out, c, m, a) for c, m, a in (E2E_RUNS[:1] if args.smoke else E2E_RUNS)]
+    wanted = lambda tag: not args.only or any(w in tag for w in args.only.split(","))  # noqa: E731
+    runs = [e2e_run(args, out, c, m, a) for c, m, a in (E2E_RUNS[:1] if args.smoke else E2E_RUNS)
+            if wanted(f"{Path(c).stem}-mb{m}x{a}")]
     peer_config, peer_shapes = E2E_PEER
     peers = [] if importlib.util.find_spec("transformers") is None else \
-        [e2e_peer(args, out, peer_config, m, a) for m, a in (peer_shapes[:1] if args.smoke else peer_shapes)]
+        [e2e_peer(args, out, peer_config, m, a) for m, a in (peer_shapes[:1] if args.smoke else peer_shapes)
+         if wanted(f"hf-{Path(peer_config).stem}-mb{m}x{a}")]
     md = ["| run | tokens / step | tokens/s | MFU | peak GB | loss first -> last |", "|---|---|---|---|---|---|"]
     for r in runs + peers:
         if "error" in r:
@@ -682,6 +685,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--only", default="", help="train_e2e: only the runs whose tag contains one of these (comma-separated)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     out = Path(args.out)
