@@ -150,6 +150,11 @@ def test_export_header_is_aligned_and_complete(moe_run, tmp_path):
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
     assert n % 8 == 0 and header["__metadata__"]["step"] == "2" and done["step"] == 2
+    # Self-describing: the run's resolved config builds the model these weights fit, and the
+    # tokenizer its ids belong to is named.
+    config = json.loads(header["__metadata__"]["config"])
+    assert config["model"]["d_model"] == 64 and config["model"]["moe"]["num_experts"] == 4
+    assert header["__metadata__"]["tokenizer"] == "byte"
     spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert 8 + n + spans[-1][1] == len(raw) == done["size_bytes"]
