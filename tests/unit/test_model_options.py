@@ -304,3 +304,68 @@ def test_model_builds_under_meta_device_context():
     reference.materialize(torch.device("cpu"), seed=3)
     for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOP and parameter accounting follow the options
+
+
+def test_forward_flop_rates_by_hand_with_every_option():
+    from m6.model.flops import forward_flop_rates
+    cfg = hf_style_cfg(moe={"first_dense_blocks": 1, "num_shared_experts": 2, "shared_expert_ffn_dim": 20,
+                            "shared_expert_gate": True})
+    rates = forward_flop_rates(build(cfg))
+    D, Q, Kv = 32, 4 * 12, 2 * 12
+    attention = 2 * (D * (Q + 2 * Kv) + Q * D)
+    dense_swiglu = 2 * 3 * D * 48
+    shared, gate, router = 2 * 3 * D * 40, 2 * D, 2 * 4 * D
+    assert rates.per_position == 2 * attention + dense_swiglu + shared + gate + router
+    assert rates.router_per_position == router
+    assert rates.per_attention_pair == 2 * 4 * Q
+    assert rates.per_assignment == 2 * 3 * D * 48
+
+
+def test_step_flops_equal_torch_flop_counter_with_every_option():
+    """The accounting against torch's own count of the matmuls a real forward runs (the counter has
+    no formula for the CPU SDPA kernel, so QK^T and AV are the hand count of the test above)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from m6.model.flops import count_tokens, forward_flop_rates, step_flops
+    cfg = hf_style_cfg(image_positions="rope", moe={"first_dense_blocks": 1, "num_shared_experts": 1,
+                                                    "shared_expert_gate": True})
+    model = build(cfg)
+    B, L = 2, 10
+    ids = torch.randint(0, 97, (B, L))
+    seg = torch.full((B, L), TGT)
+    seg[:, :3] = SRC
+    labels = torch.full((B, L), -100)
+    labels[:, 3:-1] = ids[:, 4:]
+    has = torch.ones(B, dtype=torch.bool)
+    images = torch.randn(B, 3, 16, 16, dtype=torch.float64)
+    with FlopCounterMode(display=False) as counter:
+        hidden, _ = model(images, has, ids, seg)
+        model.target_loss_sum(hidden, labels)
+    kept = sum(int(layer.stats.kept) for layer in model.moe_layers().values())
+    counts = count_tokens(seg, has, 4, int((labels != -100).sum()))
+    rates = forward_flop_rates(model)
+    attention_pairs = rates.per_attention_pair * counts.attention_pairs
+    assert step_flops(rates, counts, kept) / 3 == counter.get_total_flops() + attention_pairs
+
+
+def test_parameter_counts_with_every_option():
+    from m6.model.flops import count_parameters
+    cfg = hf_style_cfg(attention_bias=True, moe={"first_dense_blocks": 1, "num_shared_experts": 1,
+                                                 "shared_expert_gate": True})
+    size = count_parameters(build(cfg))
+    D, Q, Kv, V = 32, 48, 24, 97
+    attention = D * (Q + 2 * Kv) + (Q + 2 * Kv) + Q * D + 2 * 12  # qkv (+ bias), out, per-head q/k norms
+    block_norms = 2 * D
+    experts = 4 * 3 * D * 48
+    moe_block = attention + block_norms + 4 * D + experts + 3 * D * 48 + D  # router, experts, shared, gate
+    dense_block = attention + block_norms + 3 * D * 48
+    embeddings = V * D + 2 * D  # tokens, modality (rotary text: no position table; learned 2-D patches)
+    patches = 3 * 8 * 8 * D + D + 2 * 2 * D
+    total = moe_block + dense_block + embeddings + patches + D + V * D  # final norm, untied LM head
+    assert size.total == total
+    assert size.expert == experts
+    assert size.active == total - experts - (V * D + 2 * D + 2 * 2 * D) + experts * 2 // 4
