@@ -161,7 +161,7 @@ def _mixtral_to_m6(hf: dict, c: ConfigReader) -> dict:
 
 
 def _mixtral_to_hf(m: dict) -> dict:
-    _require_m6(m, "mixtral", norm_topk=True, qk_norm="none", attention_bias=False, shared=False, dense=False)
+    _require_m6(m, "Mixtral", norm_topk=True, qk_norm="none", attention_bias=False, shared=False, dense=False)
     return {**_hf_common(m), "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "intermediate_size": _expert_ffn(m), "num_local_experts": m["moe"]["num_experts"],
             "router_jitter_noise": m["moe"].get("router_jitter", 0.0), "sliding_window": None}
@@ -213,7 +213,7 @@ def _qwen_hf(m: dict) -> dict:
 
 def _qwen2_moe_to_hf(m: dict) -> dict:
     moe = m["moe"]
-    _require_m6(m, "qwen2_moe", qk_norm="none", shared=None, dense=True)
+    _require_m6(m, "Qwen2-MoE", qk_norm="none", shared=None, dense=True)
     if moe.get("num_shared_experts", 0) and not moe.get("shared_expert_gate", False):
         raise CheckpointMismatch("model.moe.shared_expert_gate=false: Qwen2-MoE's shared expert is gated")
     if moe.get("num_shared_experts", 0) > 1:
@@ -225,13 +225,13 @@ def _qwen2_moe_to_hf(m: dict) -> dict:
 
 
 def _qwen3_moe_to_hf(m: dict) -> dict:
-    _require_m6(m, "qwen3_moe", qk_norm="head", attention_bias=False, shared=False, dense=True)
+    _require_m6(m, "Qwen3-MoE", qk_norm="head", attention_bias=False, shared=False, dense=True)
     return {**_qwen_hf(m), "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "attention_bias": False}
 
 
 def _olmoe_to_hf(m: dict) -> dict:
-    _require_m6(m, "olmoe", qk_norm="full", attention_bias=False, shared=False, dense=False)
+    _require_m6(m, "OLMoE", qk_norm="full", attention_bias=False, shared=False, dense=False)
     moe = m["moe"]
     return {**_hf_common(m), "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe",
             "intermediate_size": _expert_ffn(m), "num_experts": moe["num_experts"],
@@ -266,7 +266,7 @@ def _require_m6(m: dict, family: str, norm_topk: bool | None = None, qk_norm: st
         fixed["model.moe.first_dense_blocks"] = (moe.get("first_dense_blocks", 0), 0)
     for key, (value, want) in fixed.items():
         if value != want:
-            raise CheckpointMismatch(f"{key}={value!r}: a {family} checkpoint needs {want!r}")
+            raise CheckpointMismatch(f"{key}={value!r}: the Hugging Face {family} architecture needs {want!r}")
 
 
 FAMILIES = {f.model_type: f for f in (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from m6.checkpoint import load_model
+from m6.checkpoint import export_hf, import_hf, load_model
 from m6.checkpoint.__main__ import main
 from m6.checkpoint.hf_families import FAMILIES, family_of_m6, to_m6_model
 from m6.checkpoint.safetensors_reader import SafetensorsReader
@@ -208,7 +208,19 @@ def test_safetensors_reader_reads_one_tensor_at_a_time(tmp_path):
         SafetensorsReader(tmp_path)
 
 
-def test_load_model_from_a_run_gives_its_model(tmp_path):
+def test_sharded_export_loads_in_transformers(tmp_path):
+    hf = save_tiny_hf("qwen2_moe", tmp_path / "hf")
+    import_hf(tmp_path / "hf", tmp_path / "m6", log=lambda _: None)
+    done = export_hf(tmp_path / "m6", tmp_path / "back", max_shard_bytes=40_000)
+    assert len(done["files"]) > 2 and (tmp_path / "back" / "model.safetensors.index.json").is_file()
+    assert done["dropped"] == ["patch_embed.proj.weight", "patch_embed.proj.bias", "patch_embed.rows.weight",
+                               "patch_embed.cols.weight", "modality.weight"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", **EAGER).eval()
+    ids = torch.randint(0, VOCAB, (1, 16))
+    assert torch.equal(hf_routes(reloaded, ids)[0], hf_routes(hf, ids)[0])
+
+
+def test_load_model_from_a_run_gives_its_model(tmp_path, capsys):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "smoke"))
     from test_train import small_cfg
     from m6.train.loop import Trainer
@@ -221,3 +233,8 @@ def test_load_model_from_a_run_gives_its_model(tmp_path):
         trained = trainer.model.state_dict()
         for name, t in model.state_dict().items():
             assert torch.equal(t, trained[name]), name
+    # m6's own block (LayerNorm, learned positions, GELU experts) is no Hugging Face family.
+    assert main(["export", str(tmp_path), str(tmp_path / "hf"), "--format", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model.norm='layernorm': the Hugging Face Mixtral architecture needs 'rmsnorm'"), err
+    assert not (tmp_path / "hf").exists()
