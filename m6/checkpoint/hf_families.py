@@ -221,7 +221,8 @@ def _qwen2_moe_to_hf(m: dict) -> dict:
                                  f"shared expert")
     return {**_qwen_hf(m), "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
             "qkv_bias": m.get("attention_bias", False),
-            "shared_expert_intermediate_size": moe.get("shared_expert_ffn_dim") if moe.get("num_shared_experts") else 0}
+            "shared_expert_intermediate_size": (moe.get("shared_expert_ffn_dim") or _expert_ffn(m))
+            if moe.get("num_shared_experts") else 0}
 
 
 def _qwen3_moe_to_hf(m: dict) -> dict:

@@ -136,6 +136,17 @@ def test_translated_config_names_m6_options():
     _, qwen3 = to_m6_model(tiny_hf_config("qwen3_moe").to_dict(), "config.json")
     assert (olmoe["qk_norm"], qwen3["qk_norm"], qwen3["head_dim"]) == ("full", "head", 16)
 
+    from m6.config import ModelConfig, to_dict
+    from m6.config_loader import from_dict
+    hf = tiny_hf_config("qwen2_moe").to_dict()
+    back = family.to_hf(to_dict(from_dict(ModelConfig, m)))
+    for key in ("hidden_size", "num_key_value_heads", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "num_experts", "norm_topk_prob", "qkv_bias", "decoder_sparse_step", "rms_norm_eps"):
+        assert back[key] == hf[key], key
+    # A null shared_expert_ffn_dim means the routed experts' size (m6's default).
+    m["moe"]["shared_expert_ffn_dim"] = None
+    assert family.to_hf(to_dict(from_dict(ModelConfig, m)))["shared_expert_intermediate_size"] == 24
+
 
 def _import_fails(capsys, hf_dir: Path, out: Path, *needles: str) -> None:
     capsys.readouterr()  # what came before (transformers' save progress)
@@ -190,6 +201,35 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     assert main(["import-hf", str(hf_dir), str(out)]) == 2
     assert "not empty" in capsys.readouterr().err and (out / "keep").read_text() == "x"
+
+
+def test_import_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """Each HF tensor is read once, and when the writer asks for the next m6 tensor the previous
+    ones are already gone (weak references to them are dead): the import never holds the model."""
+    import weakref
+
+    import m6.checkpoint.hf_import as hf_import
+    from m6.checkpoint.safetensors_reader import SafetensorsReader as Reader
+
+    save_tiny_hf("qwen2_moe", tmp_path / "hf")
+    reads, produced, alive_at_call = [], [], []
+    real_read, real_assemble = Reader.read, hf_import.assemble
+
+    def recording_read(self, name):
+        reads.append(name)
+        return real_read(self, name)
+
+    def recording_assemble(tmap, reader, dtype):
+        alive_at_call.append(sum(ref() is not None for ref in produced))
+        t = real_assemble(tmap, reader, dtype)
+        produced.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(Reader, "read", recording_read)
+    monkeypatch.setattr(hf_import, "assemble", recording_assemble)
+    import_hf(tmp_path / "hf", tmp_path / "m6", log=lambda _: None)
+    assert sorted(reads) == sorted(Reader(tmp_path / "hf").names())  # every HF tensor, once
+    assert len(produced) == len(alive_at_call) > 20 and max(alive_at_call) == 0, alive_at_call
 
 
 def test_safetensors_reader_reads_one_tensor_at_a_time(tmp_path):
