@@ -141,7 +141,8 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", seed
     config.checkpoint.init_from = str(step_dir)
     state = flatten({"model": {name: torch.empty(shape, dtype=torch_dtype, device="meta")
                                for name, shape in shapes.items()},
-                     "meta": {"config": to_dict(config),
+                     # Written whole by one process: every expert in one chunk (any layout reads it).
+                     "meta": {"config": to_dict(config), "world_size": 1, "expert_parallel_size": 1,
                               "imported_from": {"path": str(hf_dir), "architecture": family.architecture}},
                      "counters": {"step": 0}})
 

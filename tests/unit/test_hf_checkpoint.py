@@ -88,19 +88,29 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_import_matches_hf_logits_and_routing_and_export_round_trips(family, tmp_path, capsys):
+VARIANTS = {f"{name}": (name, {}) for name in sorted(FAMILIES)}
+# A dense first block (Qwen's mlp_only_layers -> model.moe.first_dense_blocks, SwiGLU dense MLP),
+# and tied input/output embeddings (no lm_head tensor on either side).
+VARIANTS["qwen2_moe-dense-first"] = ("qwen2_moe", {"mlp_only_layers": [0]})
+VARIANTS["qwen3_moe-tied"] = ("qwen3_moe", {"tie_word_embeddings": True})
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_import_matches_hf_logits_and_routing_and_export_round_trips(variant, tmp_path, capsys):
+    family, overrides = VARIANTS[variant]
     hf_dir, out, back = tmp_path / "hf", tmp_path / "m6", tmp_path / "back"
-    hf = save_tiny_hf(family, hf_dir)
+    hf = save_tiny_hf(family, hf_dir, **overrides)
     assert main(["import-hf", str(hf_dir), str(out)]) == 0, capsys.readouterr().err
     model, config = load_model(out)
     assert config.checkpoint.init_from == str(out / "checkpoints" / "step_00000000")
+    assert config.model.tie_embeddings == ("tied" in variant) == (model.lm_head is None)
+    assert config.model.moe.first_dense_blocks == (1 if "dense" in variant else 0)
     assert family_of_m6(json.loads(json.dumps(_model_dict(config)))).model_type == family
     ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
 
     want, want_routes = hf_routes(hf, ids)
     got, got_routes = m6_routes(model, ids)
-    assert len(got_routes) == len(want_routes) == 2
+    assert len(got_routes) == len(want_routes) == len(model.moe_layers()) == (1 if "dense" in variant else 2)
     for g, w in zip(got_routes, want_routes):
         assert torch.equal(g, w)  # the router chooses the same experts for every token
     assert relative_error(got, want) < 1e-5
