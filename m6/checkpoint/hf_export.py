@@ -69,13 +69,14 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: Optional[str] = None
     if saved_model is None:
         raise CheckpointMismatch(f"checkpoint {ckpt} holds no model config (meta/config): its architecture is unknown")
     try:
-        m = to_dict(from_dict(ModelConfig, saved_model, "model"))  # defaults filled in
+        cfg = from_dict(ModelConfig, saved_model, "model")
+        m = to_dict(cfg)  # defaults filled in
     except ConfigError as e:
         raise CheckpointMismatch(f"checkpoint {ckpt}: its saved model config does not load: {e}") from e
     family = family_of_m6(m)
     hf_config = family.to_hf(m)
     saved = {k[len(MODEL):]: md for k, md in sharded_io.tensor_keys(metadata).items() if k.startswith(MODEL)}
-    maps = tensor_maps(family, m)
+    maps = tensor_maps(family, cfg)
     missing = [t.m6 for t in maps if t.m6 not in saved]
     if missing:
         raise CheckpointMismatch(f"checkpoint {ckpt} has no tensor model/{missing[0]}, which a {family.name} model needs")

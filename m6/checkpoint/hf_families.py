@@ -21,6 +21,7 @@ from typing import Any, Callable, Literal
 import torch
 
 from m6.checkpoint.errors import CheckpointMismatch
+from m6.config import ModelConfig, head_dim, is_moe_block, num_kv_heads, to_dict
 
 TensorKind = Literal["copy", "rows", "experts"]
 
@@ -44,7 +45,7 @@ class HFFamily:
     model_type: str
     moe_prefix: str  # the MoE FFN's module under model.layers.{i}
     expert_projs: tuple[str, str, str]  # HF names of the gate, up and down projections of an expert
-    to_m6: Callable[[dict, "ConfigReader"], dict]
+    to_m6: Callable[["ConfigReader"], dict]
     to_hf: Callable[[dict], dict]
 
 
@@ -117,18 +118,13 @@ def _common(c: ConfigReader) -> dict:
     }
 
 
-def heads(m: dict) -> tuple[int, int]:
-    """(num_kv_heads, head_dim) of an m6 ``model`` section, its nulls resolved."""
-    return m.get("num_kv_heads") or m["num_heads"], m.get("head_dim") or m["d_model"] // m["num_heads"]
-
-
 def _hf_common(m: dict) -> dict:
     """m6 ``model`` section -> the config.json fields every family shares."""
     moe = m["moe"]
-    kv_heads, head_dim = heads(m)
     return {
         "vocab_size": m["vocab_size"], "hidden_size": m["d_model"], "num_hidden_layers": m["num_layers"],
-        "num_attention_heads": m["num_heads"], "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "num_attention_heads": m["num_heads"], "num_key_value_heads": m.get("num_kv_heads") or m["num_heads"],
+        "head_dim": m.get("head_dim") or m["d_model"] // m["num_heads"],
         "max_position_embeddings": m["max_text_len"], "rms_norm_eps": m["norm_eps"], "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default", "rope_theta": m["rope_theta"]}, "rope_theta": m["rope_theta"],
         "tie_word_embeddings": m["tie_embeddings"], "initializer_range": m["init_std"], "attention_dropout": 0.0,
@@ -152,7 +148,7 @@ def _dense_prefix(c: ConfigReader) -> int:
     return len(dense)
 
 
-def _mixtral_to_m6(hf: dict, c: ConfigReader) -> dict:
+def _mixtral_to_m6(c: ConfigReader) -> dict:
     _no_sliding_window(c)
     m = _common(c)
     m["ffn_dim"] = c.require("intermediate_size")
@@ -176,7 +172,7 @@ def _qwen_moe(c: ConfigReader, m: dict) -> dict:
     return m
 
 
-def _qwen2_moe_to_m6(hf: dict, c: ConfigReader) -> dict:
+def _qwen2_moe_to_m6(c: ConfigReader) -> dict:
     m = _qwen_moe(c, _common(c))
     m["attention_bias"] = bool(c.get("qkv_bias", default=True))
     shared = c.get("shared_expert_intermediate_size", default=0)
@@ -185,14 +181,14 @@ def _qwen2_moe_to_m6(hf: dict, c: ConfigReader) -> dict:
     return m
 
 
-def _qwen3_moe_to_m6(hf: dict, c: ConfigReader) -> dict:
+def _qwen3_moe_to_m6(c: ConfigReader) -> dict:
     c.expect("attention_bias", (False, None), "m6's model.attention_bias covers q/k/v only (o_proj has none)")
     m = _qwen_moe(c, _common(c))
     m["qk_norm"] = "head"
     return m
 
 
-def _olmoe_to_m6(hf: dict, c: ConfigReader) -> dict:
+def _olmoe_to_m6(c: ConfigReader) -> dict:
     c.expect("attention_bias", (False, None), "m6's model.attention_bias covers q/k/v only (o_proj has none)")
     c.expect("clip_qkv", (None,), "m6 does not clip q/k/v")
     m = _common(c)
@@ -313,13 +309,7 @@ def family_of_m6(m: dict) -> HFFamily:
 def to_m6_model(hf: dict, source: str) -> tuple[HFFamily, dict]:
     """config.json -> (its family, m6's ``model`` section as a dict)."""
     family = family_of_hf(hf, source)
-    return family, family.to_m6(hf, ConfigReader(hf, source))
-
-
-def is_moe_block(m: dict, i: int) -> bool:
-    """Block ``i`` (from 0) has an MoE FFN under m6's ``model.moe.every`` / ``first_dense_blocks``."""
-    every = m["moe"].get("every", 1)
-    return every > 0 and (i + 1) % every == 0 and i >= m["moe"].get("first_dense_blocks", 0)
+    return family, family.to_m6(ConfigReader(hf, source))
 
 
 def expected_hf_shapes(tmap: TensorMap, shape: torch.Size) -> list[torch.Size]:
@@ -331,10 +321,10 @@ def expected_hf_shapes(tmap: TensorMap, shape: torch.Size) -> list[torch.Size]:
     return [torch.Size([shape[2], shape[1]])] * shape[0]  # experts: [E, in, out] <- E x [out, in]
 
 
-def tensor_maps(family: HFFamily, m: dict) -> list[TensorMap]:
+def tensor_maps(family: HFFamily, cfg: ModelConfig) -> list[TensorMap]:
     """Every m6 tensor that comes from (and goes back to) the HF checkpoint, in HF's layer order."""
-    kv_heads, head_dim = heads(m)
-    q_rows, kv_rows = m["num_heads"] * head_dim, kv_heads * head_dim
+    m = to_dict(cfg)
+    q_rows, kv_rows = cfg.num_heads * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
     maps = [TensorMap("text_embed.tokens.weight", ("model.embed_tokens.weight",))]
     for i in range(m["num_layers"]):
         hf, b = f"model.layers.{i}.", f"blocks.{i}."
@@ -350,7 +340,7 @@ def tensor_maps(family: HFFamily, m: dict) -> list[TensorMap]:
             maps += [TensorMap(f"{b}attn.q_norm.weight", (f"{attn}q_norm.weight",)),
                      TensorMap(f"{b}attn.k_norm.weight", (f"{attn}k_norm.weight",))]
         maps.append(TensorMap(f"{b}ffn_norm.weight", (f"{hf}post_attention_layernorm.weight",)))
-        if is_moe_block(m, i):
+        if is_moe_block(cfg, i):
             moe = f"{hf}{family.moe_prefix}."
             gate, up, down = family.expert_projs
             experts = range(m["moe"]["num_experts"])

@@ -89,7 +89,7 @@ def plan_import(family: HFFamily, cfg: ModelConfig, reader: SafetensorsReader
     checking that every HF tensor is there with the shape the config implies and that every HF
     tensor has a place in m6."""
     shapes = {name: t.shape for name, t in build_meta_model(cfg).state_dict().items()}
-    maps = {t.m6: t for t in tensor_maps(family, to_dict(cfg))}
+    maps = {t.m6: t for t in tensor_maps(family, cfg)}
     used = set()
     for tmap in maps.values():
         if tmap.m6 not in shapes:
