@@ -258,16 +258,32 @@ def test_safetensors_reader_reads_one_tensor_at_a_time(tmp_path):
         SafetensorsReader(tmp_path)
 
 
-def test_sharded_export_loads_in_transformers(tmp_path):
-    hf = save_tiny_hf("qwen2_moe", tmp_path / "hf")
+def test_trained_import_exports_sharded_and_transformers_computes_m6s_logits(tmp_path):
+    """Continued pretraining moves every weight, the text modality vector too (which export folds
+    into embed_tokens); a sharded export of the trained run gives m6's own logits in transformers."""
+    from m6.config import load
+    from m6.train.loop import Trainer
+
+    save_tiny_hf("qwen2_moe", tmp_path / "hf")
     import_hf(tmp_path / "hf", tmp_path / "m6", log=lambda _: None)
-    done = export_hf(tmp_path / "m6", tmp_path / "back", max_shard_bytes=40_000)
+    Trainer(load(tmp_path / "m6" / "config.yaml", [
+        "data.kind=synthetic", "data.num_workers=0", "data.num_samples=64", "data.eval_samples=8", "data.seq_len=32",
+        "train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=2", "train.eval_every=0",
+        "train.device=cpu", "train.precision=fp32", "logging.console=false", "checkpoint.async_save=false",
+        f"run.dir={tmp_path / 'run'}"])).fit()
+    model, _ = load_model(tmp_path / "run")
+    assert model.modality.weight[1].abs().max() > 0  # trained away from the import's zero
+
+    done = export_hf(tmp_path / "run", tmp_path / "back", max_shard_bytes=40_000)
     assert len(done["files"]) > 2 and (tmp_path / "back" / "model.safetensors.index.json").is_file()
     assert done["dropped"] == ["patch_embed.proj.weight", "patch_embed.proj.bias", "patch_embed.rows.weight",
                                "patch_embed.cols.weight", "modality.weight"]
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", **EAGER).eval()
-    ids = torch.randint(0, VOCAB, (1, 16))
-    assert torch.equal(hf_routes(reloaded, ids)[0], hf_routes(hf, ids)[0])
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    want, want_routes = m6_routes(model, ids)
+    got, got_routes = hf_routes(reloaded, ids)
+    assert all(torch.equal(g, w) for g, w in zip(got_routes, want_routes))
+    assert relative_error(got, want) < 1e-5
 
 
 def test_load_model_from_a_run_gives_its_model(tmp_path, capsys):
