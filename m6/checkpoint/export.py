@@ -78,7 +78,7 @@ def export_safetensors(path: str | Path, out: str | Path, dtype: Optional[str] =
         with open(tmp, "wb") as f:
             f.write(header)
             for key, md in saved.items():
-                t = _read_tensor(ckpt, key, md)
+                t = read_tensor(ckpt, key, md)
                 t = t.to(entries[key[len(MODEL):]][0]).reshape(-1)
                 f.write(t.view(torch.uint8).numpy())  # raw bytes, host order (little-endian: checked above)
                 del t
@@ -105,7 +105,7 @@ def export_metadata(ckpt: Path, step: Any, config: Optional[dict]) -> dict[str, 
     return metadata
 
 
-def _read_tensor(ckpt: Path, key: str, md) -> torch.Tensor:
+def read_tensor(ckpt: Path, key: str, md) -> torch.Tensor:
     """One tensor of the checkpoint, whole (at its global shape), read alone."""
     t = torch.empty(md.size, dtype=md.properties.dtype)
     try:

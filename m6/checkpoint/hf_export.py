@@ -29,7 +29,7 @@ import torch
 
 import m6.checkpoint.sharded_io as sharded_io
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
-from m6.checkpoint.export import EXPORT_DTYPES, _read_tensor, safetensors_header
+from m6.checkpoint.export import EXPORT_DTYPES, read_tensor, safetensors_header
 from m6.checkpoint.hf_families import TensorMap, expected_hf_shapes, family_of_m6, tensor_maps
 from m6.checkpoint.info import MODEL, read_values
 from m6.checkpoint.reader import find_checkpoint, load_metadata
@@ -121,7 +121,7 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: Optional[str] = None
             with open(tmp / name, "wb") as f:
                 f.write(safetensors_header(entries, {"format": "pt"}))
                 for tmap in group:
-                    t = _read_tensor(ckpt, MODEL + tmap.m6, saved[tmap.m6])
+                    t = read_tensor(ckpt, MODEL + tmap.m6, saved[tmap.m6])
                     if tmap.m6 == "text_embed.tokens.weight" and modality is not None:
                         t = t + modality.to(t.dtype)  # m6 adds it to every text token's embedding
                     for part in hf_tensors(tmap, t.to(out_dtype)):
@@ -150,7 +150,7 @@ def _text_modality(ckpt: Path, saved: dict, m: dict) -> Optional[torch.Tensor]:
     """The modality vector m6 adds to text embeddings (None when zero, as import-hf leaves it)."""
     if "modality.weight" not in saved:
         return None
-    row = _read_tensor(ckpt, MODEL + "modality.weight", saved["modality.weight"])[_TEXT].to(torch.float32)
+    row = read_tensor(ckpt, MODEL + "modality.weight", saved["modality.weight"])[_TEXT].to(torch.float32)
     if not row.any():
         return None
     if m["tie_embeddings"]:
