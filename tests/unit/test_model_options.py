@@ -369,3 +369,37 @@ def test_parameter_counts_with_every_option():
     assert size.total == total
     assert size.expert == experts
     assert size.active == total - experts - (V * D + 2 * D + 2 * 2 * D) + experts * 2 // 4
+
+
+def test_recomputing_every_part_gives_the_same_gradients_with_every_option():
+    """Attention (with q/k norms and rotary), dense SwiGLU, experts and shared experts recomputed in
+    backward: the same gradients bit for bit, and the formula's full-recompute bytes near the meter's."""
+    from m6.memory.activation_meter import SavedActivationMeter
+    from m6.memory.recompute import RecomputeParts
+    from m6.model.activation_bytes import ActivationShape, activation_bytes
+    cfg = hf_style_cfg(image_positions="rope", moe={"first_dense_blocks": 1, "num_shared_experts": 1,
+                                                    "shared_expert_gate": True})
+    ids = torch.randint(0, 97, (2, 10))
+    seg = torch.full((2, 10), TGT)
+    seg[:, 0] = SRC
+    labels = torch.full((2, 10), -100)
+    labels[:, :-1] = ids[:, 1:]
+    images = torch.randn(2, 3, 16, 16)
+    grads, held = [], []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = M6Model(cfg)
+        if recompute:
+            RecomputeParts(model).apply([p.name for p in model.recomputable_parts()])
+        with SavedActivationMeter(model.parameters()) as meter:
+            hidden, aux = model(images, torch.tensor([True, True]), ids, seg)
+            loss = model.target_loss_sum(hidden, labels) + aux
+            held.append(meter.held_bytes())
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert "blocks.1.ffn.shared_experts.fc_gate.weight" in grads[0]
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
+    predicted = activation_bytes(cfg, ActivationShape(2, 10))
+    assert abs(predicted.kept() - held[0]) <= 0.02 * held[0], (predicted.kept(), held[0])
+    assert abs(predicted.kept_full() - held[1]) <= 0.05 * held[1], (predicted.kept_full(), held[1])
