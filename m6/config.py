@@ -88,6 +88,18 @@ class MoEConfig:
     # the top-k only, moved by this much after every optimizer step toward even load (from the
     # step's global counts); 0 = off. Works with or without aux_loss_coef.
     expert_bias_update_rate: float = 0.0
+    # Shared experts (DeepSeek-MoE / Qwen2-MoE): a dense MLP every token goes through beside the
+    # routed experts, of num_shared_experts * shared_expert_ffn_dim hidden units (null = the expert
+    # ffn_dim), with the experts' activation and no biases; 0 = none. shared_expert_gate: its output
+    # is scaled by sigmoid(a Linear D->1 of the token) (Qwen2-MoE).
+    num_shared_experts: int = 0
+    shared_expert_ffn_dim: Optional[int] = None
+    shared_expert_gate: bool = False
+    # The first this-many blocks have a dense FFN (model.ffn_dim, model.ffn_activation) whatever
+    # model.moe.every says (DeepSeek-MoE's first_k_dense_replace).
+    first_dense_blocks: int = 0
+    # The routed experts' combined output is multiplied by this (DeepSeek-V2/V3); 1 = off.
+    routed_scaling_factor: float = 1.0
 
     def validate(self) -> None:
         """Check the model.moe keys on their own."""
@@ -95,7 +107,16 @@ class MoEConfig:
                          "model.moe.num_prototypes": self.num_prototypes})
         _check_non_negative({"model.moe.every": self.every, "model.moe.min_capacity": self.min_capacity,
                              "model.moe.aux_loss_coef": self.aux_loss_coef, "model.moe.z_loss_coef": self.z_loss_coef,
-                             "model.moe.router_jitter": self.router_jitter})
+                             "model.moe.router_jitter": self.router_jitter,
+                             "model.moe.num_shared_experts": self.num_shared_experts,
+                             "model.moe.first_dense_blocks": self.first_dense_blocks})
+        if self.shared_expert_ffn_dim is not None and self.shared_expert_ffn_dim <= 0:
+            raise ConfigError(f"model.moe.shared_expert_ffn_dim must be > 0 or null, got {self.shared_expert_ffn_dim}")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ConfigError("model.moe.shared_expert_gate=true needs model.moe.num_shared_experts > 0")
+        if not (0 < self.routed_scaling_factor < math.inf):
+            raise ConfigError(f"model.moe.routed_scaling_factor must be a finite number > 0, "
+                              f"got {self.routed_scaling_factor}")
         if self.num_experts % self.num_prototypes:
             raise ConfigError(f"model.moe.num_experts ({self.num_experts}) must be divisible by "
                               f"model.moe.num_prototypes ({self.num_prototypes})")
@@ -166,6 +187,21 @@ class ModelConfig:
     dropout: float = 0.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Block architecture (defaults: the M6 paper's; the Hugging Face families set the others).
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"  # every norm: blocks', final, qk_norm's (always RMS)
+    # Text positions: learned = a learned 1-D table added to the tokens; rope = 1-D rotary embeddings
+    # of q and k (Hugging Face's rotate_half convention, text positions 0..L-1 from the first text token).
+    positions: Literal["learned", "rope"] = "learned"
+    # Image patch positions: learned 2-D (row + column tables) or 2-D rotary (half of each head's
+    # rotary pairs turn with the row, half with the column; head_dim a multiple of 4).
+    image_positions: Literal["learned", "rope"] = "learned"
+    rope_theta: float = 10000.0
+    num_kv_heads: Optional[int] = None  # grouped-query attention; null = num_heads (multi-head)
+    head_dim: Optional[int] = None  # null = d_model / num_heads
+    qk_norm: Literal["none", "head", "full"] = "none"  # RMSNorm of q and k: per head (Qwen3) or whole projection (OLMoE)
+    linear_bias: bool = True  # biases on attention qkv/out and the dense MLPs (false: Mixtral, Qwen, OLMoE)
+    attention_bias: bool = False  # q/k/v biases even when linear_bias is false (Qwen2)
+    ffn_activation: Literal["gelu", "swiglu"] = "gelu"  # dense MLPs (shared experts take model.moe.activation)
     # Pseudo-to-real (M6-10T): blocks in consecutive groups of this many share one set of weights
     # (1 = off); delink with train.delink_at_step or `python -m m6.checkpoint delink`.
     share_layers: int = 1
@@ -183,8 +219,7 @@ class ModelConfig:
             "model.image_size": self.image_size, "model.image_channels": self.image_channels,
             "model.patch_size": self.patch_size,
         })
-        if self.d_model % self.num_heads:
-            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads})")
+        self._check_attention()
         if self.image_size % self.patch_size:
             raise ConfigError(f"model.image_size ({self.image_size}) must be divisible by "
                               f"model.patch_size ({self.patch_size})")
@@ -197,6 +232,9 @@ class ModelConfig:
             raise ConfigError(f"model.loss_chunk_rows must be auto, 0 (no chunks) or a positive number of rows, "
                               f"got {self.loss_chunk_rows!r}")
         self.moe.validate()
+        if self.moe.first_dense_blocks > self.num_layers:
+            raise ConfigError(f"model.moe.first_dense_blocks ({self.moe.first_dense_blocks}) exceeds "
+                              f"model.num_layers ({self.num_layers})")
         self._check_share_layers()
         expert_ffn = self.moe.ffn_dim if self.moe.ffn_dim is not None else self.ffn_dim
         if self.moe.expert_kernel == "grouped_mm" and (self.d_model % 8 or expert_ffn % 8):
@@ -206,6 +244,31 @@ class ModelConfig:
                               f"use model.moe.expert_kernel=auto or loop")
 
 
+    def _check_attention(self) -> None:
+        for key, value, allowed in (("model.norm", self.norm, ("layernorm", "rmsnorm")),
+                                    ("model.positions", self.positions, ("learned", "rope")),
+                                    ("model.image_positions", self.image_positions, ("learned", "rope")),
+                                    ("model.qk_norm", self.qk_norm, ("none", "head", "full")),
+                                    ("model.ffn_activation", self.ffn_activation, ("gelu", "swiglu"))):
+            if value not in allowed:
+                raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+        if self.head_dim is None and self.d_model % self.num_heads:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.num_heads ({self.num_heads}) "
+                              f"when model.head_dim is null")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError(f"model.head_dim must be > 0 or null, got {self.head_dim}")
+        kv = self.num_kv_heads
+        if kv is not None and (kv <= 0 or self.num_heads % kv):
+            raise ConfigError(f"model.num_kv_heads ({kv}) must be > 0 and divide model.num_heads ({self.num_heads})")
+        dh = head_dim(self)
+        if "rope" in (self.positions, self.image_positions) and dh % 2:
+            raise ConfigError(f"rotary positions need an even head dim, got {dh} (model.head_dim or d_model/num_heads)")
+        if self.image_positions == "rope" and dh % 4:
+            raise ConfigError(f"model.image_positions=rope needs a head dim divisible by 4 (half the rotary pairs per "
+                              f"image axis), got {dh}")
+        if not (0 < self.rope_theta < math.inf):
+            raise ConfigError(f"model.rope_theta must be a finite number > 0, got {self.rope_theta}")
+
     def _check_share_layers(self) -> None:
         k = self.share_layers
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -214,7 +277,7 @@ class ModelConfig:
             raise ConfigError(f"model.share_layers ({k}) must divide model.num_layers ({self.num_layers})")
         every = self.moe.every
         for start in range(0, self.num_layers, k):
-            kinds = {every > 0 and (i + 1) % every == 0 for i in range(start, start + k)}
+            kinds = {is_moe_block(self, i) for i in range(start, start + k)}
             if len(kinds) > 1:
                 raise ConfigError(f"model.share_layers ({k}) groups blocks {start}..{start + k - 1}, which mix MoE "
                                   f"and dense FFNs (model.moe.every={every}); a group shares one set of weights, so "
@@ -667,6 +730,30 @@ def check_shard_offload(cfg: Config) -> None:
 def expert_ffn_dim(model: ModelConfig) -> int:
     """Hidden size of each expert FFN."""
     return model.moe.ffn_dim if model.moe.ffn_dim is not None else model.ffn_dim
+
+
+def is_moe_block(model: ModelConfig, index: int) -> bool:
+    """Whether block ``index`` (from 0) has an MoE FFN: every moe.every-th block (counting from 1),
+    after the first moe.first_dense_blocks."""
+    every = model.moe.every
+    return every > 0 and index >= model.moe.first_dense_blocks and (index + 1) % every == 0
+
+
+def head_dim(model: ModelConfig) -> int:
+    """Per-head size of q, k and v (model.head_dim, or d_model / num_heads)."""
+    return model.head_dim if model.head_dim is not None else model.d_model // model.num_heads
+
+
+def num_kv_heads(model: ModelConfig) -> int:
+    """Key/value heads (model.num_kv_heads, or num_heads: multi-head attention)."""
+    return model.num_kv_heads if model.num_kv_heads is not None else model.num_heads
+
+
+def shared_expert_ffn_dim(model: ModelConfig) -> int:
+    """Hidden size of the shared-expert MLP: num_shared_experts x (shared_expert_ffn_dim or the experts')."""
+    moe = model.moe
+    per_expert = moe.shared_expert_ffn_dim if moe.shared_expert_ffn_dim is not None else expert_ffn_dim(model)
+    return moe.num_shared_experts * per_expert
 
 
 def num_patches(model: ModelConfig) -> int:

@@ -34,6 +34,11 @@ def _bytes(n: float) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
+def _tied_head(model) -> int:
+    """The tied LM head's parameters: counted in ``active`` already as the head's matmul."""
+    return model.text_embed.tokens.weight.numel() if model.lm_head is None else 0
+
+
 def report(cfg: m6config.Config, world_size: int = 1, device_type: str = "cuda") -> dict:
     """Counts and FLOPs of the whole model; memory of one rank at ``world_size`` ranks."""
     model = build_meta_model(cfg.model)
@@ -45,6 +50,10 @@ def report(cfg: m6config.Config, world_size: int = 1, device_type: str = "cuda")
     return {
         "total_params": size.total, "active_params": size.active, "expert_params": size.expert,
         "embedding_params": size.embedding,
+        # What a text token uses, counted as published MoE sizes are (Mixtral's 12.9B, Qwen3-30B-A3B's
+        # 3.3B): the embedding tables included, the image side (patch projection and positions) not.
+        "text_active_params": size.active + size.embedding - _tied_head(model)
+                              - sum(p.numel() for p in model.patch_embed.parameters()),
         "flops_per_token": training_flops_per_token(cfg.model, size, cfg.data.seq_len),
         "memory_bytes": mem, "micro_batch_size": mb, "moe_layers": len(model.moe_layers()),
         "memory_with_features": estimate_memory(cfg, rank, no_decay_ids(rank), world_size, ep, device_type),
@@ -72,13 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     m, moe = cfg.model, cfg.model.moe
     print(f"config            {args.config}")
-    print(f"layers            {m.num_layers} x d_model {m.d_model}, {m.num_heads} heads, ffn {m.ffn_dim}")
+    kv = f" ({m6config.num_kv_heads(m)} key/value)" if m6config.num_kv_heads(m) != m.num_heads else ""
+    print(f"layers            {m.num_layers} x d_model {m.d_model}, {m.num_heads} heads{kv} of "
+          f"{m6config.head_dim(m)}, ffn {m.ffn_dim}")
     print(f"MoE               {r['moe_layers']} layers x {moe.num_experts} experts, top-{moe.top_k}"
-          + (f" in each of {moe.num_prototypes} prototypes" if moe.num_prototypes > 1 else ""))
+          + (f" in each of {moe.num_prototypes} prototypes" if moe.num_prototypes > 1 else "")
+          + (f", {moe.num_shared_experts} shared" if moe.num_shared_experts else ""))
     print(f"total params      {_human(r['total_params'])} ({r['total_params']:,})")
-    print(f"active params     {_human(r['active_params'])} per token (experts x K/E, LM head included)")
+    print(f"active params     {_human(r['active_params'])} per token (experts x K/E, LM head included); "
+          f"{_human(r['text_active_params'])} per text token with the embedding tables (as published MoE counts)")
     print(f"expert params     {_human(r['expert_params'])}")
-    print(f"train FLOPs/token {_human(r['flops_per_token'], 'FLOP')} (6 N_active + 12 L D S, every position "
+    print(f"train FLOPs/token {_human(r['flops_per_token'], 'FLOP')} (6 N_active + 12 L H Dh S, every position "
           f"real and a target: an upper bound)")
     mem = r["memory_bytes"]
     print(f"memory estimate   (fp32 AdamW, one process, micro-batch {r['micro_batch_size']}, no memory features)")

@@ -68,8 +68,9 @@ def export_safetensors(path: str | Path, out: str | Path, dtype: Optional[str] =
     for key, md in saved.items():
         src = md.properties.dtype
         entries[key[len(MODEL):]] = (cast if cast is not None and src.is_floating_point else src, md.size)
-    step = read_values(ckpt, metadata, ("counters/step",)).get("counters", {}).get("step")
-    header = safetensors_header(entries, {"format": "pt", "source": str(ckpt), "step": str(step)})
+    values = read_values(ckpt, metadata, ("counters/step", "meta/config"))
+    step = values.get("counters", {}).get("step")
+    header = safetensors_header(entries, export_metadata(ckpt, step, values.get("meta", {}).get("config")))
 
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -77,7 +78,7 @@ def export_safetensors(path: str | Path, out: str | Path, dtype: Optional[str] =
         with open(tmp, "wb") as f:
             f.write(header)
             for key, md in saved.items():
-                t = _read_tensor(ckpt, key, md)
+                t = read_tensor(ckpt, key, md)
                 t = t.to(entries[key[len(MODEL):]][0]).reshape(-1)
                 f.write(t.view(torch.uint8).numpy())  # raw bytes, host order (little-endian: checked above)
                 del t
@@ -91,7 +92,20 @@ def export_safetensors(path: str | Path, out: str | Path, dtype: Optional[str] =
     return {"path": str(ckpt), "out": str(out), "step": step, "num_tensors": len(entries), "size_bytes": size}
 
 
-def _read_tensor(ckpt: Path, key: str, md) -> torch.Tensor:
+def export_metadata(ckpt: Path, step: Any, config: Optional[dict]) -> dict[str, str]:
+    """The ``__metadata__`` of an export (safetensors allows str -> str only): where the weights
+    come from, and what they are: the saved run's resolved config as JSON (``config``; its
+    ``model`` section builds the model the weights fit) and the tokenizer its token ids belong to
+    (``tokenizer``: data.tokenizer's path, or ``byte`` for m6's byte tokenizer). A checkpoint saved
+    without a config (none written by m6 today) exports without those two keys."""
+    metadata = {"format": "pt", "source": str(ckpt), "step": str(step)}
+    if config is not None:
+        metadata["config"] = json.dumps(config, sort_keys=True, separators=(",", ":"))
+        metadata["tokenizer"] = str(config.get("data", {}).get("tokenizer") or "byte")
+    return metadata
+
+
+def read_tensor(ckpt: Path, key: str, md) -> torch.Tensor:
     """One tensor of the checkpoint, whole (at its global shape), read alone."""
     t = torch.empty(md.size, dtype=md.properties.dtype)
     try:

@@ -9,7 +9,9 @@ Dense -> MoE upcycling: where the checkpoint holds a dense FFN (DenseMLP: ``fc_i
 ``fc_out.weight`` [D, F], each with a bias) and this model has an MoE layer (GroupedExperts:
 ``w_in`` [E, D, F], ``w_out`` [E, F, D], no biases), every expert gets a copy of the dense FFN
 (``w_in[e] = fc_in.weight.T``, ``w_out[e] = fc_out.weight.T``); the router keeps its fresh init and
-the dense biases are dropped (and named). Everything else must match by name and shape.
+the dense biases are dropped (and named). A SwiGLU dense FFN (``fc_gate.weight`` too: model.ffn_activation
+=swiglu) upcycles into SwiGLU experts (``w_gate[e] = fc_gate.weight.T``). Everything else must match by
+name and shape.
 """
 
 from __future__ import annotations
@@ -82,10 +84,25 @@ def plan_init(model_shapes: dict[str, torch.Size], saved_shapes: dict[str, torch
     return plan
 
 
+_DENSE_TO_EXPERT = (("fc_in.weight", "experts.w_in"), ("fc_out.weight", "experts.w_out"),
+                    ("fc_gate.weight", "experts.w_gate"))
+
+
+def _upcycled_pairs(ffn: str, model: dict[str, torch.Size]) -> list[tuple[str, str]]:
+    """(dense key, expert key) pairs an upcycled layer copies: the gate too for SwiGLU experts."""
+    return [(d, e) for d, e in _DENSE_TO_EXPERT if e != "experts.w_gate" or f"{ffn}{e}" in model]
+
+
 def _upcycle_differences(ffn: str, model: dict[str, torch.Size], saved: dict[str, torch.Size]) -> list[str]:
     """Why the dense FFN ``ffn`` in the checkpoint cannot become this model's experts (or [])."""
     diffs = []
-    for dense, expert in (("fc_in.weight", "experts.w_in"), ("fc_out.weight", "experts.w_out")):
+    if f"{ffn}experts.w_gate" in model and f"{ffn}fc_gate.weight" not in saved:
+        return [f"{ffn}experts.w_gate: SwiGLU experts cannot be upcycled from a dense GELU FFN "
+                f"(model.moe.activation must match the checkpoint's model.ffn_activation)"]
+    if f"{ffn}experts.w_gate" not in model and f"{ffn}fc_gate.weight" in saved:
+        return [f"{ffn}fc_gate.weight: a dense SwiGLU FFN cannot be upcycled into GELU experts "
+                f"(model.moe.activation must match the checkpoint's model.ffn_activation)"]
+    for dense, expert in _upcycled_pairs(ffn, model):
         if f"{ffn}{dense}" not in saved:
             diffs.append(f"missing in checkpoint: {ffn}{dense} (to upcycle into {ffn}{expert})")
             continue
@@ -93,10 +110,8 @@ def _upcycle_differences(ffn: str, model: dict[str, torch.Size], saved: dict[str
         if torch.Size(saved[f"{ffn}{dense}"]) != want:
             diffs.append(f"{ffn}{dense}: checkpoint {list(saved[f'{ffn}{dense}'])} cannot fill {ffn}{expert} "
                          f"{list(model[f'{ffn}{expert}'])} (needs {list(want)})")
-    if f"{ffn}experts.w_gate" in model:
-        diffs.append(f"{ffn}experts.w_gate: SwiGLU experts cannot be upcycled from a dense GELU FFN "
-                     f"(model.moe.activation must be gelu)")
-    known = {f"{ffn}{k}" for k in ("fc_in.weight", "fc_in.bias", "fc_out.weight", "fc_out.bias")}
+    known = {f"{ffn}{k}" for k in ("fc_in.weight", "fc_in.bias", "fc_out.weight", "fc_out.bias", "fc_gate.weight",
+                                    "fc_gate.bias")}
     diffs += [f"unexpected in checkpoint: {k}" for k in saved if k.startswith(ffn) and k not in known]
     return diffs
 
@@ -113,8 +128,9 @@ def init_from_checkpoint(path: str | Path, model: ModelTensors, group=None,
     tensors = model.tensors()
     targets = {f"{_PREFIX}{name}": tensors[name] for name in plan.by_name}
     dense = {}
+    shapes = model.global_shapes()
     for ffn in plan.upcycled:
-        for key in (f"{ffn}fc_in.weight", f"{ffn}fc_out.weight"):
+        for key in (f"{ffn}{d}" for d, _ in _upcycled_pairs(ffn, shapes)):
             dtype = metadata.state_dict_metadata[f"{_PREFIX}{key}"].properties.dtype
             dense[key] = targets[f"{_PREFIX}{key}"] = torch.empty(saved[key], dtype=dtype)
     step_key = "counters/step"
@@ -129,8 +145,9 @@ def init_from_checkpoint(path: str | Path, model: ModelTensors, group=None,
         raise type(error)(f"checkpoint.init_from={path}: {error}") from e
     with torch.no_grad():
         for ffn in plan.upcycled:
-            # Every expert is the dense FFN: y = gelu(x @ fc_in.weight.T) @ fc_out.weight.T (no biases).
-            for dense_key, expert_key in (("fc_in.weight", "experts.w_in"), ("fc_out.weight", "experts.w_out")):
+            # Every expert is the dense FFN: y = gelu(x @ fc_in.weight.T) @ fc_out.weight.T (no biases),
+            # or its SwiGLU form with fc_gate.
+            for dense_key, expert_key in _upcycled_pairs(ffn, shapes):
                 w = tensors[f"{ffn}{expert_key}"]
                 w.copy_(dense[f"{ffn}{dense_key}"].t().unsqueeze(0).expand_as(w))
     model.after_load()

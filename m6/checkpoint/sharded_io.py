@@ -83,6 +83,23 @@ class _SavePlanner(DefaultSavePlanner):
         return super().lookup_object(index)
 
 
+class _StreamingSavePlanner(_SavePlanner):
+    """Writes a state whose tensors on ``meta`` are placeholders: each one's values come from
+    ``produce(key)`` when the writer reaches it, so one tensor at a time is in memory."""
+
+    def __init__(self, shards: Shards, produce) -> None:
+        super().__init__(shards)
+        self.produce = produce
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        obj = self.state_dict[index.fqn]
+        if torch.is_tensor(obj) and obj.is_meta:
+            value = self.produce(index.fqn)
+            assert value.shape == obj.shape and value.dtype == obj.dtype, (index.fqn, value.shape, obj.shape)
+            return value
+        return super().lookup_object(index)
+
+
 class _LoadPlanner(DefaultLoadPlanner):
     """DCP's planner reading this rank's rows of expert shards, python values with weights_only."""
 
@@ -211,7 +228,8 @@ class ShardedWrite:
     writer, plan exchange, finish), with the exchange done here.
     """
 
-    def __init__(self, path: str | Path, state: dict[str, Any], shards: Shards, group, background: bool) -> None:
+    def __init__(self, path: str | Path, state: dict[str, Any], shards: Shards, group, background: bool,
+                 planner: Optional[_SavePlanner] = None) -> None:
         self.group = group
         rank, _ = _group_rank(group)
         self.is_coordinator = rank == 0
@@ -223,7 +241,7 @@ class ShardedWrite:
         # loader, which touches no CUDA stream.
         self.writer = FileSystemWriter(str(path), single_file_per_rank=True, sync_files=True,
                                        per_thread_copy_ahead=10_000_000 if on_device else 0)
-        self.planner = _SavePlanner(shards)
+        self.planner = planner if planner is not None else _SavePlanner(shards)
         self.planner.set_up_planner(state_dict=state, storage_meta=self.writer.storage_meta(),
                                     is_coordinator=self.is_coordinator)
         self.writer.set_up_storage_writer(self.is_coordinator, rank=rank, use_collectives=True)
@@ -340,6 +358,13 @@ def write(path: str | Path, state: dict[str, Any], shards: Shards, group=None,
     if staging is None:
         return ShardedWrite(path, state, shards, group, background=False)
     return ShardedWrite(path, staging.stage(state), shards, group, background=True)
+
+
+def write_streamed(path: str | Path, state: dict[str, Any], produce) -> None:
+    """Write ``state`` as a complete checkpoint from one process, its ``meta`` tensors produced one
+    at a time by ``produce(key)`` (a CPU tensor of that shape and dtype) as the writer reaches them:
+    a checkpoint larger than memory (an imported model) is written holding one tensor."""
+    ShardedWrite(path, state, {}, None, background=False, planner=_StreamingSavePlanner({}, produce)).commit()
 
 
 def read(path: str | Path, targets: dict[str, Any], shards: Shards, group=None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ m6.memory.activation_meter counts it (per storage, parameters left out); a unit 
 sum to the meter's count on a real forward.
 
 Shape legend: B micro-batch, S = image patches + text length, T = B*S rows, D d_model, F dense
-or expert hidden size, H heads, E experts (this rank's E/EP for the expert weights), K
+or expert hidden size, H heads (Hkv key/value heads, Dh head dim; Q = H Dh, Kv = Hkv Dh), E experts (this rank's E/EP for the expert weights), K
 assignments per token, V vocabulary, c bytes of the compute dtype (4 fp32, 2 bf16).
 
 Assumptions (the "densest" micro-batch the recompute planner also sizes for): an image in every
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from m6.config import ModelConfig, expert_ffn_dim, num_patches
+from m6.config import (ModelConfig, expert_ffn_dim, head_dim, is_moe_block, num_kv_heads, num_patches,
+                       shared_expert_ffn_dim)
 from m6.model.chunked_cross_entropy import chunk_rows_for
 
 RESIDUAL_BYTES = 4  # the residual stream stays fp32 (embeddings are fp32; x + bf16 promotes)
@@ -76,6 +77,40 @@ class ActivationBytes:
         self.outside_by_unit[unit] = self.outside_by_unit.get(unit, 0.0) + nbytes
 
 
+def norm_saved(cfg: ModelConfig, rows: int) -> float:
+    """What one norm saves besides its input: LayerNorm its mean and rstd (fp32); RMSNorm (torch's
+    composite rms_norm) its rstd and the normalised input it multiplies the weight by."""
+    if cfg.norm == "rmsnorm":
+        return RESIDUAL_BYTES * rows * cfg.d_model + 4 * rows
+    return 2 * 4 * rows
+
+
+def qk_saved(cfg: ModelConfig, T: int, c: int) -> float:
+    """What q/k normalisation and rotary positions add to the attention part, as measured on
+    torch's ops: an RMSNorm of q or k keeps its normalised input and output (and its rstd); the
+    per-head norm also leaves SDPA one more q-sized copy; rotary positions keep the rotated q and k
+    (in place of the norms' outputs). (The cos/sin tables, shared by all blocks: rotary_tables.)"""
+    H, Hkv, Dh = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
+    Q, Kv = H * Dh, Hkv * Dh
+    rope = "rope" in (cfg.positions, cfg.image_positions)
+    if cfg.qk_norm == "head":
+        return c * T * (2 * (Q + Kv) + Q) + 4 * T * (H + Hkv)
+    if cfg.qk_norm == "full":
+        return c * T * 2 * (Q + Kv) + 4 * T * 2
+    return c * T * (Q + Kv) if rope else 0.0
+
+
+def rotary_tables(cfg: ModelConfig, S: int, c: int) -> float:
+    """The rotary cos and sin [S, Dh] that every block's q and k multiply by (0 without rotary positions)."""
+    return 2 * c * S * head_dim(cfg) if "rope" in (cfg.positions, cfg.image_positions) else 0.0
+
+
+def mlp_hidden_saved(activation: str, rows: int, ffn_dim: int, c: int) -> float:
+    """A DenseMLP's saved hidden tensors: GELU keeps fc_in's output and the activation; SwiGLU
+    fc_in's and fc_gate's outputs, silu(gate) and the product."""
+    return (4 if activation == "swiglu" else 2) * c * rows * ffn_dim
+
+
 def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationBytes:
     """What one micro-batch of ``shape`` keeps for backward in ``cfg``'s model, by part."""
     B, L, c = shape.micro_batch, shape.seq_len, shape.compute_bytes
@@ -89,21 +124,25 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     N = T * K  # assignments kept (sent by this rank; received, by the balance assumption)
     ep = shape.expert_parallel_size
     r = RESIDUAL_BYTES
-    norm_stats = 2 * 4 * T  # LayerNorm's mean and rstd, fp32
+    Q, Kv = H * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
+    norm_stats = norm_saved(cfg, T)
     out = ActivationBytes()
 
     # Embeddings: the flattened patches (the projection's input) and small index tensors.
-    out._add_outside("embeddings", B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * B * L)
+    out._add_outside("embeddings", B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * B * L
+                     + rotary_tables(cfg, S, c))
     for i in range(cfg.num_layers):
         # Attention part: its input (the block input: the residual stream), norm stats, the
         # qkv input (norm output), the qkv output (q, k, v views), SDPA's float mask [B,1,S,S]
         # and logsumexp [B,H,S], and its output (the out projection's input, a view).
-        attn_saved = r * T * D + norm_stats + c * T * D + 3 * c * T * D + c * B * S * S + 4 * B * H * S + c * T * D
+        # q/k norms and rotary positions add their own (qk_saved).
+        attn_saved = (r * T * D + norm_stats + c * T * D + c * T * (Q + 2 * Kv) + c * B * S * S + 4 * B * H * S
+                      + c * T * Q + qk_saved(cfg, T, c))
         attn_inputs = r * T * D + B * S * S  # the block input and the boolean mask (shared by all layers)
         out.parts[f"blocks.{i}.attention"] = (attn_saved, attn_inputs)
         # Outside the parts: the FFN norm's input (residual after attention) and stats.
         out._add_outside(f"blocks.{i}", r * T * D + norm_stats)
-        if moe.every > 0 and (i + 1) % moe.every == 0:
+        if is_moe_block(cfg, i):
             # Router (outside): its input (norm output), logits and probabilities [T, E], top-k
             # ids and weights; dispatch indices; the combine's inputs (expert outputs and their
             # weighted copy) and weights.
@@ -119,22 +158,32 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
                 # Sent and received payload of the dispatch (the combine's is the same size).
                 out.a2a_buffers = max(out.a2a_buffers, 2 * shape.a2a_bytes * N * D)
             layer_transient = c * N * Fe * (gates - 1) + 2 * c * N * D + 4 * T * D
+            if moe.num_shared_experts:
+                # Its input is the router's (kept outside already); the gate keeps the shared output
+                # it scales and its sigmoid.
+                Fs = shared_expert_ffn_dim(cfg)
+                out.parts[f"blocks.{i}.shared_experts"] = (mlp_hidden_saved(moe.activation, T, Fs, c), 0.0)
+                if moe.shared_expert_gate:
+                    out._add_outside(f"blocks.{i}", c * T * D + 4 * T)
+                layer_transient = max(layer_transient, mlp_hidden_saved(moe.activation, T, Fs, c) / 2 + 4 * T * D)
         else:
-            out.parts[f"blocks.{i}.mlp"] = (c * T * D + 2 * c * T * Fd, c * T * D)
-            layer_transient = 2 * c * T * Fd + 4 * T * D
+            hidden = mlp_hidden_saved(cfg.ffn_activation, T, Fd, c)
+            out.parts[f"blocks.{i}.mlp"] = (c * T * D + hidden, c * T * D)
+            layer_transient = hidden / 2 + 2 * c * T * Fd * (cfg.ffn_activation == "swiglu") + 4 * T * D
         # Attention's backward: dq, dk, dv and the incoming gradient, beside the residual's.
-        layer_transient = max(layer_transient, 4 * c * T * D + r * T * D)
+        layer_transient = max(layer_transient, c * T * (2 * Q + 2 * Kv) + r * T * D)
         out.backward_transient = max(out.backward_transient, layer_transient)
     # Head: final norm input (last residual) and stats, the gathered target rows, fp32 logits and
     # labels. The logits' gradient (same size) is the backward's first transient. Chunked
     # (model.loss_chunk_rows): one fp32 log-sum-exp per row instead of its logits, and one chunk's
     # logits (compute dtype and fp32) formed again in backward.
     targets = B * (L - 1)
+    head_norm = norm_stats if cfg.norm == "layernorm" else norm_saved(cfg, B * L)
     chunk = chunk_rows_for(cfg.loss_chunk_rows, V)
     if 0 < chunk < targets:
-        out._add_outside("head", r * T * D + norm_stats + targets * (4 * D + 4 + INDEX_BYTES) + B * L)
+        out._add_outside("head", r * T * D + head_norm + targets * (4 * D + 4 + INDEX_BYTES) + B * L)
         out.backward_transient = max(out.backward_transient, (c + 4) * chunk * V)
     else:
-        out._add_outside("head", r * T * D + norm_stats + targets * (4 * D + 4 * V + INDEX_BYTES) + B * L)
+        out._add_outside("head", r * T * D + head_norm + targets * (4 * D + 4 * V + INDEX_BYTES) + B * L)
         out.backward_transient = max(out.backward_transient, 4 * targets * V)
     return out

@@ -7,7 +7,7 @@ counted (norms, softmax, activations and embedding lookups are free).
 Two counts, for two questions:
 
 * ``training_flops_per_token`` (what ``m6.inspect`` prints): an upper bound per position,
-      6 * N_active  +  12 * num_layers * d_model * S,
+      6 * N_active  +  12 * num_layers * num_heads * head_dim * S,
   as if every position of the full context S = image patches + text length were a real token
   that goes through every weight, the LM head included. N_active counts every weight a token
   multiplies by (experts scaled by K/E, the patch projection and the LM head for every position).
@@ -20,13 +20,14 @@ Two counts, for two questions:
       LM head                                      x target positions (the only ones it runs on)
       expert FFNs                                  x kept assignments (MoEStats.kept: padding is
                                                      never routed; dropped assignments do no work)
-      QK^T and AV (4 D per pair and layer)         x real_len**2 of each sequence
+      QK^T and AV (4 H Dh per pair and layer)      x real_len**2 of each sequence
   Attention is charged the full real_len**2, not the prefix-LM mask's allowed pairs: SDPA with a
   boolean mask computes every (query, key) entry and masks afterwards (no kernel skips masked
   blocks of an arbitrary mask), so that is what the hardware executes on the real tokens. Work
   done on padding (the dense layers and attention run over the padded [B, S] shape) is not
   useful and not counted, nor is recompute (activation checkpointing): this is model FLOPs, not
-  hardware FLOPs. The patch projection's backward needs no input gradient (images take none), so
+  hardware FLOPs. Shared experts (and their gate) count with the dense FFNs, per real position
+  (they run on every token); qk norms and rotary positions are elementwise (free). The patch projection's backward needs no input gradient (images take none), so
   3x overstates it slightly (under 1% of a tiny-config step).
 """
 
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from m6.batch_format import SEG_PAD
-from m6.config import ModelConfig, num_patches
+from m6.config import ModelConfig, head_dim, num_patches
 from m6.model.activation_bytes import ActivationShape, activation_bytes
 from m6.model.m6_model import M6Model
 from m6.moe import MoELayer
@@ -77,14 +78,14 @@ def training_flops_per_token(cfg: ModelConfig, size: ModelSize, seq_len: int) ->
     """Forward+backward FLOPs per position for a context of ``seq_len`` text + the image patches:
     the all-positions upper bound (no padding, every position a target; see the module docstring)."""
     context = num_patches(cfg) + seq_len
-    return 6.0 * size.active + 12.0 * cfg.num_layers * cfg.d_model * context
+    return 6.0 * size.active + 12.0 * cfg.num_layers * cfg.num_heads * head_dim(cfg) * context
 
 
 @dataclass(frozen=True)
 class ForwardFlopRates:
     """Forward matmul FLOPs per unit of work, read from the module tree (meta tensors welcome)."""
 
-    per_position: int  # every block's attention projections, dense FFN and router, per real position
+    per_position: int  # every block's attention projections, dense FFN (or shared experts) and router, per real position
     per_patch: int  # patch projection (conv stem included) per real image patch
     per_target: int  # LM head per target position
     per_attention_pair: int  # QK^T and AV per (query, key) pair of one sequence, all blocks
@@ -99,14 +100,17 @@ def forward_flop_rates(model: M6Model) -> ForwardFlopRates:
     per_assignment: set[int] = set()
     for block in model.blocks:
         per_position += 2 * (block.attn.qkv.weight.numel() + block.attn.out.weight.numel())
-        per_pair += 2 * 2 * block.attn.qkv.weight.shape[1]  # q.k and p.v over all heads: 2 D each
+        per_pair += 2 * 2 * block.attn.num_heads * block.attn.head_dim  # q.k and p.v over all heads: 2 H Dh each
         if isinstance(block.ffn, MoELayer):
             router += 2 * block.ffn.router.weight.numel()
+            for dense in (block.ffn.shared_experts, block.ffn.shared_expert_gate):
+                if dense is not None:
+                    per_position += 2 * sum(p.numel() for n, p in dense.named_parameters() if n.endswith("weight"))
             experts = block.ffn.experts
             mats = [w for w in (experts.w_in, experts.w_out, experts.w_gate) if w is not None]
             per_assignment.add(2 * sum(w[0].numel() for w in mats))
         else:
-            per_position += 2 * (block.ffn.fc_in.weight.numel() + block.ffn.fc_out.weight.numel())
+            per_position += 2 * sum(p.numel() for n, p in block.ffn.named_parameters() if n.endswith("weight"))
     assert len(per_assignment) <= 1, "M6Model builds every MoE layer with the same expert shapes"
     patch = model.patch_embed
     per_patch = 2 * patch.proj.weight.numel()

@@ -12,25 +12,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from m6.batch_format import IGNORE_INDEX, SEG_PAD, SEG_SOURCE
-from m6.config import ModelConfig, expert_ffn_dim
-from m6.model.block import DenseMLP, TransformerBlock
-from m6.model.cast_on_use import linear
+from m6.batch_format import IGNORE_INDEX, SEG_PAD, SEG_SOURCE, SEG_TARGET
+from m6.config import ModelConfig, expert_ffn_dim, head_dim, is_moe_block, num_kv_heads, shared_expert_ffn_dim
+from m6.model.attention import Rotary, SelfAttention
+from m6.model.block import DenseMLP, TransformerBlock, build_norm
+from m6.model.cast_on_use import Linear, linear
 from m6.model.chunked_cross_entropy import chunk_rows_for, linear_cross_entropy_sum
 from m6.model.embeddings import PatchEmbedding, TextEmbedding
 from m6.model.host_drawn_init import HostDrawnInit
 from m6.model.mask import prefix_lm_mask
 from m6.model.recomputable import RecomputablePart
+from m6.model.rope import cos_sin, grid_angles, text_angles
 from m6.model.shared_blocks import share_block_weights
 from m6.moe import MoELayer
 
 IMAGE, TEXT = 0, 1  # rows of the modality embedding
 
 
+def build_attention(cfg: ModelConfig) -> SelfAttention:
+    """One block's attention with the model's head layout, q/k norm and biases."""
+    return SelfAttention(cfg.d_model, cfg.num_heads, cfg.dropout, num_kv_heads=num_kv_heads(cfg),
+                         head_dim=head_dim(cfg), qk_norm=cfg.qk_norm,
+                         qkv_bias=cfg.linear_bias or cfg.attention_bias, out_bias=cfg.linear_bias,
+                         norm_eps=cfg.norm_eps)
+
+
 def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
-    """MoE FFN in every ``moe.every``-th block (counting from 1), dense MLP elsewhere."""
+    """MoE FFN in every ``moe.every``-th block (counting from 1) after the first
+    ``moe.first_dense_blocks``, dense MLP elsewhere (m6.config.is_moe_block)."""
     moe = cfg.moe
-    if moe.every > 0 and (layer_idx + 1) % moe.every == 0:
+    if is_moe_block(cfg, layer_idx):
+        shared = gate = None
+        if moe.num_shared_experts:
+            shared = DenseMLP(cfg.d_model, shared_expert_ffn_dim(cfg), moe.activation, bias=False)
+            gate = Linear(cfg.d_model, 1, bias=False) if moe.shared_expert_gate else None
         return MoELayer(
             cfg.d_model, expert_ffn_dim(cfg), moe.num_experts, top_k=moe.top_k,
             capacity_factor=moe.capacity_factor, min_capacity=moe.min_capacity,
@@ -41,8 +56,9 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
             z_loss_coef=moe.z_loss_coef, init_std=cfg.init_std, expert_kernel=moe.expert_kernel,
             router_dtype=moe.router_dtype, expert_bias_update_rate=moe.expert_bias_update_rate,
             node_groups=moe.node_groups, max_nodes_per_token=moe.max_nodes_per_token or 0,
+            shared_experts=shared, shared_expert_gate=gate, routed_scaling_factor=moe.routed_scaling_factor,
         )
-    return DenseMLP(cfg.d_model, cfg.ffn_dim)
+    return DenseMLP(cfg.d_model, cfg.ffn_dim, cfg.ffn_activation, bias=cfg.linear_bias)
 
 
 class M6Model(nn.Module):
@@ -53,16 +69,19 @@ class M6Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.text_embed = TextEmbedding(cfg.vocab_size, cfg.max_text_len, cfg.d_model)
-        self.patch_embed = PatchEmbedding(cfg.image_size, cfg.patch_size, cfg.image_channels, cfg.d_model, cfg.patch_embed)
+        self.text_embed = TextEmbedding(cfg.vocab_size, cfg.max_text_len, cfg.d_model,
+                                        learned_positions=cfg.positions == "learned")
+        self.patch_embed = PatchEmbedding(cfg.image_size, cfg.patch_size, cfg.image_channels, cfg.d_model,
+                                          cfg.patch_embed, learned_positions=cfg.image_positions == "learned")
         self.modality = nn.Embedding(2, cfg.d_model)
         self.embed_dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(
-            TransformerBlock(cfg.d_model, cfg.num_heads, build_ffn(cfg, i), cfg.dropout, cfg.norm_eps)
+            TransformerBlock(cfg.d_model, cfg.num_heads, build_ffn(cfg, i), cfg.dropout, cfg.norm_eps,
+                             norm=cfg.norm, attention=build_attention(cfg))
             for i in range(cfg.num_layers)
         )
         share_block_weights(self.blocks, cfg.share_layers)  # pseudo-to-real: the pseudo giant
-        self.final_norm = nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.final_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.reset_parameters()
 
@@ -77,8 +96,9 @@ class M6Model(nn.Module):
         # grow with depth.
         for block in self.blocks:
             nn.init.normal_(block.attn.out.weight, std=std / math.sqrt(2 * self.cfg.num_layers))
-            if isinstance(block.ffn, DenseMLP):
-                nn.init.normal_(block.ffn.fc_out.weight, std=std / math.sqrt(2 * self.cfg.num_layers))
+            mlp = block.ffn.shared_experts if block.is_moe else block.ffn
+            if mlp is not None:
+                nn.init.normal_(mlp.fc_out.weight, std=std / math.sqrt(2 * self.cfg.num_layers))
 
     def materialize(self, device: torch.device, seed: int) -> None:
         """Allocate a model built on ``meta`` on ``device`` and initialise it from ``seed``.
@@ -103,12 +123,15 @@ class M6Model(nn.Module):
     def recomputable_parts(self) -> list[RecomputablePart]:
         """Every region that may be recomputed in backward, in forward order: each block's
         attention sub-block, and its FFN's local computation (the experts on the tokens this
-        process received, not the routing, dispatch or combine; or the dense MLP)."""
+        process received, not the routing, dispatch or combine, and the shared experts; or the
+        dense MLP)."""
         parts = []
         for i, block in enumerate(self.blocks):
             parts.append(RecomputablePart(f"blocks.{i}.attention", block, "attention_residual"))
             if block.is_moe:
                 parts.append(RecomputablePart(f"blocks.{i}.experts", block.ffn.experts, "forward"))
+                if block.ffn.shared_experts is not None:
+                    parts.append(RecomputablePart(f"blocks.{i}.shared_experts", block.ffn.shared_experts, "forward"))
             else:
                 parts.append(RecomputablePart(f"blocks.{i}.mlp", block.ffn, "forward"))
         return parts
@@ -129,12 +152,46 @@ class M6Model(nn.Module):
         mask = prefix_lm_mask(segments_BS)
         real_BS = segments_BS != SEG_PAD
         x = self.embed_dropout(torch.cat([image_BND, text_BLD], dim=1))
-        aux_total = x.new_zeros((), dtype=torch.float32)
+        x, aux_total = self._run_blocks(x, mask, real_BS, self.rotary(N, text_ids_BL.shape[1], x.device))
+        return self.final_norm(x[:, N:]), aux_total
+
+    def _run_blocks(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor, real_BS: torch.Tensor,
+                    rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        aux_total = x_BSD.new_zeros((), dtype=torch.float32)
         for block in self.blocks:
-            x, aux = block(x, mask, real_BS)
+            x_BSD, aux = block(x_BSD, mask_B1SS, real_BS, rotary)
             if aux is not None:
                 aux_total = aux_total + aux
-        return self.final_norm(x[:, N:]), aux_total
+        return x_BSD, aux_total
+
+    def rotary(self, num_patches: int, text_len: int, device: torch.device) -> Rotary:
+        """(cos, sin) fp32 [num_patches + text_len, Dh] for the sequence [image patches | text], or
+        None when neither uses rotary positions. Text positions are 0..L-1 from the first text
+        token (1-D), patches their (row, column) (2-D); a part with learned positions gets angle 0."""
+        cfg = self.cfg
+        if cfg.positions != "rope" and cfg.image_positions != "rope":
+            return None
+        dh, half = head_dim(cfg), head_dim(cfg) // 2
+        if cfg.image_positions == "rope" and num_patches:
+            image = grid_angles(self.patch_embed.grid, dh, cfg.rope_theta, device)
+        else:
+            image = torch.zeros(num_patches, half, device=device)
+        if cfg.positions == "rope":
+            text = text_angles(text_len, dh, cfg.rope_theta, device)
+        else:
+            text = torch.zeros(text_len, half, device=device)
+        return cos_sin(torch.cat([image, text], dim=0))
+
+    def text_logits(self, ids_BL: torch.Tensor) -> torch.Tensor:
+        """Causal next-token logits of text alone: token ids int [B, L] -> [B, L, V] (no image, no
+        padding: every position attends to itself and the positions before it; position i's
+        logits predict token i + 1). For evaluation and for comparing with other implementations
+        of the same weights (Hugging Face's causal LMs)."""
+        segments_BL = torch.full_like(ids_BL, SEG_TARGET)  # target-only rows: a plain causal mask
+        x = self.embed_dropout(self.text_embed(ids_BL) + self.modality.weight[TEXT])
+        x, _ = self._run_blocks(x, prefix_lm_mask(segments_BL), segments_BL != SEG_PAD,
+                                self.rotary(0, ids_BL.shape[1], x.device))
+        return self.logits(self.final_norm(x))
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's [V, D] weight (the token embedding when tied)."""

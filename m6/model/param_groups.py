@@ -9,7 +9,7 @@ def no_decay_ids(model: nn.Module) -> set[int]:
     """Norm weights, biases and embedding tables: decaying them hurts and saves nothing."""
     ids = set()
     for module in model.modules():
-        if isinstance(module, (nn.LayerNorm, nn.Embedding)):
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.Embedding)):
             ids.update(id(p) for p in module.parameters(recurse=False))
     for name, p in model.named_parameters():
         if name.endswith("bias"):

@@ -3,7 +3,7 @@ weights (the "pseudo giant"), and delinking gives every block its own copy.
 
 A follower block keeps its own module objects where per-application state lives (the block, its
 MoE layer: routing statistics, dispatcher and the aux-free expert bias) and holds its group
-leader's weight-bearing modules (norms, attention, dense MLP, router, experts). So a parameter is
+leader's weight-bearing modules (norms, attention, dense MLP, router, experts, shared experts). So a parameter is
 one object reached from every block of its group: autograd sums its gradient over the uses,
 ``named_parameters`` names it once (after the leader), and the forward costs what the real
 model's does.
@@ -33,6 +33,8 @@ def share_block_weights(blocks: nn.ModuleList, share_layers: int) -> None:
         block.attn_norm, block.attn, block.ffn_norm = leader.attn_norm, leader.attn, leader.ffn_norm
         if block.is_moe:
             block.ffn.router, block.ffn.experts = leader.ffn.router, leader.ffn.experts
+            block.ffn.shared_experts = leader.ffn.shared_experts
+            block.ffn.shared_expert_gate = leader.ffn.shared_expert_gate
         else:
             block.ffn = leader.ffn
 

@@ -126,7 +126,9 @@ class GroupedExperts(nn.Module):
             g = torch.Generator(device="cpu").manual_seed(self.init_seed * 1_000_003 + self.first_expert + e)
             for w in (self.w_in, self.w_out, self.w_gate):
                 if w is not None:
-                    sample = torch.randn(w.shape[1:], generator=g, dtype=torch.float32) * self.init_std
+                    # device="cpu": under a default-device context (torch.device("cuda")) the
+                    # draw would otherwise go to that device and refuse the CPU generator.
+                    sample = torch.randn(w.shape[1:], generator=g, dtype=torch.float32, device="cpu") * self.init_std
                     with torch.no_grad():
                         w[e].copy_(sample)
 

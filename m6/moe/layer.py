@@ -77,6 +77,18 @@ class MoELayer(nn.Module):
     ``expert_bias`` [E] is added to the router scores for choosing the top-k only, and
     ``update_expert_bias(counts_E)`` moves it after each optimizer step; the caller totals the
     step's counts (all micro-batches, all ranks), so the layer never communicates for it.
+
+    Shared experts (DeepSeek-MoE, Qwen2-MoE): ``shared_experts`` is a module x [..., D] -> [..., D]
+    that every token goes through beside the routed experts (m6 passes a ``DenseMLP`` of
+    num_shared_experts * shared_expert_ffn_dim hidden units with the experts' activation and no
+    biases: ``shared_experts.fc_in`` / ``fc_gate`` / ``fc_out``, Hugging Face's up / gate / down
+    projections); ``shared_expert_gate`` an optional module D -> 1 (a Linear without bias) whose
+    sigmoid scales the shared output per token (Qwen2-MoE). It is replicated like any dense weight
+    (expert parallelism splits the routed experts only). ``routed_scaling_factor`` multiplies the
+    routed experts' combined output (DeepSeek-V2/V3):
+        y = routed_scaling_factor * sum_k w_k expert_k(x) + [sigmoid(gate(x)) *] shared_experts(x)
+    Padding rows get the shared experts' output too (the dense MLPs run on padding alike; nothing
+    reads it).
     """
 
     # Swappable from outside (m6.parallel installs the expert-parallel dispatcher and the cross-rank
@@ -108,6 +120,9 @@ class MoELayer(nn.Module):
         expert_bias_update_rate: float = 0.0,
         node_groups: int = 1,
         max_nodes_per_token: int = 0,
+        shared_experts: Optional[nn.Module] = None,
+        shared_expert_gate: Optional[nn.Module] = None,
+        routed_scaling_factor: float = 1.0,
     ) -> None:
         super().__init__()
         # Each argument rule is checked in one place: here the sizes that router, experts and
@@ -135,6 +150,10 @@ class MoELayer(nn.Module):
         if expert_bias_update_rate > 0 and force_balance:
             raise ValueError("expert_bias_update_rate and force_balance exclude each other: forced routing ignores "
                              "the scores the bias steers")
+        if not (routed_scaling_factor > 0 and math.isfinite(routed_scaling_factor)):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}")
+        if shared_expert_gate is not None and shared_experts is None:
+            raise ValueError("shared_expert_gate needs shared_experts")
         self.d_model, self.num_experts = d_model, num_experts
         self.capacity_factor, self.min_capacity, self.capacity_group = capacity_factor, min_capacity, capacity_group
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
@@ -147,6 +166,9 @@ class MoELayer(nn.Module):
             init_seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu"))
         self.experts = GroupedExperts(num_experts, d_model, ffn_dim, activation, init_std, init_seed,
                                       expert_kernel=expert_kernel)
+        self.shared_experts = shared_experts
+        self.shared_expert_gate = shared_expert_gate
+        self.routed_scaling_factor = routed_scaling_factor
         self.dispatcher = LocalDispatcher()
         self.stats_reducer = LocalRoutingStats()
         self.stats: Optional[MoEStats] = None
@@ -177,8 +199,19 @@ class MoELayer(nn.Module):
         plan = self.dispatch_plan(routing, token_mask_T, self._group_size(x))
         # dispatch -> experts -> combine (one call: an overlapping dispatcher interleaves them by chunk)
         y_TD = self.dispatcher.dispatch_compute_combine(x_TD, plan, self.experts, x.dtype)
+        if self.routed_scaling_factor != 1.0:
+            y_TD = y_TD * self.routed_scaling_factor
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_output(x_TD)
         aux_loss, self.stats = self.aux_loss_and_stats(routing, plan, token_mask_T)
         return y_TD.view(x.shape), aux_loss
+
+    def shared_output(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output [T, D], scaled by the sigmoid of the shared-expert gate if any."""
+        y_TD = self.shared_experts(x_TD)
+        if self.shared_expert_gate is not None:
+            y_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * y_TD
+        return y_TD
 
     def reset_parameters(self) -> None:
         """The expert bias starts at zero (also after materialising a model built on ``meta``)."""

@@ -150,6 +150,11 @@ def test_export_header_is_aligned_and_complete(moe_run, tmp_path):
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
     assert n % 8 == 0 and header["__metadata__"]["step"] == "2" and done["step"] == 2
+    # Self-describing: the run's resolved config builds the model these weights fit, and the
+    # tokenizer its ids belong to is named.
+    config = json.loads(header["__metadata__"]["config"])
+    assert config["model"]["d_model"] == 64 and config["model"]["moe"]["num_experts"] == 4
+    assert header["__metadata__"]["tokenizer"] == "byte"
     spans = sorted(v["data_offsets"] for k, v in header.items() if k != "__metadata__")
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
     assert 8 + n + spans[-1][1] == len(raw) == done["size_bytes"]
@@ -209,6 +214,15 @@ def test_plan_init_refuses_what_cannot_be_upcycled():
         plan_init({**moe, "blocks.0.ffn.experts.w_in": torch.Size([4, 8, 32])}, dense, "x")
     with pytest.raises(CheckpointError, match="SwiGLU experts cannot be upcycled"):
         plan_init({**moe, "blocks.0.ffn.experts.w_gate": torch.Size([4, 8, 16])}, dense, "x")
+    swiglu = {**dense, "blocks.0.ffn.fc_gate.weight": torch.Size([16, 8])}
+    with pytest.raises(CheckpointError, match="cannot be upcycled into GELU experts"):
+        plan_init(moe, swiglu, "x")
+    plan = plan_init({**moe, "blocks.0.ffn.experts.w_gate": torch.Size([4, 8, 16])}, swiglu, "x")
+    assert plan.upcycled == ["blocks.0.ffn."] and plan.by_name == []
+    with pytest.raises(CheckpointError, match=r"fc_gate.weight: checkpoint \[16, 8\] cannot fill"):
+        plan_init({**moe, "blocks.0.ffn.experts.w_gate": torch.Size([4, 8, 32]),
+                   "blocks.0.ffn.experts.w_in": torch.Size([4, 8, 32]), "blocks.0.ffn.experts.w_out": torch.Size([4, 32, 8])},
+                  {**swiglu, "blocks.0.ffn.fc_in.weight": torch.Size([32, 8]), "blocks.0.ffn.fc_out.weight": torch.Size([8, 32])}, "x")
     with pytest.raises(CheckpointError, match="missing in checkpoint: final_norm.weight"):
         plan_init({**moe, "final_norm.weight": torch.Size([8])}, dense, "x")
 
@@ -272,3 +286,22 @@ def test_upcycling_dense_to_moe(dense_run, tmp_path, capsys):
     x = torch.randn(37, 64, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(moe.model.blocks[0].ffn(x)[0], dense.blocks[0].ffn(x), rtol=1e-5, atol=1e-6)
+
+
+def test_upcycling_a_swiglu_dense_model_into_swiglu_experts(tmp_path):
+    """model.ffn_activation=swiglu -> model.moe.activation=swiglu: every expert gets fc_in, fc_gate
+    and fc_out transposed, and the dense blocks' other weights (RMSNorm, GQA attention) by name."""
+    arch = ["model.linear_bias=false", "model.norm=rmsnorm", "model.positions=rope", "model.num_kv_heads=1",
+            "model.ffn_activation=swiglu"]
+    dense = Trainer(small_cfg(tmp_path / "dense", *RUN, *arch, "model.moe.every=0"))
+    dense.fit()
+    saved = _saved_model(tmp_path / "dense")
+    moe = Trainer(small_cfg(tmp_path / "moe", *RUN, *arch, "model.moe.every=1", "model.moe.activation=swiglu",
+                            f"checkpoint.init_from={tmp_path / 'dense'}"))
+    weights = moe.model.state_dict()
+    for i in range(2):
+        ffn = f"blocks.{i}.ffn."
+        for dense_key, expert_key in (("fc_in", "w_in"), ("fc_gate", "w_gate"), ("fc_out", "w_out")):
+            w = weights[f"{ffn}experts.{expert_key}"]
+            assert all(torch.equal(w[e], saved[f"{ffn}{dense_key}.weight"].t()) for e in range(w.shape[0]))
+    assert torch.equal(weights["blocks.1.attn.qkv.weight"], saved["blocks.1.attn.qkv.weight"])

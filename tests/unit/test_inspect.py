@@ -153,3 +153,51 @@ def test_meta_model_counts_equal_real_model_counts():
     assert count_parameters(build_meta_model(cfg)) == count_parameters(M6Model(cfg))
     assert all(p.is_meta for p in build_meta_model(cfg).parameters())
     assert not any(p.is_meta for p in M6Model(cfg).parameters())
+
+
+# The Hugging Face families' published configs. Reference counts: transformers 5.24's
+# AutoModelForCausalLM.from_config(<the model's config.json values>) built on meta, summed over
+# named_parameters (the checked formula below gives the same numbers from the shapes alone).
+HF_REFERENCE = {
+    # config: (total, expert params, experts per token / experts; published total, active in B)
+    "mixtral-8x7b.yaml": (46_702_792_704, 45_097_156_608, Fraction(2, 8), 46.7, 12.9),
+    "qwen3-moe-30b-a3b.yaml": (30_532_122_624, 28_991_029_248, Fraction(8, 128), 30.5, 3.3),
+    "olmoe-1b-7b.yaml": (6_919_161_856, 6_442_450_944, Fraction(8, 64), 6.9, 1.3),
+}
+
+
+def hf_total_from_shapes(m: ModelConfig) -> tuple[int, int]:
+    """(total, experts) of the Hugging Face decoder with these shapes: embed + lm_head, per layer
+    q/k/v/o, q/k norms, router, SwiGLU experts, two RMSNorms; a final RMSNorm."""
+    D, Dh, H = m.d_model, m6config.head_dim(m), m.num_heads
+    kv = m6config.num_kv_heads(m) * Dh
+    qk_norm = {"none": 0, "head": 2 * Dh, "full": H * Dh + kv}[m.qk_norm]
+    experts = m.moe.num_experts * 3 * D * m.ffn_dim
+    layer = D * H * Dh + 2 * D * kv + H * Dh * D + qk_norm + m.moe.num_experts * D + experts + 2 * D
+    return 2 * m.vocab_size * D + m.num_layers * layer + D, m.num_layers * experts
+
+
+@pytest.mark.parametrize("name", sorted(HF_REFERENCE))
+def test_published_moe_configs_count_their_published_sizes(name):
+    total, experts, k_over_e, published_total, published_active = HF_REFERENCE[name]
+    cfg = m6config.load(CONFIGS_DIR / name)
+    assert hf_total_from_shapes(cfg.model) == (total, experts)
+    r = m6inspect.report(cfg, world_size=8)
+    hf_active = total - experts + int(experts * k_over_e)
+    assert r["expert_params"] == experts
+    # m6 adds only the image side (patch projection, modality vectors): well under 0.1%.
+    assert 0 < r["total_params"] - total < 1e-3 * total
+    assert 0 <= r["text_active_params"] - hf_active < 1e-3 * hf_active
+    assert abs(r["total_params"] / 1e9 - published_total) < 0.05
+    assert abs(r["text_active_params"] / 1e9 - published_active) < 0.06  # published to 0.1B
+
+
+def test_published_moe_config_plans(tmp_path, capsys):
+    """m6.plan lays OLMoE out on a node of 8 80 GB GPUs, and the layout it writes loads as a config.
+    (One family: a search takes 10-25 s on a loaded 2-core machine; Mixtral and Qwen3 plan the same way.)"""
+    from m6.plan.__main__ import main as plan_main
+    out = tmp_path / "plan.overrides"
+    assert plan_main([str(CONFIGS_DIR / "olmoe-1b-7b.yaml"), "--gpus", "8", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "PREDICTED" in printed and "#1  EP" in printed, printed
+    m6config.load(CONFIGS_DIR / "olmoe-1b-7b.yaml", out.read_text().split())

@@ -50,7 +50,14 @@ def measured_saved_bytes(cfg: m6config.Config, batch: int, recompute: list[str] 
 
 
 @pytest.mark.parametrize("extra", [[], ["model.moe.activation=swiglu", "model.moe.top_k=1"],
-                                   ["model.moe.every=1", "model.moe.num_prototypes=2", "model.moe.top_k=1"]])
+                                   ["model.moe.every=1", "model.moe.num_prototypes=2", "model.moe.top_k=1"],
+                                   # the Hugging Face families' block options (model keys of m6.config)
+                                   ["model.norm=rmsnorm", "model.positions=rope", "model.num_kv_heads=2",
+                                    "model.head_dim=16", "model.qk_norm=head", "model.linear_bias=false",
+                                    "model.ffn_activation=swiglu", "model.moe.activation=swiglu",
+                                    "model.moe.num_shared_experts=1", "model.moe.shared_expert_gate=true"],
+                                   ["model.qk_norm=full", "model.image_positions=rope", "model.moe.first_dense_blocks=2",
+                                    "model.moe.every=1", "model.attention_bias=true"]])
 def test_formula_equals_the_meter_on_a_real_forward(extra):
     cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL + extra)
     predicted = activation_bytes(cfg.model, ActivationShape(3, cfg.data.seq_len))
