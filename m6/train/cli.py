@@ -8,7 +8,8 @@ m6/config.py); every key with the value this command line gives it: add --print-
 
 Exit codes: 0 trained (or stopped cleanly on SIGTERM with a checkpoint), 1 a failure during
 training (named), 2 bad input (a config error; a checkpoint that cannot continue the run or whose
-files are damaged; a run.dir the nodes do not share, found at the first save).
+files are damaged; a run.dir the nodes do not share, found at the first save; data whose every
+record is skipped, found after a few steps with no target token).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from m6.parallel import LayoutError
 from m6.parallel.peer_check import describe_peer_failure, is_peer_failure, report_once
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
+from m6.train.no_target_steps import NoTrainingTargets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, LayoutError) as e:
         print(f"{where}config error: {e}", file=sys.stderr)
         return 2
-    except CheckpointMismatch as e:
+    except (CheckpointMismatch, NoTrainingTargets) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged) as e:

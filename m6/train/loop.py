@@ -41,6 +41,7 @@ from m6.train.expert_bias import ExpertBiasUpdate
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
+from m6.train.no_target_steps import NoTargetSteps
 from m6.train.preemption import StopOnSignal
 from m6.train.pseudo_to_real import train_pseudo_to_real
 from m6.train.run_directory import prepare_run_dir
@@ -124,6 +125,7 @@ class Trainer:
         self.skips = SkipLedger(self.data.index_skips, self.all_reduce_sum, self.rank)
         if self.is_main:
             self.skips.report(self.data.index_skips, "at start-up (indexing data.sources and the eval hold-out)")
+        self.no_targets = NoTargetSteps(self.skips.by_reason, cfg.data.seq_len, cfg.train.max_steps)
 
         # optimizer+params keeps the blocks' weights on the host: initialise there, so the device
         # never holds the whole model (m6.memory.offload moves the rest to the device).
@@ -315,6 +317,7 @@ class Trainer:
         batches = [lb.batch.to(self.device, non_blocking=True) for lb in loaded]
         new_skips = self.skips.count(loaded, self.step + 1)
         (num_targets,) = self.all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
+        self.no_targets.check(num_targets, self.step + 1)  # every record skipped, step after step: stop
         self._ensure_recompute_plan(batches[0], num_targets)
         parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
         compute_t0 = time.perf_counter()
