@@ -31,6 +31,8 @@ from m6.model.param_groups import no_decay_ids
 from m6.data.shares import batch_shares, micro_batch_sizes, num_micro_batches
 from m6.moe import MoELayer
 from m6.moe.routing_stats import LocalRoutingStats
+from m6.parallel.launch import DistEnv
+from m6.parallel.speed_probe import rank_layout_model, speeds_size_experts
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,17 @@ def rows_that_fit(cfg: Config, model: torch.nn.Module, world_size: int, expert_p
         else:
             high = mid - 1
     return low
+
+
+def rows_that_fit_layout(cfg: Config, env: DistEnv, expert_parallel_size: int, speeds: list[float],
+                         limit_bytes: float, accumulates: bool = False) -> int:
+    """``rows_that_fit`` for this rank's share of the model at the layout the run will use: at
+    expert parallelism under parallel.balance=auto the measured ``speeds`` size the experts
+    (m6.parallel.speed_probe.speeds_size_experts), so a faster rank holds more of them than the even
+    probe it was timed on, and its memory cap must count them."""
+    weights = list(speeds) if speeds_size_experts(cfg, expert_parallel_size) else None
+    model = rank_layout_model(cfg, env, expert_parallel_size, weights)
+    return rows_that_fit(cfg, model, env.world_size, expert_parallel_size, limit_bytes, "cuda", accumulates)
 
 
 def plan_batch(cfg: Config, world_size: int, speeds: list[float] | None = None,
