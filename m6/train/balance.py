@@ -7,10 +7,16 @@ collective inside the timed passes), and all ranks agree on the measured speeds 
 all-gather. A rank's share may be capped (``caps``: the most rows per micro-batch its memory
 holds, by the memory estimate), the rest going to the others in proportion to their weights.
 
-The gradient does not depend on the split: the loss is normalised by the global step's target
-count (m6.train.loss) and capacity is decided per sequence, so the ranks' summed gradients are
-those of the same global batch. Every rank runs the same number of micro-batches
-(m6.data.shares), so the per-micro-batch collectives of the MoE layers still match.
+The token loss's gradient does not depend on the split: it is normalised by the global step's
+target count (m6.train.loss) and capacity is decided per sequence, so the ranks' summed gradients
+are those of the same global batch. The MoE aux losses (balance and z) depend on it as soon as a
+rank runs more than one micro-batch: each is formed from the routing statistics of one
+micro-batch (micro-batch i of every rank together with aux_loss_scope=global, this rank's alone
+with local) and averaged over the micro-batches, so moving rows between ranks changes which rows
+share statistics, and the aux losses and their gradients with it (docs/moe.md). With one
+micro-batch per rank and aux_loss_scope=global they are the whole global batch's, whatever the
+split. Every rank runs the same number of micro-batches (m6.data.shares), so the per-micro-batch
+collectives of the MoE layers still match.
 """
 
 from __future__ import annotations
