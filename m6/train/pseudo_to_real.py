@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from m6.checkpoint import CheckpointManager
-from m6.checkpoint.delink import delink_state
+from m6.checkpoint.delink import delink_in_place
 from m6.checkpoint.reader import read_checkpoint
 from m6.checkpoint.step_dirs import latest_step_dir, step_of
 from m6.config import Config, ConfigError, run_dir
@@ -47,13 +47,6 @@ def _resume_point(cfg: Config) -> Path | None:
 def _saved_share_layers(path: Path) -> int:
     meta = read_checkpoint(path, {"meta": None})["meta"]
     return int(meta.get("config", {}).get("model", {}).get("share_layers", 1))
-
-
-def delink_in_place(manager: CheckpointManager, step: int) -> None:
-    """Rewrite the checkpoint of ``step`` in ``manager``'s run as the real model's (a collective:
-    every rank reads it whole and writes it back; DCP writes each tensor once)."""
-    state = delink_state(manager.load(manager.step_dir(step)))
-    manager.save(step, state)
 
 
 def _train_pseudo(cfg: Config, trainer_class: Callable, delink_at: int) -> tuple[list[dict], bool]:
