@@ -225,9 +225,10 @@ class Trainer:
         return plan
 
     def _probe_balance(self, expert_parallel_size: int) -> BatchPlan:
-        """parallel.balance=auto at expert parallelism: the same timing on a probe of this rank's
-        compute (its experts at the even layout, the all-to-all looped back: m6.parallel.speed_probe),
-        so each rank is timed alone; the probe is dropped before the real model is built."""
+        """parallel.balance=auto at expert parallelism or under parallel.shard: the same timing on a
+        probe of this rank's compute (unsharded, its experts at the even layout, the all-to-all looped
+        back: m6.parallel.speed_probe), so each rank is timed alone; the probe is dropped before the
+        real model is built."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             probe = speed_probe_model(self.cfg, self.env, expert_parallel_size, self.device)
         set_cast_on_use(probe, self.cast_on_use and self.cfg.parallel.shard == "none")

@@ -22,6 +22,8 @@ SHARED = ["model.num_layers=4", "model.share_layers=2", "train.max_steps=4", "ch
 
 
 def test_shared_blocks_with_expert_parallelism_and_delinked_resume(tmp_path):
+    """One 1-rank and three 2-rank launches of 2-4 steps and one 2-rank delink: each part needs the
+    checkpoints of the one before, so they share one test (over 30 s on a loaded 2-core machine)."""
     single(tmp_path / "w1", *SHARED)
     ranks(tmp_path / "ep2", 2, *SHARED, "parallel.expert_parallel_size=2")
     assert_same_curve(train_rows(tmp_path / "ep2"), train_rows(tmp_path / "w1"))
