@@ -49,9 +49,12 @@ def chunk_bounds(num_rows: int, degree: int) -> list[int]:
 class _ExchangeBox:
     """The in-flight exchange of one chunk, shared by its start and wait nodes (forward and backward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grad_columns: Optional[int] = None) -> None:
         self.work: Optional[dist.Work] = None
         self.buffers: tuple = ()  # kept alive until the wait: the exchange reads and writes them
+        # Rows of several columns of which only the first ``grad_columns`` carry a gradient: backward
+        # sends those alone (the others' gradient is zero by construction, so not sent).
+        self.grad_columns = grad_columns
 
 
 def _start(out: torch.Tensor, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
@@ -74,7 +77,7 @@ class _StartExchange(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, box: _ExchangeBox):
-        ctx.box = box
+        ctx.box, ctx.width = box, x.shape[-1] if x.dim() == 2 else None
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
         _start(out, x, out_splits, in_splits, group, box)
         return out
@@ -83,6 +86,8 @@ class _StartExchange(torch.autograd.Function):
     def backward(ctx, _ordering_grad):
         grad_x = ctx.box.buffers[0]
         _wait(ctx.box)
+        if ctx.box.grad_columns is not None:  # the columns without a gradient: zeros, made here
+            grad_x = torch.nn.functional.pad(grad_x, (0, ctx.width - ctx.box.grad_columns))
         return grad_x, None, None, None, None
 
 
@@ -98,16 +103,20 @@ class _WaitExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        back = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        _start(back, grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.box)
+        sent = grad if ctx.box.grad_columns is None else grad[:, :ctx.box.grad_columns]
+        back = sent.new_empty((sum(ctx.in_splits),) + tuple(sent.shape[1:]))
+        _start(back, sent, ctx.in_splits, ctx.out_splits, ctx.group, ctx.box)
         # The gradient of the receive buffer is not needed: a placeholder of its shape links this
         # node to the start's backward, which waits and returns ``back``.
         return grad, None, None, None, None
 
 
-def start_exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple[torch.Tensor, _ExchangeBox]:
-    """Begin an uneven all-to-all of ``x`` (autograd-aware); pass the result to ``wait_exchange``."""
-    box = _ExchangeBox()
+def start_exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group,
+                   grad_columns: Optional[int] = None) -> tuple[torch.Tensor, _ExchangeBox]:
+    """Begin an uneven all-to-all of ``x`` (autograd-aware); pass the result to ``wait_exchange``.
+    ``grad_columns``: ``x`` is [rows, columns] and only its first ``grad_columns`` columns have a
+    gradient; backward exchanges those alone."""
+    box = _ExchangeBox(grad_columns)
     return _StartExchange.apply(x, out_splits, in_splits, group, box), box
 
 

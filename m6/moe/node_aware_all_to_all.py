@@ -48,7 +48,8 @@ from m6.moe.chunked_all_to_all import start_exchange, wait_exchange
 from m6.moe.dispatch import DispatchPlan, host_ints
 
 # A relayed assignment's row index travels bit-cast into its router weight's dtype, as the second
-# column of one (weight, index) exchange: one collective per chunk instead of two.
+# column of one (weight, index) exchange: one collective per chunk instead of two. Backward sends
+# the weights' gradient alone (the index column has none): one value per pair, not two.
 _INDEX_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
@@ -155,7 +156,8 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         chunk, blocking: the protocol's separate phases; the layer calls ``dispatch_compute_combine``)."""
         src = self._source(x_TD, plan, 1)
         x_A = all_to_all(src.x_send, src.n.a_recv[0], src.n.a_send[0], self.rail)
-        meta_A = all_to_all(src.meta, src.n.w_recv[0], src.n.w_send[0], self.rail)
+        meta_A = wait_exchange(start_exchange(src.meta, src.n.w_recv[0], src.n.w_send[0], self.rail, grad_columns=1),
+                               src.n.w_recv[0], src.n.w_send[0], self.rail)
         x_local, chunk = self._arrive(src, 0, x_A, meta_A, x_TD)
         return x_local, src.n.local_experts[0], (src, chunk)
 
@@ -175,7 +177,7 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         rows_in = [start_exchange(src.x_send[src.row_starts[c]:src.row_starts[c + 1]], n.a_recv[c], n.a_send[c],
                                   self.rail) for c in range(C)]
         meta_in = [start_exchange(src.meta[src.meta_starts[c]:src.meta_starts[c + 1]], n.w_recv[c], n.w_send[c],
-                                  self.rail) for c in range(C)]
+                                  self.rail, grad_columns=1) for c in range(C)]
         returning = []
         for c in range(C):
             x_A = wait_exchange(rows_in[c], n.a_recv[c], n.a_send[c], self.rail)
@@ -316,9 +318,11 @@ class NodeAwareDispatcher(AllToAllDispatcher):
     def _count(self, n: _Counts, row_bytes: int, weight_bytes: int) -> None:
         """Add one layer call's inter-node payload to ``inter_node_bytes``, from the split sizes: the
         stage A rows and (weight, index) pairs sent to relays on other nodes, the summed rows this
-        rank sends back to sources on other nodes as a relay, and in backward each of them again in
-        the other direction (a pair's gradient is a pair too). Stage B stays inside the node."""
+        rank sends back to sources on other nodes as a relay, and in backward the rows again in the
+        other direction and, as a relay, the received weights' gradients (one value per pair: the
+        index has none). Stage B stays inside the node."""
         C, B = len(n.a_send), self.num_nodes
-        rows = sum(n.a_send[c][b] + n.a_recv[c][b] for c in range(C) for b in range(B) if b != self.node)
-        pairs = sum(n.w_send[c][b] + n.w_recv[c][b] for c in range(C) for b in range(B) if b != self.node)
-        self.inter_node_bytes += 2 * rows * row_bytes + 2 * pairs * weight_bytes
+        remote = [(c, b) for c in range(C) for b in range(B) if b != self.node]
+        rows = sum(n.a_send[c][b] + n.a_recv[c][b] for c, b in remote)
+        pairs_out, pairs_in = sum(n.w_send[c][b] for c, b in remote), sum(n.w_recv[c][b] for c, b in remote)
+        self.inter_node_bytes += 2 * rows * row_bytes + (2 * pairs_out + pairs_in) * weight_bytes

@@ -7,10 +7,16 @@ collective inside the timed passes), and all ranks agree on the measured speeds 
 all-gather. A rank's share may be capped (``caps``: the most rows per micro-batch its memory
 holds, by the memory estimate), the rest going to the others in proportion to their weights.
 
-The gradient does not depend on the split: the loss is normalised by the global step's target
-count (m6.train.loss) and capacity is decided per sequence, so the ranks' summed gradients are
-those of the same global batch. Every rank runs the same number of micro-batches
-(m6.data.shares), so the per-micro-batch collectives of the MoE layers still match.
+The token loss's gradient does not depend on the split: it is normalised by the global step's
+target count (m6.train.loss) and capacity is decided per sequence, so the ranks' summed gradients
+are those of the same global batch. The MoE aux losses (balance and z) depend on it as soon as a
+rank runs more than one micro-batch: each is formed from the routing statistics of one
+micro-batch (micro-batch i of every rank together with aux_loss_scope=global, this rank's alone
+with local) and averaged over the micro-batches, so moving rows between ranks changes which rows
+share statistics, and the aux losses and their gradients with it (docs/moe.md). With one
+micro-batch per rank and aux_loss_scope=global they are the whole global batch's, whatever the
+split. Every rank runs the same number of micro-batches (m6.data.shares), so the per-micro-batch
+collectives of the MoE layers still match.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from m6.model.param_groups import no_decay_ids
 from m6.data.shares import batch_shares, micro_batch_sizes, num_micro_batches
 from m6.moe import MoELayer
 from m6.moe.routing_stats import LocalRoutingStats
+from m6.parallel.launch import DistEnv
+from m6.parallel.speed_probe import rank_layout_model, speeds_size_experts
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,17 @@ def rows_that_fit(cfg: Config, model: torch.nn.Module, world_size: int, expert_p
         else:
             high = mid - 1
     return low
+
+
+def rows_that_fit_layout(cfg: Config, env: DistEnv, expert_parallel_size: int, speeds: list[float],
+                         limit_bytes: float, accumulates: bool = False) -> int:
+    """``rows_that_fit`` for this rank's share of the model at the layout the run will use: at
+    expert parallelism under parallel.balance=auto the measured ``speeds`` size the experts
+    (m6.parallel.speed_probe.speeds_size_experts), so a faster rank holds more of them than the even
+    probe it was timed on, and its memory cap must count them."""
+    weights = list(speeds) if speeds_size_experts(cfg, expert_parallel_size) else None
+    model = rank_layout_model(cfg, env, expert_parallel_size, weights)
+    return rows_that_fit(cfg, model, env.world_size, expert_parallel_size, limit_bytes, "cuda", accumulates)
 
 
 def plan_batch(cfg: Config, world_size: int, speeds: list[float] | None = None,

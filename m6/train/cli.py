@@ -8,8 +8,9 @@ m6/config.py); every key with the value this command line gives it: add --print-
 
 Exit codes: 0 trained (or stopped cleanly on SIGTERM or Ctrl-C with a checkpoint), 1 a failure
 during training (named), 2 bad input (a config error; a checkpoint that cannot continue the run or
-whose files are damaged; a run.dir the nodes do not share, found at the first save), 130 Ctrl-C
-outside the training steps (building the run) or a second Ctrl-C while stopping.
+whose files are damaged; a run.dir the nodes do not share, found at the first save; data whose every
+record is skipped, found after a few steps with no target token), 130 Ctrl-C outside the training
+steps (building the run) or a second Ctrl-C while stopping.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from m6.parallel.peer_check import describe_peer_failure, is_peer_failure, repor
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
 from m6.train.preemption import EXIT_AT_ONCE
+from m6.train.no_target_steps import NoTrainingTargets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         # While steps run, m6.train.preemption turns SIGINT into a stop with a checkpoint.
         print(f"{where}SIGINT outside the training steps: stopped without a checkpoint", file=sys.stderr)
         return EXIT_AT_ONCE
-    except CheckpointMismatch as e:
+    except (CheckpointMismatch, NoTrainingTargets) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 2
     except (CheckpointError, TrainingDiverged) as e:

@@ -28,11 +28,12 @@ from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_
 from m6.moe import MoELayer
 from m6.moe.all_to_all import AllToAllDispatcher
 from m6.parallel import build_parallel, join_job
-from m6.parallel.speed_probe import resolved_expert_parallel_size, speed_probe_model
+from m6.parallel.speed_probe import (resolved_expert_parallel_size, speed_probe_model, speeds_size_experts,
+                                    times_a_probe)
 from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.balance import (BatchPlan, balance_line, finite_or_error, gather_objects, local_routing_stats,
-                              measure_speed, plan_batch, rank_slots, rows_that_fit, split_notes)
+                              measure_speed, plan_batch, rank_slots, rows_that_fit_layout, split_notes)
 from m6.train.banner import RunFacts, checkpoint_line, device_label, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
 from m6.train.determinism import use_determinism
@@ -42,6 +43,7 @@ from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
 from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
 from m6.train.optim import schedule_change_note
+from m6.train.no_target_steps import NoTargetSteps
 from m6.train.preemption import StopOnSignal
 from m6.train.pseudo_to_real import train_pseudo_to_real
 from m6.train.run_directory import prepare_run_dir
@@ -125,17 +127,20 @@ class Trainer:
         self.skips = SkipLedger(self.data.index_skips, self.all_reduce_sum, self.rank)
         if self.is_main:
             self.skips.report(self.data.index_skips, "at start-up (indexing data.sources and the eval hold-out)")
+        self.no_targets = NoTargetSteps(self.skips.by_reason, cfg.data.seq_len, cfg.train.max_steps)
 
         # optimizer+params keeps the blocks' weights on the host: initialise there, so the device
         # never holds the whole model (m6.memory.offload moves the rest to the device).
         init_device = torch.device("cpu") if cfg.memory.offload == "optimizer+params" else self.device
         # Sharded: FSDP2 gathers bf16 copies of the weights (its MixedPrecisionPolicy), in place of cast-on-use.
         self.fsdp_bf16 = self.cast_on_use and cfg.parallel.shard != "none"
-        # parallel.balance=auto at expert parallelism: the speeds size the experts too, so they are
-        # measured first, on a probe of this rank's compute, and the model is laid out from them.
-        layout_cfg = cfg
-        if cfg.parallel.balance == "auto" and (ep := resolved_expert_parallel_size(cfg, self.env)) > 1:
+        # parallel.balance=auto at expert parallelism or under parallel.shard: the speeds are measured
+        # first, on a probe of this rank's compute (m6.parallel.speed_probe); without shard they lay
+        # out the experts too.
+        layout_cfg, ep = cfg, resolved_expert_parallel_size(cfg, self.env) if cfg.parallel.balance == "auto" else 1
+        if times_a_probe(cfg, ep):
             self.batch_plan = self._probe_balance(ep)
+        if speeds_size_experts(cfg, ep):
             layout_cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(
                 cfg.parallel, balance=list(self.batch_plan.speeds)))
         self.sharded = build_parallel(layout_cfg, self.device, self.env, init_device,
@@ -216,14 +221,15 @@ class Trainer:
             micro_batch_loss(lm_sum, aux, max(batch.num_target_tokens, 1), 1).backward()
 
         with local_routing_stats(self.model):
-            plan = self._timed_plan(forward_backward, self.model, 1)
+            plan = self._timed_plan(forward_backward, 1)
         self.update.zero_grad()
         return plan
 
     def _probe_balance(self, expert_parallel_size: int) -> BatchPlan:
-        """parallel.balance=auto at expert parallelism: the same timing on a probe of this rank's
-        compute (its experts at the even layout, the all-to-all looped back: m6.parallel.speed_probe),
-        so each rank is timed alone; the probe is dropped before the real model is built."""
+        """parallel.balance=auto at expert parallelism or under parallel.shard: the same timing on a
+        probe of this rank's compute (unsharded, its experts at the even layout, the all-to-all looped
+        back: m6.parallel.speed_probe), so each rank is timed alone; the probe is dropped before the
+        real model is built."""
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             probe = speed_probe_model(self.cfg, self.env, expert_parallel_size, self.device)
         set_cast_on_use(probe, self.cast_on_use and self.cfg.parallel.shard == "none")
@@ -232,28 +238,30 @@ class Trainer:
             lm_sum, aux = forward_loss_sums(probe, batch, self._autocast())
             micro_batch_loss(lm_sum, aux, max(batch.num_target_tokens, 1), 1).backward()
 
-        plan = self._timed_plan(forward_backward, probe, expert_parallel_size)
+        plan = self._timed_plan(forward_backward, expert_parallel_size)
         del probe
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         return plan
 
-    def _timed_plan(self, forward_backward, model, expert_parallel_size: int) -> BatchPlan:
-        """Speed of ``forward_backward`` on a micro-batch of the run's shape, this rank's memory cap,
-        every rank's of both (one all-gather), and the split planned from them."""
+    def _timed_plan(self, forward_backward, expert_parallel_size: int) -> BatchPlan:
+        """Speed of ``forward_backward`` on a micro-batch of the run's shape, every rank's (one
+        all-gather), this rank's memory cap at the layout those speeds give, every rank's (another),
+        and the split planned from them."""
         t = self.cfg.train
         rows = t.micro_batch_size or math.ceil(t.global_batch_size / self.world_size)
         batch = self.to_device(self.loader.sample_batch(rows).batch)
         # The timed passes draw no numbers from the run's generators: a run's curve does not depend on them.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             speed = measure_speed(lambda: forward_backward(batch), rows, self.device)
-        # A GPU's share is capped by what its memory holds (the memory estimate); host memory is not capped.
-        cap = rows_that_fit(self.cfg, model, self.world_size, expert_parallel_size,
-                            torch.cuda.get_device_properties(self.device).total_memory, "cuda",
-                            accumulates=t.micro_batch_size is not None) if self.device.type == "cuda" else None
-        speeds, caps = zip(*gather_objects((speed, cap), self.world_size))
-        return plan_batch(self.cfg, self.world_size, finite_or_error(list(speeds)),
-                          caps=None if None in caps else list(caps))
+        speeds = finite_or_error(gather_objects(speed, self.world_size))
+        # A GPU's share is capped by what its memory holds (the memory estimate, for the experts this
+        # rank will hold: the speeds may give it more than it was timed with); host memory is not capped.
+        cap = rows_that_fit_layout(self.cfg, self.env, expert_parallel_size, speeds,
+                                   torch.cuda.get_device_properties(self.device).total_memory,
+                                   accumulates=t.micro_batch_size is not None) if self.device.type == "cuda" else None
+        caps = gather_objects(cap, self.world_size)
+        return plan_batch(self.cfg, self.world_size, speeds, caps=None if None in caps else list(caps))
 
     def _use_batch_plan(self, plan: BatchPlan) -> None:
         self.batch_plan, self.micro_batch, self.accum = plan, plan.max_micro_batch, plan.num_micro
@@ -316,6 +324,7 @@ class Trainer:
         batches = [lb.batch.to(self.device, non_blocking=True) for lb in loaded]
         new_skips = self.skips.count(loaded, self.step + 1)
         (num_targets,) = self.all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
+        self.no_targets.check(num_targets, self.step + 1)  # every record skipped, step after step: stop
         self._ensure_recompute_plan(batches[0], num_targets)
         parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
         compute_t0 = time.perf_counter()

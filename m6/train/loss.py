@@ -5,7 +5,9 @@ Normalising by the target tokens of the whole global step (all ranks, all micro-
 micro-batch or per rank, makes the loss, and so the gradient sum over ranks, the same however the
 global batch is split. The aux loss is a mean too: over the accumulation micro-batches, and with
 aux_loss_scope=local over the ranks as well (each rank's aux comes from its own tokens, and the
-gradients of all ranks are summed), so its gradient does not grow with the number of ranks.
+gradients of all ranks are summed), so its gradient does not grow with the number of ranks. Being
+a mean of per-micro-batch losses, each a nonlinear function of its micro-batch's routing
+statistics, it does depend on how the step is cut into micro-batches (docs/moe.md).
 """
 
 from __future__ import annotations

@@ -5,16 +5,23 @@ process, to train.max_steps. The switch is a checkpoint and a resume, so a run d
 continues exactly as one delinked offline and resumed, and a restart after step N resumes the real
 model from the run's latest checkpoint (a pseudo checkpoint of step N left by a crash before the
 delink is a config error that says how to delink it offline).
+
+The pseudo Trainer (its weights, optimizer state, pinned buffers) is gone before the real one is
+built: it lives only inside ``_train_pseudo``, and the reference cycles a Trainer holds (bound
+methods handed to its collaborators) are collected there and then, not at some later gc pass.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from m6.checkpoint import CheckpointManager
-from m6.checkpoint.delink import delink_state
+from m6.checkpoint.delink import delink_in_place
 from m6.checkpoint.reader import read_checkpoint
 from m6.checkpoint.step_dirs import latest_step_dir, step_of
 from m6.config import Config, ConfigError, run_dir
@@ -42,11 +49,19 @@ def _saved_share_layers(path: Path) -> int:
     return int(meta.get("config", {}).get("model", {}).get("share_layers", 1))
 
 
-def delink_in_place(manager: CheckpointManager, step: int) -> None:
-    """Rewrite the checkpoint of ``step`` in ``manager``'s run as the real model's (a collective:
-    every rank reads it whole and writes it back; DCP writes each tensor once)."""
-    state = delink_state(manager.load(manager.step_dir(step)))
-    manager.save(step, state)
+def _train_pseudo(cfg: Config, trainer_class: Callable, delink_at: int) -> tuple[list[dict], bool]:
+    """The pseudo giant's steps to ``delink_at`` and the delink of that step's checkpoint; returns
+    its history and whether it got there (not stopped by a signal). Its Trainer dies with this call."""
+    pseudo = trainer_class(cfg)
+    history = pseudo.fit(stop_at=delink_at)
+    if pseudo.step < delink_at:  # stopped by a signal: resumes later
+        return history, False
+    manager = CheckpointManager(pseudo.run_dir, cfg.checkpoint.keep, pseudo.rank, pseudo.checkpoints.group)
+    delink_in_place(manager, delink_at)
+    manager.close()
+    pseudo._print_main(f"train.delink_at_step={delink_at}: delinked the model.share_layers="
+                       f"{cfg.model.share_layers} blocks; the real model resumes from step {delink_at}")
+    return history, True
 
 
 def train_pseudo_to_real(cfg: Config, trainer_class: Callable) -> list[dict]:
@@ -54,17 +69,13 @@ def train_pseudo_to_real(cfg: Config, trainer_class: Callable) -> list[dict]:
     delink_at = cfg.train.delink_at_step
     resume = _resume_point(cfg)
     resumed_step = step_of(resume) if resume is not None else None
-    history: list[dict] = []
     if resumed_step is None or resumed_step < delink_at:
-        pseudo = trainer_class(cfg)
-        history = pseudo.fit(stop_at=delink_at)
-        if pseudo.step < delink_at:  # stopped by a signal: resumes later
+        history, delinked = _train_pseudo(cfg, trainer_class, delink_at)
+        if not delinked:
             return history
-        manager = CheckpointManager(pseudo.run_dir, cfg.checkpoint.keep, pseudo.rank, pseudo.checkpoints.group)
-        delink_in_place(manager, delink_at)
-        manager.close()
-        pseudo._print_main(f"train.delink_at_step={delink_at}: delinked the model.share_layers="
-                           f"{cfg.model.share_layers} blocks; the real model resumes from step {delink_at}")
+        gc.collect()  # the pseudo Trainer's cycles: its memory back before the real model is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         real = real_config(cfg)
         real.checkpoint.resume = "auto"  # the delinked step is now this run's latest
         return history + trainer_class(real).fit()

@@ -148,3 +148,49 @@ def test_auto_gives_a_rank_slowed_by_a_cpu_quota_a_smaller_share():
             run_distributed(_probe_one_rank_slowed, 2, str(group.procs), timeout_s=120)
     except BenchSkipped as e:
         pytest.skip(str(e))
+
+
+# The test_shard_dist model, one micro-batch per rank (a slow rank's small share needs no accumulation).
+SHARD_SMALL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64",
+               "model.max_text_len=40", "model.image_size=16", "model.patch_size=8", "model.moe.every=1",
+               "model.moe.num_experts=4", "model.moe.capacity_factor=null", "data.kind=synthetic",
+               "data.num_samples=64", "data.eval_samples=8", "data.seq_len=32", "data.num_workers=0",
+               "train.global_batch_size=8", "train.eval_every=0", "logging.console=false", "checkpoint.every=0",
+               "train.max_steps=2", "parallel.shard=full", "parallel.balance=auto"]
+
+
+def _auto_under_shard_with_rank1_slowed(rank: int, world: int, root: str) -> None:
+    """Rank 1's every model forward starts with a 0.3 s sleep: the probe, FSDP2's model, either."""
+    import time
+
+    from m6.config import load
+    from m6.model import M6Model
+    from m6.train.loop import Trainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    if rank == 1:
+        forward = M6Model.forward
+
+        def slow_forward(self, *args, **kwargs):
+            time.sleep(0.3)
+            return forward(self, *args, **kwargs)
+        M6Model.forward = slow_forward
+    for ep in (1, 2):
+        tr = Trainer(load(None, [*SHARD_SMALL, f"run.dir={root}/ep{ep}", f"parallel.expert_parallel_size={ep}"]))
+        speeds, shares = tr.batch_plan.speeds, tr.batch_plan.shares
+        # Each rank timed alone, not at the speed FSDP2's all-gathers tie it to (the slowest rank's).
+        assert speeds[1] < 0.6 * speeds[0], (ep, speeds)
+        assert shares[0] > shares[1] and sum(shares) == 8, (ep, speeds, shares)
+        if ep == 2:  # under shard the experts stay even whatever the speeds: the run starts on every run
+            assert tr.sharded.groups.layout.expert_ranges_by_rank() == ["0-1", "2-3"], speeds
+        tr.fit()
+        assert len(tr.history) == 2 and all(h["loss"] > 0 for h in tr.history)
+
+
+def test_auto_under_shard_measures_each_rank_alone_and_keeps_the_experts_even(tmp_path):
+    """parallel.shard=full with balance=auto at EP 1 and EP 2, rank 1 slowed: the speeds are the
+    probe's (no all-gather inside the timed passes), the shares follow them, and at EP 2 the
+    experts stay even (sharding refuses uneven ones; a layout must not depend on a timing)."""
+    from dist_helpers import run_distributed
+
+    run_distributed(_auto_under_shard_with_rank1_slowed, 2, str(tmp_path), timeout_s=120)

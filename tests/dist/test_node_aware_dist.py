@@ -4,7 +4,8 @@ outputs, input gradients, router and expert gradients and statistics, at world 4
 ranks and as 1 node x 4, at world 2 as 2 nodes x 1, for fixed edge cases and random routings (one
 spawn per layout runs them all); the protocol's separate dispatch and combine equal to the
 pipeline; and the inter-node bytes the dispatcher counts against a count of the (token, node)
-pairs of every rank's routing."""
+pairs of every rank's routing and against the payload bytes the exchanges really sent across
+nodes (a pass-through spy on all_to_all_single)."""
 
 from __future__ import annotations
 
@@ -35,17 +36,44 @@ def _run(rank: int, world: int, per_node: int, case: dict, groups, dispatch: str
                                                                          layer.dispatcher)
         assert isinstance(layer.dispatcher, NodeAwareDispatcher) == (dispatch == "node_aware")
 
-    layer, x, results = run_case(rank, case, install)
-    if dispatch == "node_aware" and case["cf"] is None:
-        _check_inter_node_bytes(rank, world, per_node, layer, x, case)
+    with _InterNodeSpy(per_node) as spy:
+        layer, x, results = run_case(rank, case, install)
+    if dispatch == "node_aware":
+        assert layer.dispatcher.inter_node_bytes == spy.payload_bytes, (case["name"], degree, rank)
+        if case["cf"] is None:
+            _check_inter_node_bytes(rank, world, per_node, layer, x, case)
     return results
+
+
+class _InterNodeSpy:
+    """Adds up the floating-point payload this rank's all_to_all_single calls send to ranks on
+    other nodes (the counts exchange, integer, is not payload), then calls the real collective."""
+
+    def __init__(self, per_node: int) -> None:
+        self.per_node, self.payload_bytes, self.real = per_node, 0, dist.all_to_all_single
+
+    def __enter__(self) -> "_InterNodeSpy":
+        def spy(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            if input.is_floating_point():
+                size = dist.get_world_size(group)
+                splits = input_split_sizes or [input.shape[0] // size] * size
+                row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+                me = dist.get_rank() // self.per_node
+                self.payload_bytes += sum(n * row_bytes for r, n in enumerate(splits)
+                                          if dist.get_global_rank(group, r) // self.per_node != me)
+            return self.real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        dist.all_to_all_single = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_to_all_single = self.real
 
 
 def _check_inter_node_bytes(rank: int, world: int, per_node: int, layer: MoELayer, x: torch.Tensor,
                             case: dict) -> None:
     """Counted bytes against the routing (dropless: every assignment kept): per remote (token, node)
     pair one row each way, forward and backward; per remote assignment its (weight, row index) pair
-    (two weight-sized values) out, and that pair's gradient back."""
+    (two weight-sized values) out, and the weight's gradient alone back (the index has none)."""
     with torch.no_grad():
         plan = layer.dispatch_plan(layer.router(x), None, x.shape[0])
     K, E = plan.num_assignments, case["experts"]
@@ -64,7 +92,7 @@ def _check_inter_node_bytes(rank: int, world: int, per_node: int, layer: MoELaye
     rows_in = sum(int(every[s][me]) for s in relay_for)
     assign_in = sum(int(every[s][B + me]) for s in relay_for)
     row_bytes, w_bytes = 16 * (case.get("a2a_dtype") or torch.float64).itemsize, 8
-    expected = 2 * (rows_out + rows_in) * row_bytes + 2 * (assign_out + assign_in) * w_bytes
+    expected = 2 * (rows_out + rows_in) * row_bytes + (2 * assign_out + assign_in) * w_bytes
     assert layer.dispatcher.inter_node_bytes == expected, (case["name"], rank)
     if per_node == world:
         assert expected == 0

@@ -164,3 +164,29 @@ def test_memory_estimate_caps_the_rows_of_a_rank_with_less_memory():
         plan_batch(cfg, 2, speeds=[3.0, 1.0], caps=[8, 0])
     with pytest.raises(ConfigError, match="hold at most 24 samples together"):
         plan_batch(cfg, 2, speeds=[3.0, 1.0], caps=[4, 4])
+
+
+def test_auto_caps_a_ranks_rows_at_the_experts_its_speed_gives_it():
+    """At EP 2 with speeds [3, 1] rank 0 holds 6 of 8 experts, not the even probe's 4: its memory
+    cap is counted on those 6 (lower than the even probe's), and under parallel.shard, where the
+    experts stay even, on the even layout."""
+    from pathlib import Path
+
+    from m6.parallel.launch import DistEnv
+    from m6.parallel.speed_probe import rank_layout_model
+    from m6.train.balance import rows_that_fit_layout
+
+    gpu_2b = str(Path(__file__).resolve().parents[2] / "configs" / "m6-gpu-2b.yaml")
+    env, limit, speeds = DistEnv(0, 2, 0, 2, "nccl"), 40 * 2**30, [3.0, 1.0]
+    for shard in ("none", "full"):
+        cfg = load(gpu_2b, ["parallel.balance=auto", "parallel.expert_parallel_size=2", "train.micro_batch_size=null",
+                            "train.global_batch_size=16", f"parallel.shard={shard}"])
+        even = rank_layout_model(cfg, env, 2)
+        even_cap = rows_that_fit(cfg, even, 2, 2, limit)
+        cap = rows_that_fit_layout(cfg, env, 2, speeds, limit)
+        if shard == "none":
+            uneven = rank_layout_model(cfg, env, 2, speeds)
+            assert sum(p.numel() for p in uneven.parameters()) > sum(p.numel() for p in even.parameters())
+            assert cap == rows_that_fit(cfg, uneven, 2, 2, limit) < even_cap, (cap, even_cap)
+        else:
+            assert cap == even_cap

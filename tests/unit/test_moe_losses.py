@@ -127,3 +127,54 @@ def test_balance_loss_counts_assignments_before_capacity():
     assert float(aux.detach()) == pytest.approx(1.5, rel=1e-6)
     assert float(layer.stats.aux_loss) == pytest.approx(1.5, rel=1e-6)
     assert layer.stats.tokens_per_expert.tolist() == [3, 1, 0, 0]
+
+
+def _accumulated(layer: MoELayer, micro_batches: list[torch.Tensor]) -> tuple[float, list, list]:
+    """A step accumulated over ``micro_batches`` as the loop does it (m6.train.loss.micro_batch_loss):
+    (the step's aux loss, the gradient of the token-loss part, the gradient of the aux part). The
+    token loss is a fixed per-token function of the layer's output, summed."""
+    from m6.train.loss import micro_batch_loss
+
+    total_tokens = sum(x.shape[0] for x in micro_batches)
+    readout = torch.linspace(-1.0, 1.0, layer.d_model)
+    grads, auxes = {}, []
+    for part in ("lm", "aux"):
+        layer.zero_grad()
+        for x in micro_batches:
+            y, aux = layer(x)
+            lm_sum = (y * readout).sum()
+            if part == "lm":
+                auxes.append(aux.item())
+                lm_sum, aux = lm_sum, aux.detach() * 0
+            else:
+                lm_sum = lm_sum.detach() * 0
+            micro_batch_loss(lm_sum, aux, total_tokens, len(micro_batches)).backward()
+        grads[part] = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
+    return sum(auxes) / len(auxes), grads["lm"], grads["aux"]
+
+
+def _close(a: list, b: list, tol: float) -> bool:
+    return all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b, strict=True))
+
+
+def test_the_token_loss_is_split_invariant_and_the_aux_loss_is_formed_per_micro_batch():
+    """The documented limit (docs/moe.md, m6.train.balance): cutting a step's tokens into other
+    micro-batches leaves the token loss's gradient unchanged (to 1e-6), while the aux losses are a
+    mean over micro-batches of each one's own routing statistics: unchanged when every micro-batch
+    has the same statistics, changed (with their gradients) when they differ."""
+    torch.manual_seed(0)
+    layer = MoELayer(d_model=8, ffn_dim=16, num_experts=4, top_k=2, capacity_factor=None, aux_loss_coef=0.5,
+                     z_loss_coef=0.25, init_seed=0)
+    x = torch.randn(8, 8) * 2
+    whole, lm_whole = _accumulated(layer, [x])[0], _accumulated(layer, [x])[1]
+    for cut in ([4, 4], [2, 2, 2, 2], [5, 3]):
+        aux, lm_grads, _ = _accumulated(layer, list(x.split(cut)))
+        assert _close(lm_grads, lm_whole, 1e-6), cut
+        assert abs(aux - whole) > 1e-4, (cut, aux, whole)  # the limit: other statistics, another aux loss
+    # Micro-batches with the same routing statistics (the same rows twice): the aux loss and its
+    # gradient are the one micro-batch's whatever the cut.
+    half = x[:4]
+    one = _accumulated(layer, [torch.cat([half, half])])
+    two = _accumulated(layer, [half, half])
+    assert two[0] == pytest.approx(one[0], rel=1e-6)
+    assert _close(two[2], one[2], 1e-6) and _close(two[1], one[1], 1e-6)

@@ -115,3 +115,29 @@ def test_delinked_checkpoint_continues_the_shared_model(tmp_path: Path, capsys: 
     shutil.rmtree(in_run / "checkpoints" / "step_00000005")
     again = train(load(TINY, [*SMALL, *PSEUDO, "train.delink_at_step=3", "train.max_steps=5", f"run.dir={in_run}"]))
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in again] == expected[3:]
+
+
+def test_the_pseudo_trainer_is_freed_before_the_real_one_is_built(tmp_path: Path):
+    """train.delink_at_step: the pseudo Trainer, its weights and its optimizer state are collected
+    before the real Trainer exists (they held the device through the whole real run)."""
+    import weakref
+
+    from m6.train.pseudo_to_real import train_pseudo_to_real
+
+    pseudo_refs: list[weakref.ref] = []
+    alive_when_real_built: list[bool] = []
+
+    def trainer_class(cfg: Config) -> Trainer:
+        if pseudo_refs:
+            alive_when_real_built.extend(ref() is not None for ref in pseudo_refs)
+        trainer = Trainer(cfg)
+        if not pseudo_refs:
+            param = next(trainer.model.parameters())
+            pseudo_refs.extend([weakref.ref(trainer), weakref.ref(param), weakref.ref(trainer.update.optimizer)])
+        return trainer
+
+    cfg = load(TINY, [*SMALL, *PSEUDO, "train.delink_at_step=1", "train.max_steps=2", "data.eval_samples=0",
+                      "checkpoint.async_save=false", f"run.dir={tmp_path}"])
+    history = train_pseudo_to_real(cfg, trainer_class)
+    assert [r["step"] for r in history] == [1, 2]
+    assert alive_when_real_built == [False, False, False]
