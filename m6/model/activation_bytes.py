@@ -87,8 +87,9 @@ def norm_saved(cfg: ModelConfig, rows: int) -> float:
 def qk_saved(cfg: ModelConfig, T: int, S: int, c: int) -> float:
     """What q/k normalisation and rotary positions add to the attention part, as measured on
     torch's ops. An RMSNorm of q or k keeps its normalised input in fp32 and its output (in fp32:
-    the output itself; under autocast, which runs rms_norm in fp32, also the fp32 copy of its
-    input, and SDPA keeps its own low-precision copy of the output) and an rstd per row and head;
+    the output itself; below fp32, where torch's rms_norm meets a low-precision input and an fp32
+    weight and computes in fp32, also the fp32 copy of its input, and SDPA keeps its own
+    low-precision copy of the output) and an rstd per row and head;
     the per-head norm also leaves SDPA one more q-sized copy. Rotary positions keep the rotated q
     and k (in place of the norms' outputs); below fp32 also the cos/sin tables cast for this
     block. (The fp32 tables, shared by all blocks: rotary_tables.)"""
