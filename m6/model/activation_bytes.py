@@ -85,24 +85,39 @@ def norm_saved(cfg: ModelConfig, rows: int) -> float:
     return 2 * 4 * rows
 
 
-def qk_saved(cfg: ModelConfig, T: int, c: int) -> float:
+def qk_saved(cfg: ModelConfig, T: int, S: int, c: int) -> float:
     """What q/k normalisation and rotary positions add to the attention part, as measured on
-    torch's ops: an RMSNorm of q or k keeps its normalised input and output (and its rstd); the
-    per-head norm also leaves SDPA one more q-sized copy; rotary positions keep the rotated q and k
-    (in place of the norms' outputs). (The cos/sin tables, shared by all blocks: rotary_tables.)"""
+    torch's ops. An RMSNorm of q or k keeps its normalised input in fp32 and its output (in fp32:
+    the output itself; below fp32, where torch's rms_norm meets a low-precision input and an fp32
+    weight and computes in fp32, also the fp32 copy of its input, and SDPA keeps its own
+    low-precision copy of the output) and an rstd per row and head;
+    the per-head norm also leaves SDPA one more q-sized copy. Rotary positions keep the rotated q
+    and k (in place of the norms' outputs); below fp32 also the cos/sin tables cast for this
+    block. (The fp32 tables, shared by all blocks: rotary_tables.)"""
     H, Hkv, Dh = cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
     Q, Kv = H * Dh, Hkv * Dh
     rope = "rope" in (cfg.positions, cfg.image_positions)
+    tables = 2 * c * S * Dh if rope and c != 4 else 0.0
+    per_normed = 8 if c == 4 else 4 + 4 + c  # bytes per element of a normalised q or k
     if cfg.qk_norm == "head":
-        return c * T * (2 * (Q + Kv) + Q) + 4 * T * (H + Hkv)
+        return tables + per_normed * T * (Q + Kv) + c * T * Q + 4 * T * (H + Hkv)
     if cfg.qk_norm == "full":
-        return c * T * 2 * (Q + Kv) + 4 * T * 2
-    return c * T * (Q + Kv) if rope else 0.0
+        return tables + per_normed * T * (Q + Kv) + 4 * T * 2
+    return tables + (c * T * (Q + Kv) if rope else 0.0)
 
 
 def rotary_tables(cfg: ModelConfig, S: int, c: int) -> float:
-    """The rotary cos and sin [S, Dh] that every block's q and k multiply by (0 without rotary positions)."""
-    return 2 * c * S * head_dim(cfg) if "rope" in (cfg.positions, cfg.image_positions) else 0.0
+    """The fp32 rotary cos and sin [S, Dh] that every block's q and k multiply by, kept once for all
+    blocks in fp32 (below fp32 each block keeps its own cast: qk_saved); 0 without rotary positions."""
+    rope = "rope" in (cfg.positions, cfg.image_positions)
+    return 2 * 4 * S * head_dim(cfg) if rope and c == 4 else 0.0
+
+
+def input_casts(activation: str, c: int) -> int:
+    """Copies of its (fp32) input a DenseMLP keeps: none in fp32 (the input itself is kept, by
+    whoever owns it); below fp32 one low-precision cast per input projection (fc_in, and fc_gate
+    for SwiGLU), each cast by its own op."""
+    return 0 if c == 4 else (2 if activation == "swiglu" else 1)
 
 
 def mlp_hidden_saved(activation: str, rows: int, ffn_dim: int, c: int) -> float:
@@ -137,7 +152,7 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
         # and logsumexp [B,H,S], and its output (the out projection's input, a view).
         # q/k norms and rotary positions add their own (qk_saved).
         attn_saved = (r * T * D + norm_stats + c * T * D + c * T * (Q + 2 * Kv) + c * B * S * S + 4 * B * H * S
-                      + c * T * Q + qk_saved(cfg, T, c))
+                      + c * T * Q + qk_saved(cfg, T, S, c))
         attn_inputs = r * T * D + B * S * S  # the block input and the boolean mask (shared by all layers)
         out.parts[f"blocks.{i}.attention"] = (attn_saved, attn_inputs)
         # Outside the parts: the FFN norm's input (residual after attention) and stats.
@@ -159,16 +174,20 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
                 out.a2a_buffers = max(out.a2a_buffers, 2 * shape.a2a_bytes * N * D)
             layer_transient = c * N * Fe * (gates - 1) + 2 * c * N * D + 4 * T * D
             if moe.num_shared_experts:
-                # Its input is the router's (kept outside already); the gate keeps the shared output
-                # it scales and its sigmoid.
+                # In fp32 its input is the router's (kept outside already); below fp32 each of its
+                # input projections keeps its own low-precision cast of the input. The gate keeps
+                # the shared output it scales and its sigmoid (and its own input cast).
                 Fs = shared_expert_ffn_dim(cfg)
-                out.parts[f"blocks.{i}.shared_experts"] = (mlp_hidden_saved(moe.activation, T, Fs, c), 0.0)
+                casts = input_casts(moe.activation, c)
+                out.parts[f"blocks.{i}.shared_experts"] = (mlp_hidden_saved(moe.activation, T, Fs, c)
+                                                           + casts * c * T * D, casts * c * T * D)
                 if moe.shared_expert_gate:
-                    out._add_outside(f"blocks.{i}", c * T * D + 4 * T)
+                    out._add_outside(f"blocks.{i}", c * T * D + 4 * T + (c * T * D if c != 4 else 0))
                 layer_transient = max(layer_transient, mlp_hidden_saved(moe.activation, T, Fs, c) / 2 + 4 * T * D)
         else:
             hidden = mlp_hidden_saved(cfg.ffn_activation, T, Fd, c)
-            out.parts[f"blocks.{i}.mlp"] = (c * T * D + hidden, c * T * D)
+            inputs = max(1, input_casts(cfg.ffn_activation, c)) * c * T * D
+            out.parts[f"blocks.{i}.mlp"] = (inputs + hidden, inputs)
             layer_transient = hidden / 2 + 2 * c * T * Fd * (cfg.ffn_activation == "swiglu") + 4 * T * D
         # Attention's backward: dq, dk, dv and the incoming gradient, beside the residual's.
         layer_transient = max(layer_transient, c * T * (2 * Q + 2 * Kv) + r * T * D)

@@ -59,7 +59,9 @@ class SelfAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            # cos/sin cast to q's dtype once for q and k (a no-op in fp32: the tables are then shared by all blocks)
+            cos, sin = (t.to(q.dtype) for t in rotary)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS,
                                            dropout_p=self.dropout if self.training else 0.0,
                                            enable_gqa=self.num_kv_heads != self.num_heads)

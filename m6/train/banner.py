@@ -13,6 +13,7 @@ import torch
 from m6 import __version__
 from m6.config import Config, num_patches
 from m6.data.sources import relative_to_cwd_note
+from m6.model.architecture import block_options
 from m6.model.flops import ModelSize
 from m6.moe.router import router_gemm_precision
 from m6.train.loggers import format_duration
@@ -68,6 +69,9 @@ def device_label(device: torch.device) -> str:
 def _model_line(cfg: Config, size: ModelSize, blocks: list[int], device: torch.device) -> str:
     m, moe = cfg.model, cfg.model.moe
     shape = f"{m.num_layers} blocks x d_model {m.d_model}, {m.num_heads} heads"
+    options = block_options(m)
+    if options:
+        shape += f" ({options})"
     if not blocks:
         ffn = f"dense FFN {m.ffn_dim}"
     else:

@@ -172,6 +172,53 @@ def model_forward_backward(workdir: Path) -> dict:
     return out
 
 
+HF_BLOCK_OPTIONS = [  # the Hugging Face families' block options (docs/training.md#block-architecture)
+    "model.norm=rmsnorm", "model.positions=rope", "model.image_positions=rope", "model.num_kv_heads=2",
+    "model.head_dim=16", "model.qk_norm=head", "model.linear_bias=false", "model.attention_bias=true",
+    "model.ffn_activation=swiglu", "model.tie_embeddings=false", "model.moe.activation=swiglu",
+    "model.moe.num_shared_experts=1", "model.moe.shared_expert_gate=true", "model.moe.first_dense_blocks=1",
+    "model.moe.every=1", "model.moe.routed_scaling_factor=1.5",
+]
+
+
+@scenario("layers")
+def built_under_cuda_context(workdir: Path) -> dict:
+    """Modules built under ``with torch.device("cuda")`` (as torchtitan and transformers build
+    models): an MoE layer, and the model with the Hugging Face block options, whose forward, loss
+    and backward then run on the device in fp32 and bf16 autocast."""
+    from m6.data.batch import collate
+    from m6.data.byte_tokenizer import ByteTokenizer
+    from m6.data.synthetic import SyntheticImageCaptionDataset
+    from m6.model import M6Model
+    from m6.moe import MoELayer
+    from m6.train.loss import forward_loss_sums
+    cfg = _tiny_config(HF_BLOCK_OPTIONS, workdir / "context")
+    m = cfg.model
+    data = SyntheticImageCaptionDataset(16, image_size=m.image_size, seed=0)
+    batch = collate([data[i] for i in range(4)], ByteTokenizer(), cfg.data.seq_len,
+                    (m.image_channels, m.image_size, m.image_size))
+    out = {}
+    with simulated_cuda():
+        try:
+            with torch.device("cuda"):
+                layer = MoELayer(64, 128, 8, activation="swiglu")
+                model = M6Model(m)
+        except Exception as e:  # noqa: BLE001: the failure is what the test reports
+            return {"error": f"{type(e).__name__}: {e}"}
+        out["error"] = None
+        out["on_device"] = all(p.device.type == "cuda" for p in [*layer.parameters(), *model.parameters()])
+        for name, dtype in (("fp32", None), ("bf16-autocast", torch.bfloat16)):
+            device_batch = batch.to("cuda")
+            with RECORD.capture() as found:
+                autocast = torch.autocast("cuda", dtype=dtype, enabled=dtype is not None)
+                loss, aux = forward_loss_sums(model, device_batch, autocast)
+                (loss / device_batch.num_target_tokens + aux).backward()
+            model.zero_grad(set_to_none=True)
+            out[name] = {"findings": found.to_json(), "facts": {"moe_layers": len(model.moe_layers()),
+                                                                 "loss_on_device": isinstance(loss, SimTensor)}}
+    return out
+
+
 # ---- short Trainer runs -------------------------------------------------------------------------------
 # Two steps of configs/tiny.yaml on a global batch of 8, one logging step (the last), one evaluation
 # and one checkpoint (both at the end): every phase of the host-sync allow-list occurs. The fp32 run

@@ -63,3 +63,20 @@ def test_model_forward_and_loss_sync_only_in_moe_layers(simcuda, precision):
     assert findings["problems"] == [] and findings["unchecked_ops"] == {}, findings
     assert result["facts"]["moe_layers"] == 2 and result["facts"]["loss_on_device"]
     assert _syncs(findings) == [("m6/moe/dispatch.py:host_ints", "moe_forward", 2)], findings["syncs"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+def test_model_built_under_cuda_context_runs_on_the_device(simcuda, precision):
+    """``with torch.device("cuda"): MoELayer(...)`` and the model with the Hugging Face block
+    options build, and run on the device (rotary tables, q/k norms, shared experts included) with
+    no host sync outside the MoE layers. (Simulated CUDA does not model torch's check that a
+    generator is on the draw's device: tests/unit/test_model_options.py holds the expert init to
+    the host under a device context.)"""
+    result = scenario_result(simcuda("layers"), "built_under_cuda_context")
+    assert result["error"] is None, result["error"]
+    assert result["on_device"]
+    run = result[precision]
+    findings = run["findings"]
+    assert findings["problems"] == [] and findings["unchecked_ops"] == {}, findings
+    assert run["facts"]["moe_layers"] == 3 and run["facts"]["loss_on_device"]
+    assert _syncs(findings) == [("m6/moe/dispatch.py:host_ints", "moe_forward", 3)], findings["syncs"]

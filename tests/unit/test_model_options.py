@@ -403,3 +403,13 @@ def test_recomputing_every_part_gives_the_same_gradients_with_every_option():
     predicted = activation_bytes(cfg, ActivationShape(2, 10))
     assert abs(predicted.kept() - held[0]) <= 0.02 * held[0], (predicted.kept(), held[0])
     assert abs(predicted.kept_full() - held[1]) <= 0.05 * held[1], (predicted.kept_full(), held[1])
+
+
+def test_banner_names_the_non_default_block_options():
+    from m6.model.architecture import block_options
+    assert block_options(ModelConfig()) == ""
+    cfg = hf_style_cfg(attention_bias=True, moe={"num_shared_experts": 2, "shared_expert_gate": True,
+                                                 "first_dense_blocks": 1, "routed_scaling_factor": 2.5})
+    assert block_options(cfg) == ("rmsnorm, RoPE (text, theta 10000), GQA 2 key/value heads, head dim 12, "
+                                  "q/k norm per head, q/k/v biases only, swiglu dense MLPs, 2 shared experts (gated), "
+                                  "first 1 block dense, routed output x2.5")
