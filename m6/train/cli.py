@@ -1,7 +1,7 @@
 """The training command: ``m6-train``, ``python -m m6.train`` and the repository's train.py.
 
     m6-train --config configs/tiny.yaml [key=value ...]
-    m6-train --config configs/tiny.yaml model.moe.num_experts=16 train.max_steps=50
+    m6-train --config configs/tiny.yaml run.name=tiny-e16 model.moe.num_experts=16 train.max_steps=50
 
 Config keys: the "Config reference" table in docs/training.md (defaults and comments in
 m6/config.py); every key with the value this command line gives it: add --print-config.
