@@ -204,7 +204,7 @@ class Trainer:
             world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,
             micro_batch=self.micro_batch, accumulation=self.accum, device=self.device, precision=precision,
             size=self.size, moe_blocks=[int(name.removeprefix("block")) for name in self.model.moe_layers()],
-            source_records=self.data.source_records,
+            source_records=self.data.source_records, held_out=self.data.held_out, eval_samples=len(self.eval_set),
             tokenizer=f"{self.cfg.data.tokenizer or 'byte'} (vocab {self.data.tokenizer.vocab_size:,})",
             run_dir=self.run_dir.resolve(), start=self.start, wandb=self.logger.wandb_mode,
             user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir, balance=self.balance_line)
@@ -487,10 +487,11 @@ class Trainer:
         saved_world = meta.get("world_size", 1)
         rng = "" if saved_world == self.world_size else (
             "; RNG streams are per rank, so at another world size they restart from the run seed")
-        auto = "checkpoint.resume=auto: the run dir's latest; " if str(self.cfg.checkpoint.resume).strip().lower() == "auto" else ""
-        self.start = (f"resumed from {path} at step {self.step} ({auto}saved at world size {saved_world}, "
+        auto = ", chosen by checkpoint.resume=auto (the run dir's latest)" \
+            if str(self.cfg.checkpoint.resume).strip().lower() == "auto" else ""
+        self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
-                      f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
+                      f"{self.sharded.groups.layout.expert_parallel_size}{rng}){auto}")
 
         if "loss_scale" in self.state.missing:
             self._print_main(f"the checkpoint holds no loss scale (its run was not fp16): the scale starts at "

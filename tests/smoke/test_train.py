@@ -252,7 +252,7 @@ def test_a_checkpoint_at_or_past_max_steps_is_named_not_an_empty_run(tmp_path, c
     assert "raise train.max_steps" in line and "checkpoint.resume=none" in line and "m6 " not in captured.out
     assert train_entry.main(args) == 0
     out = capsys.readouterr().out
-    assert "resumed from" in out and "(checkpoint.resume=auto: the run dir's latest;" in out
+    assert "resumed from" in out and "), chosen by checkpoint.resume=auto (the run dir's latest) | 3 steps" in out
     done = [line for line in out.splitlines() if line.startswith("nothing to train")]
     assert len(done) == 1 and "at step 3, already train.max_steps=3" in done[0], out
     assert "done:" not in out and (tmp_path / "summary.json").read_text() == summary
