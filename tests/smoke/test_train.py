@@ -316,7 +316,8 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_stays_loadable(small_disk,
 
 
 def test_a_non_editable_install_trains_with_its_console_script(tmp_path):
-    """`pip install .` (not editable): m6-train, python -m m6.train, m6-report and the other commands work
+    """`pip install .` (not editable): m6-train, python -m m6.train, m6-report and the other commands
+    (m6-inspect, m6-prepare, m6-plan, m6-checkpoint) work
     outside the repository, with only the installed package importable as m6."""
     import subprocess
     import sys
@@ -338,7 +339,8 @@ def test_a_non_editable_install_trains_with_its_console_script(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and (run / "report.png").is_file() and (run / "report.html").is_file(), report.stderr
     for command in ([sys.executable, "-m", "m6.train", "--help"], [str(site / "bin" / "m6-inspect"), "--help"],
-                    [str(site / "bin" / "m6-prepare"), "--help"]):
+                    [str(site / "bin" / "m6-prepare"), "--help"], [str(site / "bin" / "m6-plan"), "--help"],
+                    [str(site / "bin" / "m6-checkpoint"), "--help"]):
         shown = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert shown.returncode == 0 and "usage:" in shown.stdout, (command, shown.stderr[-1000:])
 
