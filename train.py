@@ -2,7 +2,7 @@
 command is ``m6-train`` or ``python -m m6.train``).
 
     python train.py --config configs/tiny.yaml [key=value ...]
-    python train.py --config configs/tiny.yaml model.moe.num_experts=16 train.max_steps=50
+    python train.py --config configs/tiny.yaml run.name=tiny-e16 model.moe.num_experts=16 train.max_steps=50
 """
 
 import sys

@@ -25,6 +25,25 @@ from m6.data.synthetic import caption_for, make_text_only_sample, render_shapes,
 
 SAMPLE_SEED = 20261121
 IMAGE_SIZE = 32
+# The per-channel pixel mean and std (0-1 scale) configs/tiny.yaml normalises this corpus with
+# (its data.image_mean / data.image_std): a config copied from it for other images keeps them, and
+# the banner says so.
+SAMPLE_IMAGE_MEAN = (0.1316, 0.1278, 0.1253)
+SAMPLE_IMAGE_STD = (0.1468, 0.1267, 0.1318)
+
+
+def is_sample_corpus_statistics(mean: Sequence[float], std: Sequence[float]) -> bool:
+    """Whether ``mean``/``std`` are this corpus's statistics (copied from configs/tiny.yaml)."""
+    return (len(mean) == len(SAMPLE_IMAGE_MEAN) and len(std) == len(SAMPLE_IMAGE_STD)
+            and all(abs(a - b) < 5e-5 for a, b in zip([*mean, *std], [*SAMPLE_IMAGE_MEAN, *SAMPLE_IMAGE_STD])))
+
+
+def is_sample_corpus_path(path: str) -> bool:
+    """Whether a data.sources path names this corpus's files (``sample-*.tar`` or ``text.txt`` in a
+    folder named ``sample``, as ``--out data/sample`` writes them)."""
+    name = os.path.basename(path)
+    return os.path.basename(os.path.dirname(os.path.normpath(path))) == "sample" and (
+        name.startswith("sample-") and name.endswith(".tar") or name == "text.txt")
 
 
 def sample_png(index: int, seed: int = SAMPLE_SEED) -> tuple[bytes, str]:

@@ -26,6 +26,7 @@ class TrainingData:
     collator: BatchCollator
     index_skips: SkipCounter  # records skipped while indexing (the same on every rank)
     source_records: list[int]  # usable training records per data source (synthetic: one source)
+    held_out: list[int]  # records held out of each source for the caption eval (data.eval_samples)
 
 
 def build_tokenizer(cfg: Config) -> TextTokenizer:
@@ -68,18 +69,20 @@ def build_training_data(cfg: Config, rank: int, world_size: int, pin_memory: boo
         if len(dataset) == 0:
             raise ConfigError("the dataset passed to Trainer is empty")
         train, sizes, weights, skips = UserSamples(dataset, image_shape), [len(dataset)], [1.0], SkipCounter()
+        held_out = [0]
         eval_set = list(eval_samples or [])
     elif d.kind == "synthetic":
         train = SyntheticRecords(SyntheticImageCaptionDataset(d.num_samples, m.image_size, seed=seed,
                                                               text_only_fraction=d.text_only_fraction))
-        sizes, weights, skips = [d.num_samples], [1.0], SkipCounter()
+        sizes, weights, skips, held_out = [d.num_samples], [1.0], SkipCounter(), [0]
         eval_set = SyntheticImageCaptionDataset(max(d.eval_samples, 1), m.image_size, seed=seed + EVAL_SEED_OFFSET,
                                                 text_only_fraction=0.0) if d.eval_samples else []
     else:
         files = build_file_datasets(d, m.image_size, seed)
         train, sizes, weights, skips, eval_set = files.train, files.sizes, files.weights, files.index_skips, files.eval_samples
+        held_out = files.held_out
     # An uneven split (parallel.balance) is given to the loader by the trainer (TrainLoader.set_shares).
     micro = micro_batch_size(cfg.train, world_size) if cfg.parallel.balance == "even" else None
     loader = TrainLoader(train, sizes, weights, seed, cfg.train.global_batch_size, micro,
                          rank, world_size, collator, d.num_workers, d.prefetch_factor, pin_memory)
-    return TrainingData(tokenizer, loader, eval_set, collator, skips, list(sizes))
+    return TrainingData(tokenizer, loader, eval_set, collator, skips, list(sizes), list(held_out))

@@ -5,7 +5,9 @@
 FILE is a .csv with columns ``file,caption`` or a .jsonl with ``{"image": ..., "text": ...}`` lines,
 image names relative to DIR. Each record becomes ``<key>.<ext>`` + ``<key>.txt`` in
 ``<prefix>-000000.tar``, ``<prefix>-000001.tar``, ... Every image is decoded with Pillow before it is
-written; rows that cannot be used are counted by reason and reported at the end.
+written; rows that cannot be used are counted by reason and reported at the end, followed by what
+to put in the config: the shards' brace pattern for ``data.sources`` and the images' per-channel
+pixel mean and standard deviation for ``data.image_mean`` / ``data.image_std``.
 """
 
 from __future__ import annotations
@@ -15,15 +17,17 @@ import csv
 import io
 import json
 import os
+import shlex
 import sys
 import tarfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+import numpy as np
 from PIL import Image
 
-from m6.data.images import BadRecord, open_image
+from m6.data.images import BadRecord, open_image, to_rgb
 from m6.data.sources import SkipCounter
 
 # Pillow format -> extension the shard readers accept; other formats are re-encoded losslessly as PNG.
@@ -72,9 +76,51 @@ def read_captions(path: str) -> Iterator[CaptionRow]:
         raise ValueError(f"{path}: captions file must end in .csv or .jsonl")
 
 
-def encoded_image(data: bytes) -> tuple[bytes, str]:
-    """Verify ``data`` decodes with Pillow; return (bytes to store, extension), re-encoding odd formats as PNG."""
+class PixelStats:
+    """Per-channel mean and standard deviation of RGB pixels on the 0-1 scale the loader normalises
+    from (every image converted as the loader converts it: alpha over white, grey to RGB), summed
+    in float64 over all pixels of all images."""
+
+    def __init__(self) -> None:
+        self.sum = np.zeros(3)
+        self.sum_sq = np.zeros(3)
+        self.count = 0
+
+    def add(self, img: Image.Image) -> None:
+        pixels = np.asarray(to_rgb(img), dtype=np.float64).reshape(-1, 3) / 255.0
+        self.sum += pixels.sum(0)
+        self.sum_sq += np.square(pixels).sum(0)
+        self.count += len(pixels)
+
+    def mean_std(self) -> tuple[list[float], list[float]]:
+        mean = self.sum / self.count
+        std = np.sqrt(np.maximum(self.sum_sq / self.count - np.square(mean), 0.0))
+        return [round(float(v), 4) for v in mean], [round(float(v), 4) for v in std]
+
+
+def config_lines(out_dir: str, prefix: str, num_shards: int, stats: PixelStats) -> list[str]:
+    """What to put in the config for the shards written: data.sources' brace pattern (the form
+    data.sources expands) and data.image_mean / data.image_std measured on the images."""
+    last = f"{num_shards - 1:0{SHARD_DIGITS}d}"
+    names = f"{prefix}-{{{0:0{SHARD_DIGITS}d}..{last}}}.tar" if num_shards > 1 else f"{prefix}-{last}.tar"
+    pattern = os.path.join(out_dir, names)
+    mean, std = stats.mean_std()
+    sources = f'[{{path: "{pattern}", format: tar}}]'
+    return ["in the config (YAML):",
+            f"  data.sources: {sources}",
+            f"  data.image_mean: {mean}",
+            f"  data.image_std: {std}",
+            "or as overrides:",
+            f"  data.kind=files data.sources={shlex.quote(sources)} data.image_mean={shlex.quote(str(mean))} "
+            f"data.image_std={shlex.quote(str(std))}"]
+
+
+def encoded_image(data: bytes, stats: PixelStats | None = None) -> tuple[bytes, str]:
+    """Verify ``data`` decodes with Pillow; return (bytes to store, extension), re-encoding odd
+    formats as PNG; the decoded pixels are added to ``stats``."""
     img = open_image(data)
+    if stats is not None:
+        stats.add(img)
     ext = FORMAT_EXTENSIONS.get(img.format or "")
     if ext is not None:
         return data, ext
@@ -165,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     skips = SkipCounter()
+    stats = PixelStats()
     writer = ShardWriter(args.out, args.prefix, args.shard_size)
     written = done = 0
     last_progress = 0.0
@@ -184,7 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 with open(os.path.join(args.images, file_name), "rb") as f:
                     data = f.read()
-                image, ext = encoded_image(data)
+                image, ext = encoded_image(data, stats)
             except OSError as e:
                 skips.record(args.captions, label, "missing_file", f"{file_name}: {e}")
             except BadRecord as e:
@@ -205,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if written == 0:
         print("error: no records written", file=sys.stderr)
         return 1
+    print("\n".join(config_lines(args.out, args.prefix, writer.num_shards, stats)))
     return 0
 
 

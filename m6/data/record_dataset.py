@@ -115,6 +115,7 @@ class FileData:
     weights: list[float]
     eval_samples: list[Sample]
     index_skips: SkipCounter  # counted while indexing (identical on every rank)
+    held_out: list[int]  # records held out for eval per source (not in ``sizes``): data.eval_samples, at most half
 
 
 def _index_source(i: int, src: DataSourceConfig, skips: SkipCounter) -> RecordIndex:
@@ -146,9 +147,11 @@ def build_file_datasets(data: DataConfig, image_size: int, seed: int) -> FileDat
     indexes = [_index_source(i, src, skips) for i, src in enumerate(data.sources)]
     sizes = [len(ix) for ix in indexes]
     eval_samples: list[Sample] = []
+    held_out = [0] * len(sizes)
     image_source = next((i for i, ix in enumerate(indexes) if isinstance(ix, (TarIndex, ManifestIndex))), None)
     if data.eval_samples and image_source is not None:
-        held = min(data.eval_samples, sizes[image_source] // 2)
+        # At most half of the source, so that a small one still trains; the banner says how many.
+        held = held_out[image_source] = min(data.eval_samples, sizes[image_source] // 2)
         sizes[image_source] -= held  # training draws records [0, size - held) of that source
         ix = indexes[image_source]
         for record in range(sizes[image_source], sizes[image_source] + held):
@@ -164,4 +167,4 @@ def build_file_datasets(data: DataConfig, image_size: int, seed: int) -> FileDat
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return FileData(RecordDataset(indexes, sizes, tasks, image_size, seed, data.image_mean, data.image_std), sizes,
-                    [float(s.weight) for s in data.sources], eval_samples, skips)
+                    [float(s.weight) for s in data.sources], eval_samples, skips, held_out)

@@ -1,7 +1,7 @@
 """Bytes the M6 forward keeps for backward, from shapes and dtypes alone (no model is run).
 
-The one formula for activation memory: m6.model.flops.memory_estimate_bytes, m6.memory.estimate
-and the planner (m6.plan) all read it. Each term names the tensor autograd saves, as
+The one formula for activation memory: m6.memory.estimate (so m6.inspect) and the planner
+(m6.plan) read it. Each term names the tensor autograd saves, as
 m6.memory.activation_meter counts it (per storage, parameters left out); a unit test holds the
 sum to the meter's count on a real forward.
 

@@ -40,7 +40,6 @@ from torch import nn
 
 from m6.batch_format import SEG_PAD
 from m6.config import ModelConfig, head_dim, num_patches
-from m6.model.activation_bytes import ActivationShape, activation_bytes
 from m6.model.m6_model import M6Model
 from m6.moe import MoELayer
 
@@ -154,17 +153,3 @@ def step_flops(rates: ForwardFlopRates, counts: TokenCounts, kept_assignments: f
                + rates.per_assignment * kept_assignments)
     return 3.0 * forward
 
-
-def memory_estimate_bytes(cfg: ModelConfig, size: ModelSize, seq_len: int, micro_batch: int) -> dict[str, float]:
-    """Per-process training memory with fp32 AdamW, no memory features and no parallelism.
-
-    Model states: 4 B params + 4 B grads + 8 B Adam moments = 16 B/param. Activations: what an
-    fp32 forward of the densest micro-batch keeps for backward (m6.model.activation_bytes, the
-    one formula; m6.memory.estimate adds layouts, precision and memory features).
-    """
-    return {
-        "params": 4.0 * size.total,
-        "grads": 4.0 * size.total,
-        "optimizer": 8.0 * size.total,
-        "activations": activation_bytes(cfg, ActivationShape(micro_batch, seq_len)).kept(),
-    }

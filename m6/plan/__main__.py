@@ -5,6 +5,10 @@
         [--out plan.overrides]
 
 Every number printed is PREDICTED; the GPU figures rest on the assumptions printed with them.
+Layouts whose predictions are the same (settings the model says change nothing, such as the update
+split in more groups where its temporaries are no peak) are shown once, the simplest, naming the
+others. The best layout's overrides go into the printed launch command, or, with ``--out FILE``,
+into FILE (nothing is written unless asked), which ``train.py --overrides FILE`` reads.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 import time
 
@@ -37,7 +42,8 @@ def describe(c: Candidate, rank: int, ranks_per_node: int = 1) -> str:
              + f", offload {c.offload}"
              + (f" (blocks {c.offload_blocks[0]}-{c.offload_blocks[-1]} streamed)" if c.offload_blocks else "")
              + f", shard {c.shard}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}"
-             + (f", overlap {c.a2a_overlap_degree}, dispatch {c.a2a_dispatch}" if c.expert_parallel_size > 1 else ""),
+             + (f", overlap {c.a2a_overlap_degree}, dispatch {c.a2a_dispatch}" if c.expert_parallel_size > 1 else "")
+             + (f" (the same prediction with {'; '.join(c.equivalents)})" if c.equivalents else ""),
              f"    PREDICTED {c.tokens_per_s:,.0f} tokens/s, step {t.total:.3f} s = compute {t.compute:.3f} + "
              f"all-to-all {t.all_to_all:.3f}" + (f" exposed ({t.all_to_all_hidden:.3f} hidden)" if t.all_to_all_hidden else "")
              + f" + grad sync {t.grad_sync:.3f}" + (f" exposed ({t.grad_sync_hidden:.3f} hidden)" if t.grad_sync_hidden else "")
@@ -108,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard", choices=("config", "any", "none", "optimizer", "full"), default="config",
                    help="parallel.shard settings to consider: the config's (default), all three (any), or one")
     p.add_argument("--top", type=int, default=3)
-    p.add_argument("--out", default="plan.overrides", help="file of key=value lines for train.py")
+    p.add_argument("--out", default=None, metavar="FILE",
+                   help="write the best layout's key=value lines to FILE (for train.py --overrides FILE); "
+                        "default: nothing written, the overrides are printed in the launch command")
     args = p.parse_intermixed_args(argv)
     t0 = time.perf_counter()
     if args.inventory is not None or (args.gpus is not None and not args.gpus.strip().isdigit()):
@@ -155,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                  if memory_light_changes(cfg, first) else "") + ")", file=sys.stderr)
         return 2
     print(f"{args.config} on {args.gpus} x {hw.name} ({memory_gib:g} GiB), {args.gpus_per_node} per node: "
-          f"{result.fitting} of {result.considered} layouts fit, {len(result.feasible)} timed with their exchange "
-          f"forms ({time.perf_counter() - t0:.1f} s)")
+          f"{result.fitting} of {result.considered} layouts fit, {result.timed} timed with their exchange "
+          f"forms, {len(result.feasible)} of distinct predictions ({time.perf_counter() - t0:.1f} s)")
     assumed = list(hw.assumed)
     if args.gpu != "cpu":
         assumed.append(f"offloaded host update: a per-core rate timed on this host (1 thread) x "
@@ -169,13 +177,36 @@ def main(argv: list[str] | None = None) -> int:
     for i, c in enumerate(result.feasible[:args.top], 1):
         print(describe(c, i, min(args.gpus, args.gpus_per_node)))
     best = result.feasible[0]
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write("\n".join(changes + best.overrides()) + "\n")
-    launcher = f"torchrun --nnodes {max(1, args.gpus // args.gpus_per_node)} --nproc_per_node " \
-               f"{min(args.gpus, args.gpus_per_node)}"
-    print(f"wrote {args.out}; run:\n  {launcher} train.py --config {args.config} "
-          + " ".join(list(args.overrides) + changes + best.overrides()))
+    # The planning command's own overrides first: the layout's come after them and win, as they did in the search.
+    overrides = [*args.overrides, *changes, *best.overrides()]
+    train_args = overrides if args.out is None else ["--overrides", write_overrides(args.out, overrides)]
+    print("\n".join(launch_lines(args.gpus, args.gpus_per_node, cfg.run.name, args.config, train_args)))
     return 0
+
+
+RENDEZVOUS_PORT = 29400
+
+
+def launch_lines(gpus: int, gpus_per_node: int, run_name: str, config: str, train_args: list[str]) -> list[str]:
+    """How to start the planned job: one torchrun on one node; on several, the rendezvous store in
+    its own process on the first node and one torchrun agent per node pointing at it, as
+    docs/parallelism.md launches (HEAD: the first node's address)."""
+    nodes, per_node = max(1, -(-gpus // gpus_per_node)), min(gpus, gpus_per_node)
+    train = f"train.py --config {shlex.quote(config)} " + " ".join(shlex.quote(a) for a in train_args)
+    if nodes == 1:
+        return ["run:", f"  torchrun --standalone --nproc_per_node {per_node} {train}"]
+    return [f"run on {nodes} nodes of {per_node} GPUs (HEAD: the first node's address; Slurm: docs/parallelism.md):",
+            f"  on HEAD, for the life of the job: python -m m6.parallel.rendezvous_store --port {RENDEZVOUS_PORT}",
+            f"  on every node: torchrun --nnodes {nodes} --nproc_per_node {per_node} --rdzv_backend c10d "
+            f"--rdzv_endpoint HEAD:{RENDEZVOUS_PORT} --rdzv_conf is_host=false --rdzv_id {shlex.quote(run_name)} {train}"]
+
+
+def write_overrides(path: str, overrides: list[str]) -> str:
+    """Write the ``key=value`` lines train.py's ``--overrides FILE`` reads; returns ``path``."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(overrides) + "\n")
+    print(f"wrote {path}")
+    return path
 
 
 def plan_inventory(args: argparse.Namespace) -> int:
@@ -195,9 +226,11 @@ def plan_inventory(args: argparse.Namespace) -> int:
           + f"; EP {plan.expert_parallel_size}, {plan.num_micro} micro-batch(es) per rank")
     print("ASSUMED (not measured): " + "; ".join(dict.fromkeys(a for k in inventory for a in k.hw.assumed)))
     print("\n".join(describe_mixed(plan)))
-    with open(args.out, "w", encoding="utf-8") as f:
-        f.write("\n".join(plan.overrides()) + "\n")
-    print(f"wrote {args.out} (train.py rounds each share to whole samples: docs/heterogeneous.md)")
+    overrides = [*args.overrides, *plan.overrides()]
+    train_args = overrides if args.out is None else ["--overrides", write_overrides(args.out, overrides)]
+    print("train.py rounds each share to whole samples (docs/heterogeneous.md); the ranks are numbered in the "
+          "order the kinds are given")
+    print("\n".join(launch_lines(world, args.gpus_per_node, cfg.run.name, args.config, train_args)))
     return 0
 
 

@@ -1,12 +1,14 @@
 """Exhaustive search over the layouts m6 can run: EP size, micro-batch x accumulation, recompute,
 offload, optim.apply_groups, the all-to-all dtype and (GPUs, EP > 1) its overlap degree;
-infeasible ones dropped, the rest ranked by predicted tokens/s."""
+infeasible ones dropped, the rest ranked by predicted tokens/s, layouts that differ only in
+settings the predictions do not see (the update's groups, the all-to-all dtype where it is the
+compute dtype, an auto recompute budget that holds every activation) collapsed into the simplest."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from m6.config import Config, num_patches
@@ -46,6 +48,36 @@ class Candidate:
     a2a_dispatch: str = "flat"  # model.moe.a2a_dispatch
     offload_blocks: Optional[list[int]] = None  # memory.offload_blocks (None: all, with optimizer+params)
     host_grad_dtype: str = "fp32"  # memory.host_grad_dtype
+    # Settings of layouts with this one's predictions, collapsed into it: setting -> their values.
+    equivalents_by_setting: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def equivalents(self) -> list[str]:
+        """The collapsed layouts' settings, e.g. ["apply_groups 2/4/8", "a2a bf16"]."""
+        return [f"{name} {'/'.join(values)}" for name, values in self.equivalents_by_setting.items()]
+
+    def _free_settings(self) -> dict[str, str]:
+        recompute = self.recompute + (f" (budget {self.budget_gb:.2f} GiB)" if self.budget_gb is not None else "")
+        return {"recompute": recompute, "apply_groups": str(self.apply_groups),
+                "a2a": self.a2a_dtype or "compute dtype", "host gradients": self.host_grad_dtype}
+
+    def prediction_key(self) -> tuple:
+        """Everything but the free settings (_free_settings), and every prediction: equal keys are
+        layouts the planner cannot tell apart."""
+        mem = self.memory
+        return (self.expert_parallel_size, self.micro_batch, self.offload, self.shard,
+                str(self.a2a_overlap_degree), self.a2a_dispatch,
+                tuple(self.offload_blocks or ()), dataclasses.astuple(self.time), self.tokens_per_s,
+                mem.peak_device, mem.peak_host, mem.peak_shared, tuple(sorted(mem.device.items())),
+                tuple(sorted(mem.host.items())))
+
+    def absorb(self, other: "Candidate") -> None:
+        """Record ``other`` (same prediction_key) as an equivalent of this layout."""
+        mine = self._free_settings()
+        for name, value in other._free_settings().items():
+            seen = self.equivalents_by_setting.setdefault(name, []) if value != mine[name] else None
+            if seen is not None and value not in seen:
+                seen.append(value)
 
     def overrides(self) -> list[str]:
         """The train.py ``key=value`` overrides that run this layout."""
@@ -97,7 +129,8 @@ class SearchResult:
     feasible: list[Candidate]
     smallest: Optional[Candidate]  # the least device memory of all (what an infeasible request is told)
     considered: int  # layouts whose memory was estimated
-    fitting: int = 0  # of them, those that fit (each timed with every exchange form: ``feasible``)
+    fitting: int = 0  # of them, those that fit (each timed with every exchange form)
+    timed: int = 0  # fitting layouts x exchange forms; ``feasible`` holds those of distinct predictions
 
 
 def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host: HostProfile,
@@ -185,4 +218,17 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                     timed.mfu = timed.time.model_flops / (timed.time.total * world_size * hw.peak_tflops * 1e12)
                 feasible.append(timed)
     feasible.sort(key=lambda c: -c.tokens_per_s)
-    return SearchResult(feasible, smallest, considered, fitting)
+    return SearchResult(collapse_equivalents(feasible), smallest, considered, fitting, len(feasible))
+
+
+def collapse_equivalents(ranked: list[Candidate]) -> list[Candidate]:
+    """``ranked`` with each group of layouts of the same predictions (Candidate.prediction_key)
+    kept once: the first, which is the simplest (the search tries fewer update groups, the
+    compute dtype on the wire and fp32 host gradients first, and the sort is stable), naming
+    the others."""
+    kept: dict[tuple, Candidate] = {}
+    for c in ranked:
+        first = kept.setdefault(c.prediction_key(), c)
+        if first is not c:
+            first.absorb(c)
+    return list(kept.values())

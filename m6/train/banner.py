@@ -12,6 +12,7 @@ import torch
 
 from m6 import __version__
 from m6.config import Config, num_patches
+from m6.data.make_sample import is_sample_corpus_path, is_sample_corpus_statistics
 from m6.data.sources import relative_to_cwd_note
 from m6.model.architecture import block_options
 from m6.model.flops import ModelSize
@@ -42,6 +43,8 @@ class RunFacts:
     user_dataset: str | None = None  # type name of the dataset passed to Trainer (Python API)
     tensorboard: Path | None = None  # the event files' folder, None = off
     balance: str | None = None  # parallel.balance's line (m6.train.balance.balance_line); None = even
+    held_out: list[int] | None = None  # records held out of each source for the caption eval
+    eval_samples: int = 0  # caption-eval samples (held out, generated or passed to Trainer)
 
 
 def human_count(n: float) -> str:
@@ -97,9 +100,30 @@ def _data_lines(cfg: Config, facts: RunFacts) -> list[str]:
     count = f"{len(d.sources)} source{'s' if len(d.sources) > 1 else ''}"
     lines = [f"data     {count}, tokenizer {facts.tokenizer}{relative_to_cwd_note(paths)}"]
     width = max(len(spec) for spec in specs)
-    for src, spec, records in zip(d.sources, specs, facts.source_records):
-        lines.append(f"           {src.format:<5} {spec:<{width}}  weight {src.weight:g}, {records:,} records")
+    held_out = facts.held_out or [0] * len(d.sources)
+    for src, spec, records, held in zip(d.sources, specs, facts.source_records, held_out):
+        lines.append(f"           {src.format:<5} {spec:<{width}}  weight {src.weight:g}, {records:,} records"
+                     f"{_held_out_words(held, records, d.eval_samples, facts.eval_samples)}")
+    if d.eval_samples and not any(held_out):
+        lines.append(f"           no caption eval: data.eval_samples={d.eval_samples} but no image source (tar or "
+                     f"jsonl) to hold records out of")
+    image_paths = [p for src in d.sources if src.format != "text"
+                   for p in ([src.path] if isinstance(src.path, str) else src.path)]
+    if is_sample_corpus_statistics(d.image_mean, d.image_std) and not all(map(is_sample_corpus_path, image_paths)):
+        lines.append(f"!! data: images normalised with the sample corpus's pixel statistics (data.image_mean "
+                     f"{list(d.image_mean)}, data.image_std {list(d.image_std)}), not your images': set both to "
+                     f"theirs (python -m m6.data.prepare prints them)")
     return lines
+
+
+def _held_out_words(held: int, records: int, asked: int, usable: int) -> str:
+    """What the caption eval takes from a source: records held out (never trained on), and why
+    fewer than data.eval_samples when the source is small (at most half of it is held out)."""
+    if not held:
+        return ""
+    capped = f", data.eval_samples={asked} capped at half the source" if held < asked else ""
+    unusable = f", {held - usable:,} of them unreadable" if usable < held else ""
+    return f" to train, {held:,} held out for eval{capped}{unusable}"
 
 
 _SHARD_WORDS = {"optimizer": "gradients + optimizer state (ZeRO-2, parallel.shard=optimizer)",

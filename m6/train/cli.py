@@ -1,7 +1,10 @@
 """The training command: ``m6-train``, ``python -m m6.train`` and the repository's train.py.
 
-    m6-train --config configs/tiny.yaml [key=value ...]
-    m6-train --config configs/tiny.yaml model.moe.num_experts=16 train.max_steps=50
+    m6-train --config configs/tiny.yaml [--overrides FILE] [key=value ...]
+    m6-train --config configs/tiny.yaml run.name=tiny-e16 model.moe.num_experts=16 train.max_steps=50
+
+--overrides FILE reads key=value lines (blank lines and # comments skipped), such as the file
+``python -m m6.plan --out FILE`` writes; overrides on the command line come after them and win.
 
 Config keys: the "Config reference" table in docs/training.md (defaults and comments in
 m6/config.py); every key with the value this command line gives it: add --print-config.
@@ -31,20 +34,44 @@ from m6.train.preemption import EXIT_AT_ONCE
 from m6.train.no_target_steps import NoTrainingTargets
 
 
+def read_overrides_file(path: str) -> list[str]:
+    """The ``key=value`` lines of an overrides file (blank lines and ``#`` comments skipped), or a
+    ConfigError naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"--overrides {path}: cannot read it ({reason})") from e
+    lines = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "=" not in line:
+            raise ConfigError(f"--overrides {path}:{number}: {line!r} is not a key=value override")
+        lines.append(line)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="m6-train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML config file (see configs/)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides such as train.max_steps=50 or "
+    parser.add_argument("overrides_on_command_line", nargs="*", metavar="key=value", help="dotted overrides such as train.max_steps=50 or "
                         "data.sources.0.path=/data/shards-{000..099}.tar (list elements by index)")
+    parser.add_argument("--overrides", metavar="FILE", action="append", default=[],
+                        help="a file of key=value lines (as python -m m6.plan --out writes), applied before the "
+                        "command line's overrides; may be given more than once")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (every key, defaults filled in) as YAML and exit")
     # The deepspeed launcher passes --local_rank; LOCAL_RANK in the environment says the same.
     parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     rank = os.environ.get("RANK")
     where = f"rank {rank}: " if rank is not None else ""
     try:
-        cfg = load(args.config, args.overrides)
+        from_files = [line for path in args.overrides for line in read_overrides_file(path)]
+        cfg = load(args.config, from_files + args.overrides_on_command_line)
         if args.print_config:
             print(dumps_yaml(cfg), end="")
             return 0

@@ -46,6 +46,7 @@ from m6.train.optim import schedule_change_note
 from m6.train.no_target_steps import NoTargetSteps
 from m6.train.preemption import StopOnSignal
 from m6.train.pseudo_to_real import train_pseudo_to_real
+from m6.train.resume_fit import check_steps_left, nothing_to_train_line
 from m6.train.run_directory import prepare_run_dir
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.tensorboard_writer import require_tensorboard
@@ -117,8 +118,6 @@ class Trainer:
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
         prepare_run_dir(self.run_dir)  # every rank: each writes its checkpoint shards there
-        if self.is_main:
-            dump_yaml(cfg, self.run_dir / "config.yaml")
 
         self.data = build_training_data(cfg, self.rank, self.world_size, pin_memory=self.device.type == "cuda",
                                         dataset=dataset, eval_samples=eval_samples)
@@ -179,8 +178,10 @@ class Trainer:
         self.start = "fresh start"
         resume_from = agree_on_resume(resolve_resume(cfg.checkpoint.resume, self.checkpoints, self._print_main),
                                       self.rank, self.world_size, self.sharded.groups.checkpoint)
+        self.resumed_from = resume_from
         if resume_from is not None:
             self._restore(resume_from)
+            check_steps_left(self.step, cfg.train.max_steps, resume_from)
         elif self.checkpoints.latest() is not None:
             self._print_main(f"checkpoint.resume={cfg.checkpoint.resume}: starting fresh in {self.run_dir}, which "
                              f"holds checkpoints of an earlier run (latest {self.checkpoints.latest().name}); this "
@@ -190,6 +191,8 @@ class Trainer:
                              f"(resume wins)")
         elif cfg.checkpoint.init_from is not None:
             init_from_checkpoint(cfg.checkpoint.init_from, self.state.model, self.checkpoints.group, self._print_main)
+        if self.is_main:  # once the checkpoint is known to fit: a refused run leaves the run dir's config alone
+            dump_yaml(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger(self.run_dir, to_dict(cfg), cfg.logging.wandb, cfg.train.max_steps,
                                     console=cfg.logging.console, is_main_process=self.is_main,
                                     tensorboard=cfg.logging.tensorboard, resumed_step=self.step)
@@ -207,7 +210,7 @@ class Trainer:
             world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,
             micro_batch=self.micro_batch, accumulation=self.accum, device=self.device, precision=precision,
             size=self.size, moe_blocks=[int(name.removeprefix("block")) for name in self.model.moe_layers()],
-            source_records=self.data.source_records,
+            source_records=self.data.source_records, held_out=self.data.held_out, eval_samples=len(self.eval_set),
             tokenizer=f"{self.cfg.data.tokenizer or 'byte'} (vocab {self.data.tokenizer.vocab_size:,})",
             run_dir=self.run_dir.resolve(), start=self.start, wandb=self.logger.wandb_mode,
             user_dataset=self.dataset_name, tensorboard=self.logger.tensorboard_dir, balance=self.balance_line)
@@ -494,9 +497,11 @@ class Trainer:
         saved_world = meta.get("world_size", 1)
         rng = "" if saved_world == self.world_size else (
             "; RNG streams are per rank, so at another world size they restart from the run seed")
+        auto = ", chosen by checkpoint.resume=auto (the run dir's latest)" \
+            if str(self.cfg.checkpoint.resume).strip().lower() == "auto" else ""
         self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
-                      f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
+                      f"{self.sharded.groups.layout.expert_parallel_size}{rng}){auto}")
 
         note = schedule_change_note(self.cfg.optim, meta.get("config", {}).get("train", {}).get("max_steps"),
                                     self.cfg.train.max_steps, self.step)
@@ -525,6 +530,12 @@ class Trainer:
         stop = StopOnSignal(self.sharded.groups.checkpoint if self.world_size > 1 else None)
         end = cfg.train.max_steps if stop_at is None else stop_at
         try:
+            if self.step >= end:
+                self._print_main(nothing_to_train_line(self.step, end, self.resumed_from))
+                self.checkpoints.close()
+                if self.peer_watch is not None:
+                    self.peer_watch.stop(finished=True)
+                return self.history
             while self.step < end:
                 metrics = self.train_step()
                 self.history.append({"step": self.step, **metrics})

@@ -23,10 +23,13 @@ from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part, shard_rows
 from m6.checkpoint.compat import changed_keys, checkpoint_keys, shape_differences
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
+from m6.checkpoint.info import read_values
 from m6.checkpoint.manager import CheckpointManager
+from m6.checkpoint.reader import load_metadata
 from m6.checkpoint.rng import rng_state, set_rng_state
 from m6.checkpoint.sharded_io import Shards
 from m6.checkpoint.stateful import Stateful
+from m6.train.resume_fit import model_mismatch_message
 
 ReduceSum = Callable[[list[float]], list[float]]  # sums floats over all ranks (identity on one process)
 
@@ -279,9 +282,10 @@ class TrainingState:
         diffs = shape_differences(self.model.global_shapes(), {k[len("model/"):]: v for k, v in saved.items()
                                                                if k.startswith("model/")})
         if diffs:
-            raise CheckpointMismatch(f"checkpoint {path} was written for a different model shape ({len(diffs)} "
-                                  f"difference(s)); check the model config matches the run that saved it:\n  "
-                                  + "\n  ".join(diffs[:5]) + (f"\n  ... and {len(diffs) - 5} more" if len(diffs) > 5 else ""))
+            step_dir = manager.resolve(path)
+            saved_config = read_values(step_dir, load_metadata(step_dir), ("meta/",)).get("meta", {}).get("config", {})
+            changed = changed_keys(saved_config, self.metadata.get("config", {}), ("model.",))
+            raise CheckpointMismatch(model_mismatch_message(path, changed, diffs))
         with_state = {k.split("/")[2] for k in saved if k.startswith("optimizer/state/")}
         self.optimizer.check_kind(path, {k.split("/")[3] for k in saved if k.startswith("optimizer/state/")
                                          and k.count("/") >= 3})

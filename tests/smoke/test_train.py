@@ -223,10 +223,41 @@ def test_resume_with_a_different_model_shape_fails_clearly(tmp_path, capsys):
     args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=2",
             "train.eval_every=0"]
     assert train_entry.main(args) == 0
+    saved_config = (tmp_path / "config.yaml").read_text()
     code = train_entry.main(args + ["model.moe.num_experts=8", "checkpoint.resume=auto", "train.max_steps=4"])
     err = capsys.readouterr().err
     assert code == 2
     assert "different model shape" in err and "[4, 64, 128]" in err and "[8, 64, 128]" in err
+    # The config key that changed, both values, and the two ways out; the run dir's config untouched.
+    assert "model.moe.num_experts: 4 at save, 8 now" in err, err
+    assert "run.dir=PATH" in err and "checkpoint.resume=none" in err and "Traceback" not in err
+    assert (tmp_path / "config.yaml").read_text() == saved_config
+
+
+def test_a_checkpoint_at_or_past_max_steps_is_named_not_an_empty_run(tmp_path, capsys):
+    """Resumed past train.max_steps (a second, shorter command on the run dir of a longer one):
+    exit 2 naming both steps and the ways out, before the banner. Resumed at exactly max_steps (a
+    finished run started again): one line saying there is nothing to train, exit 0, the run's
+    files (summary.json) left as they were. An automatic resume says so in the banner."""
+    args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=3", "train.eval_every=0",
+            "logging.console=true"]
+    assert train_entry.main(args) == 0
+    capsys.readouterr()
+    summary = (tmp_path / "summary.json").read_text()
+    assert train_entry.main(args[:-2] + ["train.max_steps=2"]) == 2
+    captured = capsys.readouterr()
+    line = captured.err.strip()
+    assert "\n" not in line and "Traceback" not in line, captured.err
+    assert line.startswith("error: nothing to train: checkpoint ") and "at step 3, past train.max_steps=2" in line
+    assert "raise train.max_steps" in line and "checkpoint.resume=none" in line and "m6 " not in captured.out
+    assert train_entry.main(args) == 0
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "), chosen by checkpoint.resume=auto (the run dir's latest) | 3 steps" in out
+    done = [line for line in out.splitlines() if line.startswith("nothing to train")]
+    assert len(done) == 1 and "at step 3, already train.max_steps=3" in done[0], out
+    assert "done:" not in out and (tmp_path / "summary.json").read_text() == summary
+    history = Trainer(small_cfg(tmp_path, "train.max_steps=3", "train.eval_every=0")).fit()
+    assert history == []
 
 
 def test_checkpoints_that_do_not_fit_the_run_are_named_with_what_differs(tmp_path, capsys):
@@ -285,7 +316,8 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_stays_loadable(small_disk,
 
 
 def test_a_non_editable_install_trains_with_its_console_script(tmp_path):
-    """`pip install .` (not editable): m6-train, python -m m6.train, m6-report and the other commands work
+    """`pip install .` (not editable): m6-train, python -m m6.train, m6-report and the other commands
+    (m6-inspect, m6-prepare, m6-plan, m6-checkpoint) work
     outside the repository, with only the installed package importable as m6."""
     import subprocess
     import sys
@@ -307,7 +339,8 @@ def test_a_non_editable_install_trains_with_its_console_script(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and (run / "report.png").is_file() and (run / "report.html").is_file(), report.stderr
     for command in ([sys.executable, "-m", "m6.train", "--help"], [str(site / "bin" / "m6-inspect"), "--help"],
-                    [str(site / "bin" / "m6-prepare"), "--help"]):
+                    [str(site / "bin" / "m6-prepare"), "--help"], [str(site / "bin" / "m6-plan"), "--help"],
+                    [str(site / "bin" / "m6-checkpoint"), "--help"]):
         shown = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert shown.returncode == 0 and "usage:" in shown.stdout, (command, shown.stderr[-1000:])
 

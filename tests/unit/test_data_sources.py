@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import tarfile
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import pytest
 from PIL import Image
 
 from m6.data import prepare
-from m6.data.images import IMAGE_MEAN, IMAGE_STD, BadRecord, decode_image
+from m6.config import load
+from m6.data.images import IMAGE_MEAN, IMAGE_STD, BadRecord, decode_image, to_rgb
 from m6.data.sources import (
     SHARD_KEY,
     RawRecord,
@@ -323,6 +325,17 @@ def test_prepare_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert all(s.image.shape == (3, S, S) and s.image.dtype == np.float32 for s in samples)
     with tarfile.open(shards[-1]) as tar:
         assert tar.getnames() == ["000000004.png", "000000004.txt"]
+    # What to put in the config: the brace pattern of the shards written and the images' statistics,
+    # as overrides that load (and name exactly the three shards).
+    overrides = shlex.split(printed.splitlines()[-1])
+    cfg = load(str(Path(__file__).parents[2] / "configs" / "tiny.yaml"), overrides)
+    assert [s.format for s in cfg.data.sources] == ["tar"]
+    assert expand_shards(cfg.data.sources[0].path) == shards
+    pixels = np.concatenate([np.asarray(to_rgb(Image.open(images / name)), np.float64).reshape(-1, 3) / 255
+                             for name in ("red.jpg", "grey.png", "alpha.png", "pic.webp", "old.bmp")])
+    assert np.allclose(cfg.data.image_mean, pixels.mean(0), atol=1e-4)
+    assert np.allclose(cfg.data.image_std, pixels.std(0), atol=1e-4)
+    assert f'data.sources: [{{path: "{out}/shard-{{000000..000002}}.tar", format: tar}}]' in printed
     # A second run into the same folder would mix stale shards in: refused.
     assert prepare.main(argv) == 2
 

@@ -370,6 +370,20 @@ def test_readme_test_command_is_what_ci_runs():
     assert ci[-1] in fenced, f".ci/run runs {ci[-1]!r}, which is not the README's test command"
 
 
+def test_readme_training_commands_run_in_the_order_shown():
+    """checkpoint.resume=auto continues whatever the run dir holds: each training command of the
+    README (the main job, another model, expert parallelism) trains in a run dir of its own, so
+    none meets an earlier one's checkpoint (another shape, or a run already at its max_steps)."""
+    from m6.config import load, run_dir
+
+    fenced = [line for _, lang, body in split_fences((ROOT / "README.md").read_text())[1] if lang == "bash"
+              for line in body.splitlines()]
+    commands = [line.split("train.py --config ", 1)[1].split() for line in fenced if "train.py --config " in line]
+    assert len(commands) >= 3, commands
+    dirs = [run_dir(load(ROOT / config, [o for o in overrides if "=" in o])) for config, *overrides in commands]
+    assert len(set(dirs)) == len(dirs), list(zip([" ".join(c) for c in commands], dirs))
+
+
 def plant(docs: dict[str, str], name: str, old: str | None, new: str) -> dict[str, str]:
     """``docs`` with ``old`` replaced by ``new`` in doc ``name`` (``old`` None: ``new`` appended)."""
     if old is None:

@@ -201,3 +201,33 @@ def test_published_moe_config_plans(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "PREDICTED" in printed and "#1  EP" in printed, printed
     m6config.load(CONFIGS_DIR / "olmoe-1b-7b.yaml", out.read_text().split())
+
+
+# ---------------------------------------------------------------------------------------------
+# The printed report: one memory estimate, with its assumptions; a reader that stops early
+
+
+def test_inspect_prints_one_memory_estimate_and_what_it_assumes(capsys):
+    assert m6inspect.main([str(CONFIGS_DIR / "m6-100b.yaml"), "--world-size", "64", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("activations") == 1 and out.count("GiB") > 5 and "fp32 AdamW" not in out, out
+    assumed = [line for line in out.splitlines() if line.startswith("memory of one rank, assuming: ")]
+    assert len(assumed) == 1, out
+    for words in ("world size 64 (--world-size)", "expert-parallel size 64", "device cpu (--device)",
+                  "train.precision=bf16", "micro-batch 8 x accumulation 2 of global batch 1024"):
+        assert words in assumed[0], (words, assumed[0])
+
+
+def test_inspect_piped_into_a_reader_that_stops_early_exits_quietly(monkeypatch, capfd):
+    """`m6.inspect ... | head -3` where the reader is gone before the report is written: stdout is
+    a pipe whose read end is closed. No BrokenPipeError, exit 0, nothing on stderr."""
+    import os
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with os.fdopen(write_end, "w") as pipe:
+        monkeypatch.setattr("sys.stdout", pipe)
+        assert m6inspect.main([str(CONFIGS_DIR / "tiny.yaml")]) == 0
+        pipe.write("after the report: goes nowhere, raises nothing\n")
+        pipe.flush()
+    assert capfd.readouterr().err == ""

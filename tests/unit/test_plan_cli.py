@@ -3,6 +3,7 @@ load with m6.config.load and train a step; the search over a scale config takes 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import time
 from pathlib import Path
@@ -56,6 +57,10 @@ def test_m6_10t_fits_512_v100s_with_1tb_hosts(capsys, tmp_path):
 
 
 def test_overrides_round_trip_and_train_one_step(capsys, tmp_path):
+    """--out FILE holds the planning command's overrides and the layout's; the printed command
+    hands FILE to train.py's --overrides, which reads it."""
+    from m6.train.cli import main as train_main, read_overrides_file  # the test may use train; m6.plan may not
+
     out = tmp_path / "plan.overrides"
     start = time.perf_counter()
     assert main([str(CONFIGS / "tiny.yaml"), *TINY_SYNTH, "--gpus", "1", "--gpu-memory", "1GB", "--gpu", "h100",
@@ -63,19 +68,60 @@ def test_overrides_round_trip_and_train_one_step(capsys, tmp_path):
     assert time.perf_counter() - start < 30
     printed = capsys.readouterr().out
     assert "PREDICTED" in printed and "ASSUMED" in printed
-    overrides = out.read_text().split()
-    cfg = m6config.load(CONFIGS / "tiny.yaml", TINY_SYNTH + overrides + [f"run.dir={tmp_path / 'run'}",
-                                                                          "train.max_steps=1", "train.device=cpu"])
+    command = printed.splitlines()[-1].strip()
+    assert command == f"torchrun --standalone --nproc_per_node 1 train.py --config {CONFIGS / 'tiny.yaml'} --overrides {out}"
+    overrides = read_overrides_file(str(out))
+    assert overrides[:len(TINY_SYNTH)] == TINY_SYNTH
+    assert train_main(["--config", str(CONFIGS / "tiny.yaml"), "--overrides", str(out), "--print-config"]) == 0
+    resolved = capsys.readouterr().out
+    cfg = m6config.load(CONFIGS / "tiny.yaml", overrides + [f"run.dir={tmp_path / 'run'}",
+                                                          "train.max_steps=1", "train.device=cpu"])
     assert f"train.micro_batch_size={cfg.train.micro_batch_size}" in overrides
+    assert f"micro_batch_size: {cfg.train.micro_batch_size}" in resolved and "seq_len: 32" in resolved
     from m6.train.loop import Trainer  # the test may use train; m6.plan may not
 
     metrics = Trainer(cfg).train_step()
     assert metrics["loss"] > 0
 
 
-def test_search_over_m6_100b_takes_seconds(capsys, tmp_path):
+def test_search_over_m6_100b_takes_seconds(capsys, tmp_path, monkeypatch):
+    """The README's planning command: seconds; the top layouts differ in their predictions (the
+    same layout under other names, e.g. a bf16 all-to-all of a bf16 model or more update groups,
+    is named on the simplest's line); no file in the working directory; the launch command has
+    the multi-node rendezvous (store on the first node, one agent per node)."""
+    monkeypatch.chdir(tmp_path)
     start = time.perf_counter()
     assert main([str(CONFIGS / "m6-100b.yaml"), "--gpus", "64", "--gpu-memory", "80GB", "--gpu", "h100",
-                 "--out", str(tmp_path / "p")]) == 0
+                 "--top", "5"]) == 0
     assert time.perf_counter() - start < 60
-    assert "MFU" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "MFU" in printed and list(tmp_path.iterdir()) == []
+    ranked = [line for line in printed.splitlines() if line.startswith("#")]
+    predictions = [line for line in printed.splitlines() if line.startswith("    PREDICTED")]
+    layouts = [line.split("  ", 1)[1].split(" (the same prediction")[0] for line in ranked]
+    assert len(ranked) == 5 and len(set(zip(layouts, predictions))) == 5
+    assert "a2a compute dtype" in ranked[0] and "(the same prediction with a2a bf16; apply_groups 2/4/8" in ranked[0]
+    lines = printed.splitlines()
+    assert lines[-2] == "  on HEAD, for the life of the job: python -m m6.parallel.rendezvous_store --port 29400"
+    assert lines[-1].startswith("  on every node: torchrun --nnodes 8 --nproc_per_node 8 --rdzv_backend c10d "
+                                "--rdzv_endpoint HEAD:29400 --rdzv_conf is_host=false --rdzv_id m6-100b train.py "
+                                f"--config {CONFIGS / 'm6-100b.yaml'} parallel.expert_parallel_size=")
+
+
+def test_layouts_of_the_same_prediction_are_collapsed_into_the_simplest():
+    from m6.plan.search import search
+    from m6.plan.timing import GPUS, HostProfile
+
+    cfg = m6config.load(CONFIGS / "tiny.yaml", ["train.global_batch_size=64", "train.micro_batch_size=2",
+                                                "data.seq_len=64", "train.precision=bf16"])
+    only = dict(recompute=("none",), offload=("none",), apply_groups=(1, 2), a2a=(None, "bf16"), micro_batches=[2],
+                shard=("none",), overlap=(1,))
+    found = search(cfg, 16, 8, GPUS["h100"], HostProfile(1), 1e6, eps=[8], **only)
+    assert found.timed == 4 and len(found.feasible) == 1, [c.equivalents for c in found.feasible]
+    best = found.feasible[0]
+    assert (best.apply_groups, best.a2a_dtype) == (1, None)
+    assert sorted(best.equivalents) == ["a2a bf16", "apply_groups 2"]
+    # fp32 compute: a bf16 wire halves the all-to-all bytes, another prediction, kept apart.
+    fp32 = dataclasses.replace(GPUS["h100"], precision="fp32")
+    found = search(cfg, 16, 8, fp32, HostProfile(1), 1e6, eps=[8], **only)
+    assert sorted(c.a2a_dtype or "compute" for c in found.feasible) == ["bf16", "compute"]
