@@ -143,6 +143,15 @@ def compile_seconds() -> float:
                      if name in _TOP_LEVEL_TIMERS))
 
 
+def compiled_frames() -> int:
+    """Frames torch.compile has compiled in this process so far (each region's first compile and
+    every recompile; a region run eagerly counts none)."""
+    if "torch._dynamo.utils" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
 # The outermost of torch.compile's timers, so nothing is counted twice: a frame's compile
 # (dynamo tracing plus the forward graph's backend compile), and a backward graph compiled lazily.
 _TOP_LEVEL_TIMERS = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")

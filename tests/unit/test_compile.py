@@ -30,7 +30,7 @@ def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-5), ("bf16", 2e-2)])
+@pytest.mark.parametrize("precision,rtol", [("fp32", 1e-5), ("bf16", 1e-3)])
 def test_compiled_blocks_train_as_eager_and_checkpoints_load_either_way(tmp_path, capsys, precision, rtol):
     """Three steps eager and compiled (with recompute) give the same losses; the state dict's keys
     are the eager ones, and a checkpoint of either loads into the other. Takes ~60 s per precision
