@@ -522,13 +522,13 @@ class Trainer:
             while self.step < end:
                 metrics = self.train_step()
                 self.history.append({"step": self.step, **metrics})
-                self._report_compile(metrics["step_time_s"])
                 last = self.step == end
                 if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
                     bias_scalars, biases = self.expert_bias.log_values()
                     self.logger.log(self.step, {**metrics, **load_scalars, **bias_scalars}, expert_tokens=load_counts,
                                     expert_bias=biases)
+                self._report_compile(metrics["step_time_s"])
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
                 if cfg.checkpoint.enabled and ((cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last):
