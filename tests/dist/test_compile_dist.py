@@ -47,7 +47,7 @@ def _runs(rank: int, world: int, root: str) -> None:
 
 def test_compiled_blocks_with_expert_parallelism_and_fsdp2_equal_eager(tmp_path):
     """World 2, expert-parallel 2: eager, compiled, and compiled with parallel.shard=full and
-    recompute of every part give the same losses and gradient norms over 3 steps. Over 30 s (48-65 s
+    recompute of every part give the same losses and gradient norms over 3 steps. Over 30 s (24-65 s
     measured on the shared 2-core machine, inductor's cache warm): each rank compiles its regions."""
     run_distributed(_runs, 2, str(tmp_path), timeout_s=300)
     assert (tmp_path / "curves.json").exists()  # rank 0 got to the end

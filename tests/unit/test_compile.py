@@ -12,6 +12,7 @@ import torch
 
 from m6.config import ConfigError, load
 from m6.parallel.compile import CompileFailed, compile_blocks
+from m6.parallel.compile import _layer_norm_forward as compile_module_forward
 from m6.model.flops import ModelSize
 from m6.train.banner import RunFacts, compile_time_line, startup_banner
 from m6.train.loop import Trainer
@@ -86,6 +87,30 @@ def test_compiled_blocks_train_as_eager_and_checkpoints_load_either_way(tmp_path
             for i, mode in enumerate(([], ["train.compile=blocks"]))]
     for key in ("loss", "grad_norm"):
         torch.testing.assert_close([h[key] for h in runs[1]], [h[key] for h in runs[0]], rtol=rtol, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("cast_on_use", [False, True])
+def test_each_compiled_region_is_one_graph(cast_on_use):
+    """No graph breaks in the compiled regions, plain fp32 or under bf16 cast-on-use (its custom
+    autograd Functions traced): a break would split a region and fall back to eager between the
+    pieces. torch._dynamo.explain traces only (no inductor), so this is quick."""
+    import torch._dynamo
+    from m6.config import ModelConfig, MoEConfig
+    from m6.model import M6Model
+    from m6.model.cast_on_use import set_cast_on_use
+    model = M6Model(ModelConfig(d_model=16, num_layers=1, num_heads=2, ffn_dim=32, max_text_len=8, image_size=8,
+                                patch_size=8, moe=MoEConfig(every=0)))  # a dense block
+    set_cast_on_use(model, cast_on_use)
+    block = model.blocks[0]
+    x = torch.randn(2, 4, 16, requires_grad=True)
+    mask = torch.ones(2, 1, 4, 4, dtype=torch.bool)
+    regions = {"attention": (type(block).attention_residual, (block, x, mask)),
+               "ffn_norm": (compile_module_forward, (block.ffn_norm, x)),
+               "mlp": (type(block.ffn).forward, (block.ffn, x))}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast_on_use, cache_enabled=False):
+        for name, (fn, args) in regions.items():
+            explained = torch._dynamo.explain(fn)(*args)
+            assert (explained.graph_count, explained.graph_break_count) == (1, 0), (name, explained.break_reasons)
 
 
 def test_compile_failure_is_one_clear_error(monkeypatch):
