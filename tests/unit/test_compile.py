@@ -113,28 +113,27 @@ def test_each_compiled_region_is_one_graph(cast_on_use):
             assert (explained.graph_count, explained.graph_break_count) == (1, 0), (name, explained.break_reasons)
 
 
-def test_compile_failure_is_one_clear_error(monkeypatch):
-    """A backend that cannot compile (here: inductor's C++ compiler missing) raises CompileFailed,
-    naming the key and the region, which train.py prints as one line with exit code 1."""
+def test_compile_failure_is_one_clear_error(monkeypatch, tmp_path, capsys):
+    """A backend that cannot compile (here: inductor's C++ compiler missing) raises CompileFailed
+    naming the key and the region, and train.py prints it as one line with exit code 1."""
     import torch._dynamo
     import torch._inductor.config as inductor_config
-    from m6.model import M6Model
-    from m6.config import ModelConfig
+    from m6.train.cli import main
     monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/c++",))
     monkeypatch.setattr(inductor_config, "fx_graph_cache", False)  # a cached graph would need no compiler
     monkeypatch.setattr(inductor_config, "autotune_local_cache", False)
     monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
     torch._dynamo.reset()
     try:
-        model = M6Model(ModelConfig(d_model=16, num_layers=1, num_heads=2, ffn_dim=32, max_text_len=8,
-                                    image_size=8, patch_size=8))
-        compile_blocks(model)
-        x = torch.randn(1, 4, 16)
-        with pytest.raises(CompileFailed, match=r"train.compile=blocks: torch.compile failed on "
-                                                r"TransformerBlock.attention_residual .*train.compile=false runs eager"):
-            model.blocks[0].attention_residual(x, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+        code = main(["--config", str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"), *TRAIN, "data.sources=[]", f"run.dir={tmp_path}",
+                     "train.compile=blocks", "memory.activation_checkpointing=none"])
     finally:
         torch._dynamo.reset()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1
+    assert len(err) == 1 and err[0].startswith("error: train.compile=blocks: torch.compile failed on "
+                                               "TransformerBlock.attention_residual ("), err
+    assert err[0].endswith("train.compile=false runs eager"), err
 
 
 def test_compile_lines_say_what_compiles_and_when():
