@@ -20,7 +20,8 @@ How, so that nothing else changes:
   compiled graph runs again in backward, and the plan's per-call escalation stays a Python choice
   outside every graph.
 - FSDP2: applied before ``fully_shard`` (which then subclasses the swapped class); its gather and
-  reduce-scatter hooks run around the block's eager forward, outside the compiled regions.
+  reduce-scatter hooks run around the block's eager forward, outside the compiled regions. (Its
+  class swap fails dynamo's type guards once, so a sharded model's blocks compile their own graphs.)
 - Cast-on-use bf16: its autograd Functions are traced by dynamo (forward and backward), the
   autocast state is the one around the call.
 All blocks share one compiled code object per region (the module is an argument, its parameters
@@ -112,9 +113,6 @@ class CompiledBlocks:
 
     num_blocks: int
     regions: tuple[str, ...]  # e.g. ("attention", "ffn_norm", "mlp")
-
-    def describe(self) -> str:
-        return f"{self.num_blocks} blocks: {', '.join(self.regions)}"
 
 
 def compile_blocks(model: nn.Module) -> CompiledBlocks:
