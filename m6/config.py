@@ -397,6 +397,9 @@ class TrainConfig:
     # Pseudo-to-real: after this step the model.share_layers blocks are delinked in the run (its
     # checkpoint is delinked and the real model resumes from it); 0 = never.
     delink_at_step: int = 0
+    # blocks: torch.compile of each block's dense parts (attention sub-block, FFN norm, dense MLP);
+    # the MoE layers stay eager (m6.parallel.compile). false: everything eager.
+    compile: Literal[False, "blocks"] = False
 
     def validate(self) -> None:
         """Check the train keys on their own."""

@@ -7,6 +7,7 @@ import torch
 
 from m6.config import Config
 from m6.model import M6Model
+from m6.parallel.compile import compile_blocks
 from m6.parallel.fsdp import apply_sharding
 from m6.parallel.launch import DistEnv
 from m6.parallel.layout import LayoutError, build_layout, create_process_groups
@@ -25,6 +26,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     the parameters initialises them on the host so the device never holds the whole model).
     With parallel.shard optimizer or full the materialised model is then cut into FSDP2 units
     (m6.parallel.fsdp) whose parameters are gathered in ``param_dtype`` (None: as stored).
+    With train.compile=blocks each block's dense parts are compiled first (m6.parallel.compile).
     """
     m = cfg.model
     with torch.device("meta"):
@@ -51,6 +53,10 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
     shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree, m.moe.a2a_dispatch)
     model.materialize(init_device or device, cfg.run.seed)
+    if cfg.train.compile == "blocks":
+        # Before FSDP2 wraps the blocks (as torchtitan compiles each block before fully_shard); the
+        # recompute wrappers come later and wrap the compiled regions (m6.parallel.compile).
+        compile_blocks(model)
     sharded = classify_parameters(model, plan, groups)
     if cfg.parallel.shard != "none":
         apply_sharding(sharded, cfg.parallel.shard, param_dtype, offload=cfg.memory.offload != "none")

@@ -130,6 +130,24 @@ _SHARD_WORDS = {"optimizer": "gradients + optimizer state (ZeRO-2, parallel.shar
                 "full": "parameters + gradients + optimizer state (FSDP2, parallel.shard=full)"}
 
 
+def _compile_line(cfg: Config, moe_blocks: list[int]) -> str:
+    """train.compile=blocks: what is compiled, and when its time is reported (compilation is lazy)."""
+    n = cfg.model.num_layers
+    mlp = " and dense MLP" if len(moe_blocks) < n else ""
+    moe = "; MoE layers eager" if moe_blocks else ""
+    return (f"compile  blocks ({n} blocks: attention sub-block, FFN norm{mlp}; torch.compile, inductor{moe}); "
+            f"compiled lazily in the first step, its compile time printed after it")
+
+
+def compile_time_line(step: int, seconds: float, step_seconds: float, first: bool) -> str:
+    """After a step in which torch.compile compiled: how long, by torch.compile's own timers."""
+    if first:
+        return (f"compile: blocks compiled in {seconds:.1f} s during step {step} (torch.compile's own timers; the step "
+                f"took {step_seconds:.1f} s; a cached rerun compiles faster)")
+    return (f"compile: {seconds:.1f} s more compiling by step {step} (a new input shape or mode: another "
+            f"micro-batch size, eval)")
+
+
 def startup_banner(cfg: Config, facts: RunFacts) -> str:
     """The block a run prints before its first step: what trains, where, on what, from where."""
     t, mem = cfg.train, cfg.memory
@@ -149,6 +167,7 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
         f"memory   offload {mem.offload}"
         f"{', host gradients in the compute dtype' if mem.offload != 'none' and mem.host_grad_dtype == 'compute' else ''}"
         f", recompute {mem.activation_checkpointing}",
+        *([_compile_line(cfg, facts.moe_blocks)] if t.compile else []),
         *_data_lines(cfg, facts),
         f"run      {facts.run_dir} | {facts.start} | {t.max_steps} steps | metrics.jsonl"
         f"{', W&B ' + facts.wandb if facts.wandb else ''}"

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from m6.config import ConfigError, load
 from m6.config_loader import dumps_yaml
 from m6.parallel import LayoutError
+from m6.parallel.compile import CompileFailed
 from m6.parallel.peer_check import describe_peer_failure, is_peer_failure, report_once
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.train.loop import TrainingDiverged, train
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointMismatch, NoTrainingTargets) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 2
-    except (CheckpointError, TrainingDiverged) as e:
+    except (CheckpointError, TrainingDiverged, CompileFailed) as e:
         print(f"{where}error: {e}", file=sys.stderr)
         return 1
     except Exception as e:

@@ -28,13 +28,14 @@ from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_
 from m6.moe import MoELayer
 from m6.moe.all_to_all import AllToAllDispatcher
 from m6.parallel import build_parallel, join_job
+from m6.parallel.compile import compile_seconds
 from m6.parallel.speed_probe import (resolved_expert_parallel_size, speed_probe_model, speeds_size_experts,
                                     times_a_probe)
 from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.balance import (BatchPlan, balance_line, finite_or_error, gather_objects, local_routing_stats,
                               measure_speed, plan_batch, rank_slots, rows_that_fit_layout, split_notes)
-from m6.train.banner import RunFacts, checkpoint_line, device_label, end_line, startup_banner
+from m6.train.banner import RunFacts, checkpoint_line, compile_time_line, device_label, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
 from m6.train.determinism import use_determinism
 from m6.train.eval import evaluate_captions, rank_slice
@@ -198,6 +199,8 @@ class Trainer:
                                     tensorboard=cfg.logging.tensorboard, resumed_step=self.step)
         self.history: list[dict] = []
         self.last_saved_step: int | None = None
+        # train.compile: torch.compile's seconds so far (the process's), and whether a step reported any.
+        self._compile_s_seen, self._compile_reported = compile_seconds(), False
         self._print_main(startup_banner(cfg, self._facts()))
 
     def _facts(self) -> RunFacts:
@@ -545,6 +548,7 @@ class Trainer:
                     bias_scalars, biases = self.expert_bias.log_values()
                     self.logger.log(self.step, {**metrics, **load_scalars, **bias_scalars}, expert_tokens=load_counts,
                                     expert_bias=biases)
+                self._report_compile(metrics["step_time_s"])
                 if ((cfg.train.eval_every and self.step % cfg.train.eval_every == 0) or last) and len(self.eval_set):
                     self.logger.log_eval(self.step, self.evaluate())
                 if cfg.checkpoint.enabled and ((cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or last):
@@ -578,6 +582,17 @@ class Trainer:
             self.logger.close()
             self._restore_determinism()
         return self.history
+
+    def _report_compile(self, step_seconds: float) -> None:
+        """train.compile: say how long torch.compile compiled during the step just run (lazily, at
+        the first step; again when a new shape or eval compiles)."""
+        if not self.cfg.train.compile:
+            return
+        spent = compile_seconds() - self._compile_s_seen
+        if spent > 0:
+            self._print_main(compile_time_line(self.step, spent, step_seconds, first=not self._compile_reported))
+            self._compile_s_seen += spent
+            self._compile_reported = True
 
     def _stop_with_checkpoint(self, signal_name: str) -> None:
         """Save this step (unless just saved), wait until it is on disk on every rank, and say so."""
