@@ -235,6 +235,19 @@ def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[st
 
 
 # ---------------------------------------------------------------------------------------------
+# (d2) expert kernels at fine-grained shapes: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense
+def part_moe_kernels(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    if device.type == "cpu":
+        # The fused kernels run on CPU only under Triton's interpreter, chosen before triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from bench.moe_kernels import TINY_SHAPES, run
+
+    if args.smoke or device.type == "cpu":
+        return run(device, tiny=True, out=out, warmup=1, reps=3, shapes=TINY_SHAPES[:1])
+    return run(device, tiny=False, out=out, budget_s=240.0)
+
+
+# ---------------------------------------------------------------------------------------------
 # (e) one end-to-end train.py run, plus a profile of the same configuration
 def _text_corpus(path: Path, lines: int, words_per_line: int, seed: int = 0) -> None:
     """Random lowercase words, one long line per sample: every sample fills data.seq_len."""
@@ -667,7 +680,7 @@ def _jsonable(obj):
 
 
 PARTS = {"tests": part_tests, "gemm_rate": part_gemm_rate, "grouped_vs_loop": part_grouped_vs_loop,
-         "moe_layer": part_moe_layer, "train_e2e": part_train_e2e, "memory": part_memory,
+         "moe_layer": part_moe_layer, "moe_kernels": part_moe_kernels, "train_e2e": part_train_e2e, "memory": part_memory,
          "offload_layouts": part_offload_layouts, "fp16_tiny": part_fp16_tiny, "fp16_base": part_fp16_base}
 
 

@@ -9,6 +9,7 @@ CUDA error or a hang in one is recorded and the rest still run:
   gemm_rate        the device's measured bf16 matmul rate (8192^3, CUDA events, median)
   grouped_vs_loop  expert FFN fwd+bwd, torch grouped_mm vs the per-expert loop, E = 8, 32, 128
   moe_layer        bench/moe_layer on the device: m6 vs DeepSpeed-MoE vs dense, GPU shapes
+  moe_kernels      bench/moe_kernels: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense, fine-grained shapes
   train_e2e        one train.py run of configs/m6-gpu-2b.yaml (tokens/s, MFU, peak memory) + profile
   memory           offload / cast-on-use: device bytes per parameter and step time vs plain
 DIR gets PART.json for each part (with the device name, torch, CUDA and driver versions), the
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 # Seconds per part on a GPU: 560 s in all, inside a 10-minute `run` call with start-up to spare.
-BUDGET_S = {"tests": 170, "gemm_rate": 20, "grouped_vs_loop": 60, "moe_layer": 150, "train_e2e": 150, "memory": 80,
+BUDGET_S = {"tests": 170, "gemm_rate": 20, "grouped_vs_loop": 60, "moe_layer": 150, "moe_kernels": 330, "train_e2e": 150, "memory": 80,
             "offload_layouts": 220, "fp16_tiny": 130, "fp16_base": 200}
 SMOKE_BUDGET_S = 180  # per part on a shared CPU
 
