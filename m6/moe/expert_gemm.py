@@ -69,16 +69,36 @@ FUSED_MAX_FFN = 2048
 FUSED_MIN_CAPABILITY = 8  # bf16 tensor cores (Ampere and newer)
 
 
-def fine_grained(weights: Sequence[Optional[torch.Tensor]]) -> bool:
-    """Whether the experts (w_in [E, D, F] first in ``weights``) are many and narrow enough for auto's fused choice."""
-    E, _, F = weights[0].shape
-    return E >= FUSED_MIN_EXPERTS and F <= FUSED_MAX_FFN
+def fine_grained(num_experts: int, ffn_dim: int) -> bool:
+    """Whether the experts are many and narrow enough for auto's fused choice."""
+    return num_experts >= FUSED_MIN_EXPERTS and ffn_dim <= FUSED_MAX_FFN
 
 
 def auto_picks_fused(device: torch.device, dtype: torch.dtype, weights: Sequence[Optional[torch.Tensor]]) -> bool:
-    """auto's fused rule: CUDA, bf16 tokens, compute capability 8.0+, Triton installed, fine-grained experts."""
-    return (device.type == "cuda" and dtype == torch.bfloat16 and fine_grained(weights) and fused_runs_on(device)
+    """auto's fused rule: CUDA, bf16 tokens, compute capability 8.0+, Triton installed, fine-grained
+    experts (w_in [E, D, F] first in ``weights``)."""
+    E, _, F = weights[0].shape
+    return (device.type == "cuda" and dtype == torch.bfloat16 and fine_grained(E, F) and fused_runs_on(device)
             and torch.cuda.get_device_capability(device)[0] >= FUSED_MIN_CAPABILITY)
+
+
+# The kernel as a number for the metrics (moe/<layer>/expert_kernel): scalars only travel to every logger.
+EXPERT_KERNEL_CODES = {"loop": 0, "grouped_mm": 1, "fused": 2}
+
+
+def planned_kernel(kernel: ExpertKernel, device: torch.device, dtype: torch.dtype, num_experts: int,
+                   d_model: int, ffn_dim: int) -> str:
+    """What ``choose_kernel`` will run for tokens of this device and dtype, for the start-up banner:
+    the configured kernel, or for auto 'auto -> <kernel>' (before any tensor exists)."""
+    if kernel != "auto":
+        return kernel
+    weights = [torch.empty(num_experts, d_model, ffn_dim, device="meta")]
+    if auto_picks_fused(device, dtype, weights):
+        return "auto -> fused"
+    elem = torch.empty((), dtype=dtype).element_size()
+    grouped = (grouped_mm_op() is not None and device.type == "cuda" and dtype == torch.bfloat16
+               and fused_grouped_mm_on(device) and not (d_model * elem) % 16 and not (ffn_dim * elem) % 16)
+    return f"auto -> {'grouped_mm' if grouped else 'loop'}"
 
 
 def uses_fused(kernel: ExpertKernel, device: torch.device, dtype: torch.dtype,

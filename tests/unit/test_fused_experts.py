@@ -190,13 +190,15 @@ def test_fused_on_cpu_without_the_interpreter_is_a_config_error(monkeypatch):
 
 def test_auto_keeps_todays_paths_on_cpu(fused_device):
     """auto never picks the Triton kernels off CUDA (the interpreter is a test mode, not a path)."""
-    from m6.moe.expert_gemm import fine_grained
+    from m6.moe.expert_gemm import fine_grained, planned_kernel
     from m6.moe.experts import GroupedExperts
 
     if fused_device.type != "cpu":
         pytest.skip("CPU rule")
     experts = GroupedExperts(32, 16, 16, "swiglu", expert_kernel="auto")
-    assert fine_grained([experts.w_in])
+    assert fine_grained(32, 16)
     experts(torch.randn(4, 16), [1] * 4 + [0] * 28)
     assert experts.last_kernel == "loop"
-    assert not fine_grained([torch.empty(8, 16, 8192)]) and not fine_grained([torch.empty(64, 16, 4096)])
+    assert not fine_grained(8, 8192) and not fine_grained(64, 4096) and fine_grained(128, 768)
+    assert planned_kernel("auto", fused_device, torch.float32, 128, 2048, 768) == "auto -> loop"
+    assert planned_kernel("fused", fused_device, torch.float32, 128, 2048, 768) == "fused"
