@@ -181,7 +181,7 @@ def _gemm_act(x_SD, src_N, w_in, w_gate, tiles: RowTiles, act: int, blocks: Bloc
     h = x_SD.new_empty(N, Fd)
     g = x_SD.new_empty(N, Fd) if act == tk.SWIGLU else h
     a = x_SD.new_empty(N, Fd)
-    grid = (_cdiv(Fd, blocks.n), tiles.num_tiles)
+    grid = (_cdiv(Fd, blocks.n) * tiles.num_tiles,)
     tk.gather_gemm_act_kernel[grid](
         x_SD, src_N if src_N is not None else x_SD, w_in, w_gate if w_gate is not None else w_in, h, g, a,
         tiles.tiles, tiles.num_tiles, D, Fd, w_in.stride(0), w_in.stride(1), w_in.stride(2),
@@ -199,7 +199,7 @@ def _gemm_scatter(a1, w1, a2, w2, transpose: bool, scale_N, dst_N, out, tiles: R
     Nout = out.shape[1]
     s0, s1, s2 = w1.stride()
     sk, sn = (s2, s1) if transpose else (s1, s2)
-    grid = (_cdiv(Nout, blocks.n), tiles.num_tiles)
+    grid = (_cdiv(Nout, blocks.n) * tiles.num_tiles,)
     tk.grouped_gemm_scatter_kernel[grid](
         a1, w1, a2 if a2 is not None else a1, w2 if w2 is not None else w1,
         scale_N if scale_N is not None else a1, dst_N if dst_N is not None else a1, out,
@@ -219,7 +219,7 @@ def _gemm_act_backward(dy, src_N, w_out, h, g, probs_N, tiles: RowTiles, act: in
     aw = torch.empty_like(h)
     dprobs = torch.empty(N, n_tiles, dtype=torch.float32, device=h.device) if probs_N is not None else None
     s0, s1, s2 = w_out.stride()  # w_out [E, F, D] read as [E, D, F]
-    tk.gather_gemm_act_backward_kernel[(n_tiles, tiles.num_tiles)](
+    tk.gather_gemm_act_backward_kernel[(n_tiles * tiles.num_tiles,)](
         dy, src_N if src_N is not None else dy, w_out, h, g if g is not None else h,
         probs_N if probs_N is not None else h, aw, dprobs if dprobs is not None else h,
         tiles.tiles, tiles.num_tiles, D, Fd, s0, s2, s1,

@@ -37,6 +37,16 @@ def _gelu_grad(h):
 
 
 @triton.jit
+def _tile_and_column(N, BLOCK_N: tl.constexpr):
+    """(column block, row tile) of this program in a 1D grid of num_tiles * cdiv(N, BLOCK_N): the
+    column blocks of one row tile are neighbours, so they share its gathered rows in L2 (and a 1D
+    grid has no 65,535 limit on the row tiles)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    return pid % num_n, pid // num_n
+
+
+@triton.jit
 def _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M: tl.constexpr):
     """(expert, rows [BLOCK_M] int64, row mask) of one tile of the table [3, num_tiles]."""
     e = tl.load(tiles_ptr + tile).to(tl.int64)
@@ -58,8 +68,7 @@ def gather_gemm_act_kernel(
 
     The routed rows are gathered in the operand load (``x[src[r]]``), never copied to a permuted
     buffer. a is computed from the rounded h and g, exactly as backward recomputes it."""
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
+    pid_n, tile = _tile_and_column(N, BLOCK_N)
     e, rows, row_ok = _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M)
     if GATHER:
         src = tl.load(src_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -117,8 +126,7 @@ def grouped_gemm_scatter_kernel(
     SCATTER: added atomically (fp32) into out[dst[r]] (the router-weighted combine of forward GEMM 2,
     and dx's sum over a token's assignments in backward); else stored to out[r]. ``w`` strides give
     either w[e] [K, N] or a transposed view of it."""
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
+    pid_n, tile = _tile_and_column(N, BLOCK_N)
     e, rows, row_ok = _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -168,8 +176,7 @@ def gather_gemm_act_backward_kernel(
     dscale[r, pid_n] = sum over this tile's columns of a * da'  (partial router-weight gradient)
     da  = scale[r] * da';  dh, dg = act'(da)  -> written IN PLACE over h and g
     aw  = scale[r] * a      (the operand of dW_out = aw.T @ dy[src])."""
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
+    pid_n, tile = _tile_and_column(N, BLOCK_N)
     e, rows, row_ok = _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M)
     if GATHER:
         src = tl.load(src_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -206,7 +213,7 @@ def gather_gemm_act_backward_kernel(
     if SCALE:
         s = tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         part = tl.sum(act * acc, axis=1)
-        tl.store(dscale_ptr + rows * tl.num_programs(0) + pid_n, part, mask=row_ok)
+        tl.store(dscale_ptr + rows * tl.cdiv(N, BLOCK_N) + pid_n, part, mask=row_ok)
         da = acc * s[:, None]
         aw = act * s[:, None]
     else:
