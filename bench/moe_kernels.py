@@ -13,7 +13,8 @@ Per shape (tokens T, d_model D, expert ffn F, experts E, top-k K), all in one pr
    m6_loop, m6_grouped_mm, m6_fused (the whole MoELayer: router, dispatch, experts, combine, the
    loss statistics; SwiGLU, dropless top-K softmax), hf_grouped_mm (transformers'
    MixtralSparseMoeBlock, experts_implementation="grouped_mm", the same router and expert weights)
-   and dense (one SwiGLU FFN D x F over T*K rows: the useful work of an ideal MoE layer).
+   and dense (one SwiGLU FFN D x F over T*K rows: the useful work of an ideal MoE layer); on the
+   first shape also the fused kernels at two other tile sizes (``fused_variants``).
 3. peak device bytes of one step above the resting state (parameters and input held), per token;
    the parameter gradients are part of that peak and are recorded apart (the same for every MoE).
 
@@ -39,6 +40,16 @@ GPU_SHAPES = [(32768, 2048, 768, 128, 8), (16384, 2048, 1024, 64, 8), (16384, 20
               (16384, 2048, 8192, 8, 2), (8192, 4096, 14336, 8, 2)]
 TINY_SHAPES = [(48, 32, 32, 8, 2), (32, 16, 16, 4, 4)]
 IMPLS = ("m6_loop", "m6_grouped_mm", "m6_fused", "hf_grouped_mm", "dense")
+
+
+def fused_variants() -> dict:
+    """Other tile sizes for the fused kernels, timed on the first shape only (tuning data for
+    m6.moe.fused_experts.CUDA_BLOCKS): a narrower N tile (the dual-accumulator GEMM holds two fp32
+    tiles), and a shorter M tile (less padding in the last tile of each expert)."""
+    from m6.moe.fused_experts import Blocks
+
+    return {"m6_fused@m128n64": Blocks(m=128, n=64, k=64, warps=4, stages=4, wg_k=128, wg_n=64, wg_r=64, wg_warps=4),
+            "m6_fused@m64n128": Blocks(m=64, n=128, k=64, warps=4, stages=4, wg_k=64, wg_n=128, wg_r=64, wg_warps=4)}
 
 
 def useful_flops(T: int, D: int, F: int, K: int) -> float:
@@ -122,7 +133,7 @@ def build(impl: str, shape, device, dtype, layer):
     if impl == "hf_grouped_mm":
         module = hf_block(shape, device, dtype, layer)
         return module, x, dy, lambda x_: module(x_.unsqueeze(0)).squeeze(0)
-    layer.experts.expert_kernel = impl.removeprefix("m6_")
+    layer.experts.expert_kernel = impl.removeprefix("m6_").split("@")[0]
     return layer, x, dy, lambda x_: layer(x_)[0]
 
 
@@ -203,7 +214,7 @@ def check_fused(shape, device, dtype, layer) -> dict:
     return errs
 
 
-def run_shape(shape, device, dtype, warmup: int, reps: int, impls) -> dict:
+def run_shape(shape, device, dtype, warmup: int, reps: int, impls, variants: dict | None = None) -> dict:
     T, D, F, E, K = shape
     row: dict = {"shape": dict(tokens=T, d_model=D, ffn_dim=F, num_experts=E, top_k=K),
                  "useful_flop": useful_flops(T, D, F, K), "impls": {}, "errors": {}}
@@ -214,9 +225,15 @@ def run_shape(shape, device, dtype, warmup: int, reps: int, impls) -> dict:
         row["errors"]["correctness"] = f"{type(e).__name__}: {str(e)[:400]}"
     print(f"[moe_kernels] {shape} fused vs grouped_mm rel err: "
           f"{row.get('rel_err_fused_vs_grouped_mm', row['errors'].get('correctness'))}", file=sys.stderr, flush=True)
-    for impl in impls:
+    from m6.moe import fused_experts
+
+    default_blocks = fused_experts.CUDA_BLOCKS
+    variants = variants or {}
+    for impl in [*impls, *variants]:
         module = x = dy = fwd = step = None
         try:
+            # The module constant the launchers read: swapped for a variant's timing only.
+            fused_experts.CUDA_BLOCKS = variants.get(impl, default_blocks)
             module, x, dy, fwd = build(impl, shape, device, dtype, layer)
             step = make_step(module, x, dy, fwd)
             ms = time_ms(step, device, warmup, reps)
@@ -231,6 +248,7 @@ def run_shape(shape, device, dtype, warmup: int, reps: int, impls) -> dict:
         except Exception as e:  # one implementation failing (e.g. out of memory) leaves the others
             row["errors"][impl] = f"{type(e).__name__}: {str(e)[:400]}"
         finally:
+            fused_experts.CUDA_BLOCKS = default_blocks
             for p in layer.parameters():
                 p.grad = None
             del module, x, dy, fwd, step
@@ -289,7 +307,8 @@ def run(device: torch.device, tiny: bool, out: Path | None, warmup: int = 3, rep
         if time.time() - started > budget_s:
             result["skipped_shapes"].append(list(shape))
             continue
-        result["rows"].append(run_shape(shape, device, dtype, warmup, reps, impls))
+        first = not result["rows"] and "m6_fused" in impls
+        result["rows"].append(run_shape(shape, device, dtype, warmup, reps, impls, fused_variants() if first else None))
         result["wall_s"] = round(time.time() - started, 1)
         md = render_markdown(result)
         if out is not None:
