@@ -56,7 +56,7 @@ def _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M: tl.constexpr):
     return e, rows.to(tl.int64), rows < end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])  # one compile whatever the routing
 def gather_gemm_act_kernel(
     x_ptr, src_ptr, w1_ptr, w2_ptr, h_ptr, g_ptr, a_ptr, tiles_ptr, num_tiles, K, N,
     stride_we, stride_wk, stride_wn,
@@ -114,7 +114,7 @@ def gather_gemm_act_kernel(
     tl.store(a_ptr + out_off, act.to(cdt), mask=out_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])  # one compile whatever the routing
 def grouped_gemm_scatter_kernel(
     a1_ptr, w1_ptr, a2_ptr, w2_ptr, scale_ptr, dst_ptr, out_ptr, tiles_ptr, num_tiles, K, N,
     stride_we, stride_wk, stride_wn,
@@ -162,7 +162,7 @@ def grouped_gemm_scatter_kernel(
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles"])  # one compile whatever the routing
 def gather_gemm_act_backward_kernel(
     dy_ptr, src_ptr, w_ptr, h_ptr, g_ptr, scale_ptr, aw_ptr, dscale_ptr, tiles_ptr, num_tiles, K, N,
     stride_we, stride_wk, stride_wn,
