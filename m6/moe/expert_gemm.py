@@ -78,7 +78,9 @@ def auto_picks_fused(device: torch.device, dtype: torch.dtype, weights: Sequence
     """auto's fused rule: CUDA, bf16 tokens, compute capability 8.0+, Triton installed, fine-grained
     experts (w_in [E, D, F] first in ``weights``)."""
     E, _, F = weights[0].shape
+    # Not under torch's deterministic algorithms (train.deterministic): the fused combine adds with atomics.
     return (device.type == "cuda" and dtype == torch.bfloat16 and fine_grained(E, F) and fused_runs_on(device)
+            and not torch.are_deterministic_algorithms_enabled()
             and torch.cuda.get_device_capability(device)[0] >= FUSED_MIN_CAPABILITY)
 
 
@@ -107,6 +109,7 @@ def uses_fused(kernel: ExpertKernel, device: torch.device, dtype: torch.dtype,
     explicit 'fused' that cannot run raises its ConfigError here)."""
     if kernel == "fused":
         require_fused(device)
+        _check_fused_determinism()
         return True
     return kernel == "auto" and auto_picks_fused(device, dtype, weights)
 
@@ -127,6 +130,7 @@ def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Op
         return "loop"
     if kernel == "fused":
         require_fused(x_NK.device)
+        _check_fused_determinism()
         return "fused"
     if kernel == "grouped_mm":
         if grouped_mm_op() is None:
@@ -148,6 +152,13 @@ def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Op
     if not fused_grouped_mm_on(x_NK.device):
         return "loop"
     return "grouped_mm" if grouped_mm_fits(x_NK, weights, x_NK.dtype) else "loop"
+
+
+def _check_fused_determinism() -> None:
+    if torch.are_deterministic_algorithms_enabled():
+        raise ConfigError("model.moe.expert_kernel=fused adds each token's top-k expert outputs (and input gradients) "
+                          "with atomics, so it is not bitwise reproducible; train.deterministic needs "
+                          "model.moe.expert_kernel=auto, grouped_mm or loop")
 
 
 def _check_fused_grouped_mm(x_NK: torch.Tensor) -> None:

@@ -191,6 +191,20 @@ def test_fused_on_cpu_without_the_interpreter_is_a_config_error(monkeypatch):
         experts(torch.randn(3, 16), [1, 2])
 
 
+def test_fused_under_deterministic_algorithms_is_a_config_error(fused_device):
+    """Atomic adds are not bitwise reproducible: train.deterministic refuses an explicit fused."""
+    from m6.moe.experts import GroupedExperts
+
+    experts = GroupedExperts(2, 16, 16, "swiglu", expert_kernel="fused").to(fused_device)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(ConfigError, match=r"model\.moe\.expert_kernel=fused.*train\.deterministic"):
+            experts(torch.randn(3, 16, device=fused_device), [1, 2])
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def test_auto_keeps_todays_paths_on_cpu(fused_device):
     """auto never picks the Triton kernels off CUDA (the interpreter is a test mode, not a path)."""
     from m6.moe.expert_gemm import fine_grained, planned_kernel
