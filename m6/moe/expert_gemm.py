@@ -1,4 +1,6 @@
-"""The per-expert GEMMs of GroupedExperts: a Python loop of torch.mm, or one grouped GEMM call.
+"""The per-expert GEMMs of GroupedExperts: a Python loop of torch.mm, or one grouped GEMM call; and
+the choice of expert kernel per layer call (``choose_kernel``: loop, grouped_mm, or m6's fused
+Triton kernels of m6.moe.fused_experts, which replace the whole FFN rather than its GEMMs).
 
 Shape legend: N rows grouped by expert, K the contracted size, M the output size, E experts.
 
