@@ -130,16 +130,27 @@ def test_no_rows_at_all(fused_device):
     _check(fused_device, 5, 16, 16, 3, "gelu", torch.zeros(0, dtype=torch.int64), [0, 0, 0])
 
 
-def test_moe_layer_fused_equals_loop(fused_device):
+@pytest.mark.parametrize("dispatcher", ["local", "unfused"])
+def test_moe_layer_fused_equals_loop(fused_device, dispatcher):
     """The whole layer (router, capacity drops, combine): fused and loop agree on the output and on
-    every gradient, the router's included; the layer says which kernel ran."""
+    every gradient, the router's included; the layer says which kernel ran. ``local``: the local
+    dispatcher hands the routing to the kernels (gather and combine fused); ``unfused``: a
+    dispatcher that permutes and combines itself, as the expert-parallel ones do (the kernels get
+    rows already grouped by expert)."""
     from m6.moe import MoELayer
+    from m6.moe.dispatch import Dispatcher, LocalDispatcher
+
+    class PermutingDispatcher(LocalDispatcher):
+        def dispatch_compute_combine(self, x_TD, plan, experts, out_dtype):
+            return Dispatcher.dispatch_compute_combine(self, x_TD, plan, experts, out_dtype)
 
     device = fused_device
     D, Fd, E = 16, 32, 4
     layers = {k: MoELayer(D, Fd, E, top_k=2, capacity_factor=0.75, activation="swiglu", expert_kernel=k,
                           init_seed=7).to(device) for k in ("loop", "fused")}
     layers["fused"].load_state_dict(layers["loop"].state_dict())
+    if dispatcher == "unfused":
+        layers["fused"].dispatcher = PermutingDispatcher()
     x = torch.randn(2, 12, D, generator=torch.Generator().manual_seed(5)).to(device)
     results = {}
     for name, layer in layers.items():
