@@ -329,6 +329,9 @@ def fused_expert_ffn(x_SD: torch.Tensor, src_N: Optional[torch.Tensor], probs_N:
         raise ValueError("fused_expert_ffn: routed form needs num_out_rows")
     out_dtype = out_dtype or x_SD.dtype
     w = [t.contiguous() if t is not None else None for t in (w_in_EDF, w_out_EFD, w_gate_EDF)]
+    for t in (*w, src_N, probs_N):
+        if t is not None and t.device != x_SD.device:
+            raise ValueError(f"fused_expert_ffn: tokens on {x_SD.device} but an operand on {t.device}")
     return FusedExpertFFN.apply(x_SD.contiguous(), src_N, probs_N.contiguous() if probs_N is not None else None,
                                 tuple(int(n) for n in splits), activation, num_out_rows, out_dtype, *w)
 
