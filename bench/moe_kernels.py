@@ -244,6 +244,11 @@ def run_shape(shape, device, dtype, warmup: int, reps: int, impls, variants: dic
                 rec["peak_bytes_per_token"] = rec["peak_step_bytes"] / T
             if impl.startswith("m6_"):
                 rec["expert_kernel_ran"] = module.experts.last_kernel
+            if impl == "m6_fused" and variants:  # the first shape: where the time goes
+                try:
+                    row["fused_profile"] = kernel_profile(step, device)
+                except Exception as e:  # a profiler failure must not cost the measurement
+                    row["fused_profile"] = f"profiler failed: {type(e).__name__}: {str(e)[:200]}"
             row["impls"][impl] = rec
         except Exception as e:  # one implementation failing (e.g. out of memory) leaves the others
             row["errors"][impl] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -260,6 +265,26 @@ def run_shape(shape, device, dtype, warmup: int, reps: int, impls, variants: dic
             if anchor in row["impls"] and impl != anchor:
                 rec[f"speed_vs_{anchor}"] = row["impls"][anchor]["median_ms"] / rec["median_ms"]
     return row
+
+
+def kernel_profile(step, device, rows: int = 14) -> str:
+    """The top kernels of two steps by device time (torch profiler): where the fused path spends it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    averages = prof.key_averages()
+    keys = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
+    for key in keys:  # torch renamed the CUDA column to "device" (2.4+); older ones know only "cuda"
+        try:
+            return averages.table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=rows)
 
 
 def render_markdown(result: dict) -> list[str]:
@@ -284,6 +309,10 @@ def render_markdown(result: dict) -> list[str]:
         if errs:
             md.append(f"- {tuple(row['shape'].values())}: "
                       + ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in errs.items()))
+    for row in result["rows"]:
+        if row.get("fused_profile"):
+            md += ["", f"m6_fused, two steps at {tuple(row['shape'].values())} under the torch profiler:", "", "```",
+                   *row["fused_profile"].splitlines(), "```"]
     return md
 
 
