@@ -31,7 +31,8 @@ import torch
 # tests, whose CUDA cases run whenever CUDA is there.
 # test_fp16 and the staging tests run before the offload tests: on an H100 three offload tests once
 # failed only after them in one process (a page-locked registration left behind).
-DEVICE_TESTS = ["tests/unit/test_moe_layer.py", "tests/unit/test_expert_kernel.py", "tests/unit/test_moe_host_syncs.py",
+DEVICE_TESTS = ["tests/unit/test_moe_layer.py", "tests/unit/test_expert_kernel.py", "tests/unit/test_fused_experts.py",
+                "tests/unit/test_moe_host_syncs.py",
                 "tests/unit/test_model.py", "tests/unit/test_cast_on_use.py", "tests/unit/test_fp16.py",
                 "tests/unit/test_checkpoint_cuda_paths.py", "tests/unit/test_offload.py", "tests/unit/test_checkpoint.py",
                 "tests/unit/test_activation_checkpoint.py", "tests/unit/test_adafactor.py",
@@ -232,6 +233,21 @@ def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[st
     start = next(i for i, line in enumerate(lines) if line.startswith("| d/ffn/tokens"))
     md += lines[start:]  # the table (and targets), without the long preamble
     return {"command": " ".join(cmd[1:]), "file": str(files[-1].relative_to(out)), "rows": result["rows"]}, md
+
+
+# ---------------------------------------------------------------------------------------------
+# (d2) expert kernels at fine-grained shapes: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense
+def part_moe_kernels(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
+    if device.type == "cpu":
+        # The fused kernels run on CPU only under Triton's interpreter, chosen before triton is imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from bench.moe_kernels import TINY_SHAPES, run
+
+    if args.smoke or device.type == "cpu":
+        return run(device, tiny=True, out=out, warmup=1, reps=3, shapes=TINY_SHAPES[:1])
+    # No new shape starts after 200 s: the part ends inside a 5-minute call (the first shape pays the
+    # Triton compiles, ~1.5 min; the others ~30 s each).
+    return run(device, tiny=False, out=out, budget_s=200.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -675,7 +691,7 @@ def _jsonable(obj):
 
 
 PARTS = {"tests": part_tests, "gemm_rate": part_gemm_rate, "grouped_vs_loop": part_grouped_vs_loop,
-         "moe_layer": part_moe_layer, "train_e2e": part_train_e2e, "memory": part_memory,
+         "moe_layer": part_moe_layer, "moe_kernels": part_moe_kernels, "train_e2e": part_train_e2e, "memory": part_memory,
          "offload_layouts": part_offload_layouts, "fp16_tiny": part_fp16_tiny, "fp16_base": part_fp16_base}
 
 

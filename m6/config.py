@@ -8,6 +8,7 @@ The generic machinery (type checks, nearest-key suggestions, overrides) is in m6
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -78,8 +79,11 @@ class MoEConfig:
     max_nodes_per_token: Optional[int] = 0
     # Expert GEMMs: loop = one torch.mm per expert; grouped_mm = one torch grouped GEMM per product
     # (on CUDA only in bf16 on compute capability 9.x/10.x, where torch has a fused kernel);
-    # auto = grouped_mm on CUDA bf16 there (d_model/ffn_dim multiples of 8), else loop.
-    expert_kernel: Literal["auto", "loop", "grouped_mm"] = "auto"
+    # fused = m6's Triton kernels (gather in the GEMM load, activation in its epilogue, router-weighted
+    # combine in the second GEMM's; needs the triton package; m6.moe.fused_experts);
+    # auto = fused on CUDA bf16 with Triton for fine-grained experts (m6.moe.expert_gemm.choose_kernel),
+    # else grouped_mm on CUDA bf16 there (d_model/ffn_dim multiples of 8), else loop.
+    expert_kernel: Literal["auto", "loop", "grouped_mm", "fused"] = "auto"
     # The router GEMM's precision (weight and logits stay fp32): fp32 exact; tf32 = fp32 inputs on
     # TF32 tensor cores; bf16 = inputs cast to bf16 (Megatron-Core's default); auto = tf32 on CUDA,
     # fp32 elsewhere.
@@ -132,8 +136,12 @@ class MoEConfig:
             raise ConfigError(f"model.moe.ffn_dim must be > 0 or null, got {self.ffn_dim}")
         if self.router_dtype not in ("auto", "fp32", "tf32", "bf16"):
             raise ConfigError(f"model.moe.router_dtype must be 'auto', 'fp32', 'tf32' or 'bf16', got {self.router_dtype!r}")
-        if self.expert_kernel not in ("auto", "loop", "grouped_mm"):
-            raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop' or 'grouped_mm', got {self.expert_kernel!r}")
+        if self.expert_kernel not in ("auto", "loop", "grouped_mm", "fused"):
+            raise ConfigError(f"model.moe.expert_kernel must be 'auto', 'loop', 'grouped_mm' or 'fused', "
+                              f"got {self.expert_kernel!r}")
+        if self.expert_kernel == "fused" and importlib.util.find_spec("triton") is None:
+            raise ConfigError("model.moe.expert_kernel=fused needs the 'triton' package, which is not installed "
+                              "(pip install triton, or use model.moe.expert_kernel=auto, grouped_mm or loop)")
         if self.a2a_overlap_degree != "auto" and (isinstance(self.a2a_overlap_degree, bool)
                                                   or not isinstance(self.a2a_overlap_degree, int)
                                                   or self.a2a_overlap_degree < 1):

@@ -260,3 +260,16 @@ class LocalDispatcher(Dispatcher):
     def combine(self, y_ND: torch.Tensor, handle: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to token order, weighted by the router."""
         return combine_tokens(y_ND, handle, out_dtype)
+
+    def dispatch_compute_combine(self, x_TD: torch.Tensor, plan: DispatchPlan,
+                                 experts: Callable[[torch.Tensor, list[int]], torch.Tensor],
+                                 out_dtype: torch.dtype) -> torch.Tensor:
+        """As the protocol's three calls; experts that fuse the gather and the weighted combine into
+        their kernels (``fuses_dispatch``/``forward_routed``, m6.moe.experts with expert_kernel
+        fused) get the routing instead of a permuted copy, and return the combined [T, D]."""
+        fuses = getattr(experts, "fuses_dispatch", None)
+        if fuses is None or not fuses(x_TD):
+            return super().dispatch_compute_combine(x_TD, plan, experts, out_dtype)
+        (splits,) = host_ints(plan.counts_E)
+        kept = plan.kept(sum(splits))
+        return experts.forward_routed(x_TD, kept.token_idx_N, kept.weights_N, splits, out_dtype)

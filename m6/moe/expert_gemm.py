@@ -1,4 +1,6 @@
-"""The per-expert GEMMs of GroupedExperts: a Python loop of torch.mm, or one grouped GEMM call.
+"""The per-expert GEMMs of GroupedExperts: a Python loop of torch.mm, or one grouped GEMM call; and
+the choice of expert kernel per layer call (``choose_kernel``: loop, grouped_mm, or m6's fused
+Triton kernels of m6.moe.fused_experts, which replace the whole FFN rather than its GEMMs).
 
 Shape legend: N rows grouped by expert, K the contracted size, M the output size, E experts.
 
@@ -23,9 +25,10 @@ import numpy as np
 import torch
 
 from m6.config import ConfigError
+from m6.moe.fused_experts import fused_runs_on, require_fused
 
-ExpertKernel = Literal["auto", "loop", "grouped_mm"]
-EXPERT_KERNELS = ("auto", "loop", "grouped_mm")
+ExpertKernel = Literal["auto", "loop", "grouped_mm", "fused"]
+EXPERT_KERNELS = ("auto", "loop", "grouped_mm", "fused")
 
 
 def grouped_mm_op() -> Optional[Callable[..., torch.Tensor]]:
@@ -59,17 +62,78 @@ def fused_grouped_mm_on(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] in FUSED_GROUPED_MM_MAJORS
 
 
-def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Optional[torch.Tensor]]) -> str:
-    """'loop' or 'grouped_mm' for one layer call, from the configured choice, the device, dtype and shapes.
+# auto's rule for m6's fused Triton kernels (m6.moe.fused_experts): fine-grained experts, many and
+# narrow (DeepSeek-V3, Qwen3-MoE, OLMoE: 64-256 experts, ffn 512-2048), where one torch grouped GEMM
+# per product leaves most of the time in the permute/combine copies and the [N, F] activations.
+# Wide experts (E 8, ffn 8192+) keep torch's CUTLASS grouped GEMM.
+FUSED_MIN_EXPERTS = 16
+FUSED_MAX_FFN = 2048
+FUSED_MIN_CAPABILITY = 8  # bf16 tensor cores (Ampere and newer)
 
-    ``auto`` takes the grouped kernel only where torch has a fused one: CUDA, bf16, compute
-    capability 9.x or 10.x (CUTLASS grouped GEMM on Hopper and datacenter Blackwell), aligned
-    shapes, and at least one row. Elsewhere (CPU, fp32, other GPUs) it keeps the loop, which is what
-    m6 ran before. An explicit ``grouped_mm`` on CUDA where there is no fused kernel is refused: it
-    would run torch's fallback, a host sync per GEMM (on CPU, grouped_mm runs in fp32 and bf16).
+
+def fine_grained(num_experts: int, ffn_dim: int) -> bool:
+    """Whether the experts are many and narrow enough for auto's fused choice."""
+    return num_experts >= FUSED_MIN_EXPERTS and ffn_dim <= FUSED_MAX_FFN
+
+
+def auto_picks_fused(device: torch.device, dtype: torch.dtype, weights: Sequence[Optional[torch.Tensor]]) -> bool:
+    """auto's fused rule: CUDA, bf16 tokens, compute capability 8.0+, Triton installed, fine-grained
+    experts (w_in [E, D, F] first in ``weights``)."""
+    E, _, F = weights[0].shape
+    # Not under torch's deterministic algorithms (train.deterministic): the fused combine adds with atomics.
+    return (device.type == "cuda" and dtype == torch.bfloat16 and fine_grained(E, F) and fused_runs_on(device)
+            and not torch.are_deterministic_algorithms_enabled()
+            and torch.cuda.get_device_capability(device)[0] >= FUSED_MIN_CAPABILITY)
+
+
+# The kernel as a number for the metrics (moe/<layer>/expert_kernel): scalars only travel to every logger.
+EXPERT_KERNEL_CODES = {"loop": 0, "grouped_mm": 1, "fused": 2}
+
+
+def planned_kernel(kernel: ExpertKernel, device: torch.device, dtype: torch.dtype, num_experts: int,
+                   d_model: int, ffn_dim: int) -> str:
+    """What ``choose_kernel`` will run for tokens of this device and dtype, for the start-up banner:
+    the configured kernel, or for auto 'auto -> <kernel>' (before any tensor exists)."""
+    if kernel != "auto":
+        return kernel
+    weights = [torch.empty(num_experts, d_model, ffn_dim, device="meta")]
+    if auto_picks_fused(device, dtype, weights):
+        return "auto -> fused"
+    elem = torch.empty((), dtype=dtype).element_size()
+    grouped = (grouped_mm_op() is not None and device.type == "cuda" and dtype == torch.bfloat16
+               and fused_grouped_mm_on(device) and not (d_model * elem) % 16 and not (ffn_dim * elem) % 16)
+    return f"auto -> {'grouped_mm' if grouped else 'loop'}"
+
+
+def uses_fused(kernel: ExpertKernel, device: torch.device, dtype: torch.dtype,
+               weights: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether ``choose_kernel`` will pick 'fused' for tokens of this device and compute dtype (an
+    explicit 'fused' that cannot run raises its ConfigError here)."""
+    if kernel == "fused":
+        require_fused(device)
+        _check_fused_determinism()
+        return True
+    return kernel == "auto" and auto_picks_fused(device, dtype, weights)
+
+
+def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Optional[torch.Tensor]]) -> str:
+    """'loop', 'grouped_mm' or 'fused' for one layer call, from the configured choice, the device, dtype and shapes.
+
+    ``auto`` takes m6's fused Triton kernels on CUDA in bf16 (compute capability 8.0+) with Triton
+    installed, for fine-grained experts (``fine_grained``). Otherwise it takes the grouped kernel only
+    where torch has a fused one: CUDA, bf16, compute capability 9.x or 10.x (CUTLASS grouped GEMM on
+    Hopper and datacenter Blackwell), aligned shapes, and at least one row. Elsewhere (CPU, fp32,
+    other GPUs) it keeps the loop, which is what m6 ran before. An explicit ``grouped_mm`` on CUDA
+    where there is no fused kernel is refused: it would run torch's fallback, a host sync per GEMM
+    (on CPU, grouped_mm runs in fp32 and bf16). An explicit ``fused`` without Triton, or on CPU
+    outside Triton's interpreter, is a ConfigError naming the key.
     """
     if kernel == "loop":
         return "loop"
+    if kernel == "fused":
+        require_fused(x_NK.device)
+        _check_fused_determinism()
+        return "fused"
     if kernel == "grouped_mm":
         if grouped_mm_op() is None:
             raise ValueError(f"model.moe.expert_kernel=grouped_mm but torch {torch.__version__} has no grouped_mm")
@@ -83,11 +147,20 @@ def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Op
         return "grouped_mm"
     if kernel != "auto":
         raise ValueError(f"model.moe.expert_kernel must be one of {EXPERT_KERNELS}, got {kernel!r}")
+    if auto_picks_fused(x_NK.device, x_NK.dtype, weights):
+        return "fused"
     if grouped_mm_op() is None or x_NK.device.type != "cuda" or x_NK.dtype != torch.bfloat16 or x_NK.shape[0] == 0:
         return "loop"
     if not fused_grouped_mm_on(x_NK.device):
         return "loop"
     return "grouped_mm" if grouped_mm_fits(x_NK, weights, x_NK.dtype) else "loop"
+
+
+def _check_fused_determinism() -> None:
+    if torch.are_deterministic_algorithms_enabled():
+        raise ConfigError("model.moe.expert_kernel=fused adds each token's top-k expert outputs (and input gradients) "
+                          "with atomics, so it is not bitwise reproducible; train.deterministic needs "
+                          "model.moe.expert_kernel=auto, grouped_mm or loop")
 
 
 def _check_fused_grouped_mm(x_NK: torch.Tensor) -> None:

@@ -15,7 +15,11 @@ for backward (the loop casts one expert's slice at a time, the grouped kernel th
 per GEMM call; see m6.moe.expert_gemm).
 
 The GEMMs themselves run either as a Python loop of torch.mm per expert or as one torch grouped
-GEMM per product (``expert_kernel``; m6.moe.expert_gemm), chosen once per layer call.
+GEMM per product (``expert_kernel``; m6.moe.expert_gemm), chosen once per layer call; or, with
+``fused``, the whole FFN runs in m6's Triton kernels (m6.moe.fused_experts), which also take the
+token gather and the router-weighted combine when the local dispatcher hands them the routing
+(``forward_routed``). The fused kernels cast weight tiles on load, so they never make a
+low-precision weight copy, whatever ``cast_on_use`` says.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from m6.moe.expert_gemm import EXPERT_KERNELS, ExpertKernel, build_gemms, choose_kernel, grouped_mm_op
+from m6.config import ConfigError
+
+from m6.moe.expert_gemm import EXPERT_KERNELS, ExpertKernel, build_gemms, choose_kernel, grouped_mm_op, uses_fused
+from m6.moe.fused_experts import fused_expert_ffn, triton_available
 
 Activation = Literal["gelu", "swiglu"]
 
@@ -103,8 +110,11 @@ class GroupedExperts(nn.Module):
         if expert_kernel == "grouped_mm" and grouped_mm_op() is None:
             raise ValueError(f"expert_kernel='grouped_mm' needs torch.nn.functional.grouped_mm or "
                              f"torch._grouped_mm; torch {torch.__version__} has neither (use 'auto' or 'loop')")
+        if expert_kernel == "fused" and not triton_available():
+            raise ConfigError("model.moe.expert_kernel=fused needs the 'triton' package, which is not installed "
+                              "(pip install triton, or use model.moe.expert_kernel=auto, grouped_mm or loop)")
         self.expert_kernel = expert_kernel
-        self.last_kernel: str | None = None  # what the last forward ran ('loop' or 'grouped_mm')
+        self.last_kernel: str | None = None  # what the last forward ran ('loop', 'grouped_mm' or 'fused')
         self.num_experts, self.d_model, self.ffn_dim = num_experts, d_model, ffn_dim
         self.activation = activation
         self.init_std, self.init_seed, self.first_expert = init_std, init_seed, first_expert
@@ -139,16 +149,48 @@ class GroupedExperts(nn.Module):
         if sum(splits) != x_ND.shape[0]:
             # Uncovered rows would be left uninitialised by the out= GEMMs.
             raise AssertionError(f"splits sum to {sum(splits)} but {x_ND.shape[0]} rows were dispatched")
+        x_ND, weights, kernel = self._inputs(x_ND)
+        self.last_kernel = kernel
+        with torch.autocast(device_type=x_ND.device.type, enabled=False):
+            if kernel == "fused":
+                return fused_expert_ffn(x_ND, None, None, splits, self.activation, *weights)
+            return _GroupedFFN.apply(x_ND, tuple(int(n) for n in splits), self.activation, kernel, *weights)
+
+    def fuses_dispatch(self, x_TD: torch.Tensor) -> bool:
+        """Whether this call will run the fused kernels, which then also take the token gather and
+        the router-weighted combine (``forward_routed``) from a local dispatcher."""
+        device_type = x_TD.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_TD.dtype
+        return uses_fused(self.expert_kernel, x_TD.device, dtype, [self.w_in, self.w_out, self.w_gate])
+
+    def forward_routed(self, x_TD: torch.Tensor, token_idx_N: torch.Tensor, weights_N: torch.Tensor,
+                       splits: Sequence[int], out_dtype: torch.dtype) -> torch.Tensor:
+        """Dispatch, experts and combine in the fused kernels: [T, D] tokens, the token of each kept
+        assignment grouped by expert (int64 [N]), its router weight [N] and the rows per expert ->
+        [T, D] router-weighted sum of each token's expert outputs in ``out_dtype`` (what
+        ``combine_tokens(experts(permute_tokens(x)))`` gives, without the [N, D] copies)."""
+        if len(splits) != self.num_experts or sum(splits) != token_idx_N.shape[0]:
+            raise AssertionError(f"got {len(splits)} splits summing to {sum(splits)} for {self.num_experts} experts "
+                                 f"and {token_idx_N.shape[0]} routed rows")
+        x_TD, weights, kernel = self._inputs(x_TD)
+        if kernel != "fused":
+            raise AssertionError(f"forward_routed runs the fused kernels, but this call chose {kernel!r}")
+        self.last_kernel = kernel
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            return fused_expert_ffn(x_TD, token_idx_N, weights_N, splits, self.activation, *weights,
+                                    num_out_rows=x_TD.shape[0], out_dtype=out_dtype)
+
+    def _inputs(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, list, str]:
+        """Tokens and weights in the dtypes the kernel computes in (autocast), and the kernel for them."""
         device_type = x_ND.device.type
         weights = [self.w_in, self.w_out, self.w_gate]
-        if torch.is_autocast_enabled(device_type):
-            dtype = torch.get_autocast_dtype(device_type)
-            x_ND = x_ND.to(dtype)
-            if not self.cast_on_use:
-                # Whole-tensor casts: autograd saves them, so they live until backward.
-                weights = [w.to(dtype) if w is not None else None for w in weights]
+        autocast = torch.is_autocast_enabled(device_type)
+        if autocast:
+            x_ND = x_ND.to(torch.get_autocast_dtype(device_type))
         x_ND = x_ND.contiguous()
-        self.last_kernel = choose_kernel(self.expert_kernel, x_ND, weights)
-        with torch.autocast(device_type=device_type, enabled=False):
-            return _GroupedFFN.apply(x_ND, tuple(int(n) for n in splits), self.activation, self.last_kernel,
-                                     *weights)
+        kernel = choose_kernel(self.expert_kernel, x_ND, weights)  # reads only the weights' shapes
+        if autocast and not self.cast_on_use and kernel != "fused":
+            # Whole-tensor casts: autograd saves them, so they live until backward. (The fused
+            # kernels cast weight tiles on load: no copy.)
+            weights = [w.to(x_ND.dtype) if w is not None else None for w in weights]
+        return x_ND, weights, kernel

@@ -11,11 +11,12 @@ from pathlib import Path
 import torch
 
 from m6 import __version__
-from m6.config import Config, num_patches
+from m6.config import Config, expert_ffn_dim, num_patches
 from m6.data.make_sample import is_sample_corpus_path, is_sample_corpus_statistics
 from m6.data.sources import relative_to_cwd_note
 from m6.model.architecture import block_options
 from m6.model.flops import ModelSize
+from m6.moe.expert_gemm import planned_kernel
 from m6.moe.router import router_gemm_precision
 from m6.train.loggers import format_duration
 
@@ -69,6 +70,13 @@ def device_label(device: torch.device) -> str:
     return f"cpu ({threads} thread{'' if threads == 1 else 's'})"
 
 
+def _compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype the expert GEMMs see under train.precision (m6.train.loop.resolve_precision's rule)."""
+    if precision in ("bf16", "bf16-autocast") or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float16 if precision == "fp16" else torch.float32
+
+
 def _model_line(cfg: Config, size: ModelSize, blocks: list[int], device: torch.device) -> str:
     m, moe = cfg.model, cfg.model.moe
     shape = f"{m.num_layers} blocks x d_model {m.d_model}, {m.num_heads} heads"
@@ -82,7 +90,10 @@ def _model_line(cfg: Config, size: ModelSize, blocks: list[int], device: torch.d
         capacity = "dropless" if moe.capacity_factor is None else f"capacity {moe.capacity_factor:g} per {moe.capacity_group}"
         groups = f" in {moe.num_prototypes} prototypes" if moe.num_prototypes > 1 else ""
         router = router_gemm_precision(moe.router_dtype, device.type)
-        ffn = f"MoE in {where}: {moe.num_experts} experts{groups}, top-{moe.top_k}, {capacity}, router GEMM {router}"
+        kernel = planned_kernel(moe.expert_kernel, device, _compute_dtype(cfg.train.precision, device), moe.num_experts,
+                                m.d_model, expert_ffn_dim(m))
+        ffn = (f"MoE in {where}: {moe.num_experts} experts{groups}, top-{moe.top_k}, {capacity}, router GEMM {router}, "
+               f"expert kernel {kernel}")
         if moe.force_balance:
             ffn += " | !! routing FORCED balanced (model.moe.force_balance: benchmarking only)"
     return f"{shape}; {ffn} | {human_count(size.total)} params, {human_count(size.active)} active per token"

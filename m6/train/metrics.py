@@ -8,6 +8,8 @@ import resource
 import torch
 from torch import nn
 
+from m6.moe.expert_gemm import EXPERT_KERNEL_CODES
+
 # Dense (no 2:4 sparsity) peaks from NVIDIA's datasheets, TFLOP/s: the MFU denominator, spec-sheet
 # figures, not measurements (half the sparsity figure where a datasheet prints only that one).
 # "tf32" is an fp32 matmul on tensor cores, which runs only when TF32 matmuls are enabled; "fp32"
@@ -106,6 +108,9 @@ def expert_load(moe_layers: dict[str, nn.Module]) -> tuple[dict[str, float], dic
         scalars[f"moe/{name}/max_over_mean"] = top / mean if mean > 0 else 0.0
         scalars[f"moe/{name}/dropped_fraction"] = dropped
         scalars[f"moe/{name}/router_entropy"] = entropy
+        ran = moe_layers[name].experts.last_kernel
+        if ran is not None:  # which expert kernel ran: 0 loop, 1 grouped_mm, 2 fused
+            scalars[f"moe/{name}/expert_kernel"] = EXPERT_KERNEL_CODES[ran]
         counts[name] = [int(n) for n in values[start + 4:start + 4 + num_experts]]
         start += 4 + num_experts
     return scalars, counts

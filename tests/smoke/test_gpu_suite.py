@@ -40,6 +40,11 @@ def test_suite_smoke_on_cpu_writes_every_part(tmp_path):
         assert max(r["rel_err_grouped_vs_loop"]) < 2e-2  # bf16 operands
     moe = json.loads((tmp_path / "moe_layer.json").read_text())["result"]["rows"]
     assert set(moe[0]["impls"]) == {"m6_capacity", "m6_dropless", "deepspeed", "dense"}
+    kernels = json.loads((tmp_path / "moe_kernels.json").read_text())["result"]["rows"]
+    assert {"m6_loop", "m6_grouped_mm", "m6_fused", "hf_grouped_mm", "dense"} <= set(kernels[0]["impls"])
+    assert not kernels[0]["errors"]
+    assert kernels[0]["impls"]["m6_fused"]["expert_kernel_ran"] == "fused"
+    assert max(kernels[0]["rel_err_fused_vs_grouped_mm"].values()) < 1e-5  # fp32 through Triton's interpreter
     train = json.loads((tmp_path / "train_e2e.json").read_text())["result"]
     (run,) = train["runs"]
     assert run["timed_steps"] == 2 and run["tokens_per_s_median"] > 0, run

@@ -32,7 +32,7 @@ def test_the_banner_says_what_trains_where_and_on_what(tmp_path, capsys):
     assert lines[0].startswith(f"m6 {m6.__version__} | torch ") and "1 process on cpu" in lines[0] and "fp32" in lines[0]
     banner = "\n".join(lines[:7])
     # SMALL: 2 blocks of d_model 64, every block MoE with 4 experts; the parameter count is the whole model's.
-    assert "model    2 blocks x d_model 64, 2 heads; MoE in every block: 4 experts, top-2, capacity 1.25 per sequence, router GEMM fp32" in banner
+    assert "model    2 blocks x d_model 64, 2 heads; MoE in every block: 4 experts, top-2, capacity 1.25 per sequence, router GEMM fp32, expert kernel auto -> loop" in banner
     assert "parallel world 1 = expert-parallel 1 x expert-data-parallel 1; batch 8 = micro-batch 8 x accumulation 1" in banner
     assert "!! data: SYNTHETIC" in banner and "512 samples per epoch" in banner
     assert f"run      {tmp_path.resolve()} | fresh start | 4 steps" in banner

@@ -224,7 +224,8 @@ def test_expert_load_gives_the_per_layer_values_from_one_read():
         expected.update({f"moe/{name}/max_tokens": tokens.max().item(), f"moe/{name}/mean_tokens": mean,
                          f"moe/{name}/max_over_mean": tokens.max().item() / mean,
                          f"moe/{name}/dropped_fraction": layer.stats.dropped_fraction.item(),
-                         f"moe/{name}/router_entropy": layer.stats.router_entropy.item()})
+                         f"moe/{name}/router_entropy": layer.stats.router_entropy.item(),
+                         f"moe/{name}/expert_kernel": 0})  # which kernel ran: the loop, on CPU
         assert counts[name] == layer.stats.tokens_per_expert.tolist()
     assert scalars == expected and set(counts) == set(layers)
     assert scalars["moe/block1/dropped_fraction"] > 0  # capacity 1.0 drops some: a real value, not zeros
