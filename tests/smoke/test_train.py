@@ -286,7 +286,8 @@ def test_a_full_disk_is_named_and_the_last_checkpoint_stays_loadable(small_disk,
 
 def test_a_non_editable_install_trains_with_its_console_script(tmp_path):
     """`pip install .` (not editable): m6-train, python -m m6.train, m6-report and the other commands work
-    outside the repository, with only the installed package importable as m6."""
+    outside the repository, with only the installed package importable as m6. Over 30 s on a busy
+    2-core machine: a real pip build and install of the package, then each command in its own process."""
     import subprocess
     import sys
 
