@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.harness import machine_info, machine_tag
+from bench.harness import machine_info, machine_tag, write_results
 from m6.config import load
 from m6.data.batch import collate
 from m6.data.pipeline import build_training_data
@@ -121,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu")
     result = {"benchmark": "data_loader", "machine": machine_info(device), "args": vars(args),
               "loader": loader, "training_wait": wait}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tag = machine_tag(device)
-    (out / f"data_loader-{tag}.json").write_text(json.dumps(result, indent=2))
     lines = [f"# Data loader on {result['machine'].get('cpu_model')} ({tag})", "",
              f"Embedded sample (configs/tiny.yaml data), micro-batch {args.micro_batch}, {args.batches} batches per "
              f"measurement after 3 warm-up batches, {args.rounds} interleaved rounds.", "",
@@ -139,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {w['num_workers']} | {100 * w['data_wait_fraction_median']:.2f}% "
                      f"({100 * w['data_wait_fraction_max']:.2f}%) | {w['data_wait_s_median']:.4f} | "
                      f"{w['step_time_s_median']:.3f} |")
-    (out / f"data_loader-{tag}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, f"data_loader-{tag}", result, "\n".join(lines))
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import statistics
 import tempfile
@@ -29,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import machine_info, machine_tag
+from bench.harness import machine_info, machine_tag, write_results
 from m6.config import load
 from m6.train.loop import Trainer
 
@@ -111,11 +110,8 @@ def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[st
         "torch": torch.__version__, "threads": torch.get_num_threads(), "window": WINDOW,
         "windowed_loss": curves, "mean_abs_windowed_diff_to_bf16": diff, "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     config = Path(args.config).stem
-    stem = out / (f"fp16_curve-{machine_tag(device)}" + ("" if config == "tiny" else f"-{config}"))
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem = f"fp16_curve-{machine_tag(device)}" + ("" if config == "tiny" else f"-{config}")
     where = (f"{machine['gpu']} (torch {torch.__version__}, CUDA {torch.version.cuda})" if device.type == "cuda" else
              f"CPU (torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_PROC_BIND="
              f"{os.environ.get('OMP_PROC_BIND')}); machine: {machine['cpu_model']}, {os.cpu_count()} cores, shared with "
@@ -135,8 +131,7 @@ def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[st
     lines.append("Median step wall/CPU s: " + ", ".join(
         f"{n} {statistics.median(r['wall_s'] for r in rs):.3f}/{statistics.median(r['cpu_s'] for r in rs):.3f}"
         for n, rs in rows.items()))
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    write_results(args.out, stem, result, "\n".join(lines), command)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -150,11 +152,29 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def write_results(out_dir: str | Path, stem: str, result: dict, markdown: str) -> None:
-    """bench/results/<stem>.json and .md; the markdown is printed too."""
+def code_version() -> str:
+    """The commit the code ran at ("-dirty" when tracked files differ from it)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout
+        return head.strip() + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+
+
+def write_results(out_dir: str | Path, stem: str, result: dict, markdown: str, command: str | None = None) -> None:
+    """bench/results/<stem>.json and .md, both naming the command and the commit that made them
+    (``command``: else the result's own, else this process's ``python -m`` line); the markdown is printed too."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    command = command or result.get("command") or " ".join(
+        ["python -m", spec.name if spec else Path(sys.argv[0]).stem, *map(shlex.quote, sys.argv[1:])])
+    commit = code_version()
+    result = {**result, "made_by": {"command": command, "commit": commit}}
+    markdown = markdown.rstrip("\n") + f"\n\nMade by `{command}` at commit {commit}.\n"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     (out / f"{stem}.md").write_text(markdown)
-    print(markdown)
+    print(markdown, flush=True)
     print(f"wrote {out / stem}.json and .md", file=sys.stderr)

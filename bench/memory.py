@@ -76,7 +76,7 @@ COMMON = ["data.kind=synthetic", "data.sources=[]", "data.num_workers=0", "data.
           # only on those, and this benchmark reads it on every step, as when the results were recorded.
           "logging.every=1",
           # Offloaded variants update with torch's AdamW, as when the results below were recorded (and
-          # bitwise the plain run's); DeepSpeed's CPU Adam is timed by bench/host_optimizer.py.
+          # bitwise the plain run's); DeepSpeed's CPU Adam: bench/results/host_optimizer-cpu-2core.md.
           "memory.host_optimizer=torch"]
 
 

@@ -12,6 +12,13 @@ One build cache for DeepSpeed's cpu_adam op (memory.host_optimizer): the op comp
 (~1-2 min on 2 cores). Unless TORCH_EXTENSIONS_DIR is set already, every test, and every process
 a test starts (they inherit the environment), builds into and loads from the pytest cache: a
 fresh CI checkout pays the build once, later runs none.
+
+One thread per process: the tests run tiny models, whose GEMMs gain nothing from a second thread,
+and on a 2-core machine that other work shares, two OpenMP threads of one process wait for each
+other at every op (20 steps of tests/smoke/test_train.py's model: 41-47 s with 2 threads, 1.3-1.4 s
+with 1, under a load average of 12). Unless OMP_NUM_THREADS is set already, the test process and
+every process it starts (they inherit the environment) take one thread; a test about threads sets
+its own count.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: this machine has no usable CUDA device")
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     if not os.environ.get("TORCH_EXTENSIONS_DIR") and getattr(config, "cache", None) is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = str(config.cache.mkdir("torch_extensions"))
 

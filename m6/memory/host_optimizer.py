@@ -28,7 +28,7 @@ from m6.config import ConfigError
 
 HOST_OPTIMIZERS = ("auto", "deepspeed", "torch")
 OP_NAME = "cpu_adam"
-# What the fallback costs, as measured by bench/host_optimizer.py (docs/memory.md: Host optimizer).
+# What the fallback costs, as measured in bench/results/host_optimizer-cpu-2core.md (docs/memory.md: Host optimizer).
 FALLBACK_COST = ("its host update takes about 4x as long as DeepSpeed's CPU Adam (4.1x at 25M, 4.5x at 100M "
                  "parameters, measured on 2 CPU cores)")
 

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from m6.moe.chunked_all_to_all import auto_overlap_degree, chunk_major_order, exchange_compute_exchange, plan_chunks
-from m6.moe.dispatch import Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, host_ints, permute_tokens
+from m6.moe.dispatch import (Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, group_received, host_ints,
+                             permute_tokens, ungroup)
 
 OverlapDegree = Union[int, Literal["auto"]]
 
@@ -77,6 +78,12 @@ def wire_dtype(x: torch.Tensor, override: Optional[torch.dtype]) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type) and x.is_floating_point():
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+def received_compute_dtype(x_TD: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype received rows are cast to before the experts: none under autocast (the experts
+    cast to its dtype), else the tokens' own dtype (a compressed fp32 run computes in fp32 again)."""
+    return None if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
 
 
 class AllToAllDispatcher(Dispatcher):
@@ -168,15 +175,6 @@ class AllToAllDispatcher(Dispatcher):
         rows = sum(s + r for s, r, node in zip(splits.send, splits.recv, self.rank_nodes) if node != me)
         self.inter_node_bytes += 2 * rows * row_bytes
 
-    def local_order(self, recv_counts_RL: torch.Tensor, num_received: int) -> torch.Tensor:
-        """Received rows arrive [source rank][local expert]: the permutation that groups them by
-        local expert (on the device; ``output_size`` spares repeat_interleave a host sync)."""
-        R, L = self.group_size, self.num_local
-        local_expert_M = torch.repeat_interleave(
-            torch.arange(L, device=recv_counts_RL.device).repeat(R), recv_counts_RL.reshape(-1),
-            output_size=num_received)
-        return torch.argsort(local_expert_M, stable=True)
-
     def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan) -> tuple[torch.Tensor, list[int], AllToAllHandle]:
         """Rows for this rank's local experts, grouped by local expert, and their counts."""
         return self.send_rows(x_TD, plan, self.exchange_counts(plan)[0])
@@ -189,16 +187,13 @@ class AllToAllDispatcher(Dispatcher):
         self.count_inter_node(splits, x_TD.shape[-1] * dtype.itemsize)
         x_ND = permute_tokens(x_TD, kept).to(dtype)  # grouped by global expert = by destination rank
         x_recv = all_to_all(x_ND, splits.recv, splits.send, self.group)
-        local_order_M = self.local_order(splits.recv_counts_RL, sum(splits.recv))
-        x_local = x_recv.index_select(0, local_order_M)
-        if not torch.is_autocast_enabled(x_TD.device.type):
-            x_local = x_local.to(x_TD.dtype)  # a compressed fp32 run computes in fp32 again
+        x_local, local_order_M = group_received(x_recv, splits.recv_counts_RL, received_compute_dtype(x_TD))
         return x_local, splits.local_experts, AllToAllHandle(kept, splits.send, splits.recv, local_order_M, dtype)
 
     def send_back(self, y_local: torch.Tensor, handle: AllToAllHandle) -> torch.Tensor:
         """Expert outputs back to the ranks (and row order) they came from: [M, D] -> [N, D]."""
-        y_recv = torch.empty_like(y_local).index_copy(0, handle.local_order_M, y_local)
-        return all_to_all(y_recv.to(handle.wire_dtype), handle.send_splits, handle.recv_splits, self.group)
+        y_recv = ungroup(y_local, handle.local_order_M, handle.wire_dtype)
+        return all_to_all(y_recv, handle.send_splits, handle.recv_splits, self.group)
 
     def combine(self, y_local: torch.Tensor, handle: AllToAllHandle, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to their source ranks and token order, weighted by the router."""
@@ -230,7 +225,6 @@ class AllToAllDispatcher(Dispatcher):
         kept = KeptAssignments(kept.token_idx_N.index_select(0, order), kept.weights_N.index_select(0, order),
                                kept.num_tokens)
         x_send = permute_tokens(x_TD, kept).to(dtype)
-        compute_dtype = None if torch.is_autocast_enabled(x_TD.device.type) else x_TD.dtype
-        y_send = exchange_compute_exchange(x_send, chunks, splits.recv_counts_RL, self.local_order, experts,
-                                           compute_dtype, self.group)
+        y_send = exchange_compute_exchange(x_send, chunks, splits.recv_counts_RL, experts,
+                                           received_compute_dtype(x_TD), self.group)
         return combine_tokens(y_send, kept, out_dtype)

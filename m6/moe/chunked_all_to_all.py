@@ -26,6 +26,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from m6.moe.dispatch import group_received, ungroup
+
 # auto: one chunk per this many bytes that the busiest rank sends, at most AUTO_MAX_DEGREE chunks.
 # Below ~2 MiB per chunk an exchange's fixed cost (launch, handshake: tens of microseconds) is no
 # longer small against its transfer time even on a 50 GB/s link, so cutting finer would add more
@@ -44,6 +46,17 @@ def chunk_bounds(num_rows: int, degree: int) -> list[int]:
     """Cut points of a segment of ``num_rows`` rows into ``degree`` parts: part c is
     rows [bounds[c], bounds[c+1]) (sizes differ by at most one; empty parts are legal)."""
     return [num_rows * c // degree for c in range(degree + 1)]
+
+
+def chunk_cuts(rows_S: torch.Tensor, degree: int) -> torch.Tensor:
+    """int64 [S, C + 1] (device): ``chunk_bounds`` of every segment at once, ``rows_S`` [S] rows each."""
+    return rows_S.unsqueeze(1) * torch.arange(degree + 1, device=rows_S.device) // degree
+
+
+def chunk_of(cuts_SC1: torch.Tensor, seg_N: torch.Tensor, pos_N: torch.Tensor) -> torch.Tensor:
+    """int64 [N] (device): the chunk of each row, from its segment ``seg_N`` and its position in it
+    ``pos_N``: how many of the segment's inner cut points (``chunk_cuts``) lie at or before it."""
+    return (cuts_SC1[:, 1:-1].index_select(0, seg_N) <= pos_N.unsqueeze(1)).sum(dim=1)
 
 
 class _ExchangeBox:
@@ -180,9 +193,7 @@ def _chunk_of_rows(counts_RL: torch.Tensor, degree: int, num_rows: int) -> tuple
     seg_R = counts_RL.sum(dim=1)
     seg_N = torch.repeat_interleave(torch.arange(R, device=counts_RL.device), seg_R, output_size=num_rows)
     pos_N = torch.arange(num_rows, device=counts_RL.device) - (torch.cumsum(seg_R, 0) - seg_R).index_select(0, seg_N)
-    # chunk = how many of the cut points n*k//C (k = 1..C-1) lie at or before the row
-    cuts_NK = seg_R.index_select(0, seg_N).unsqueeze(1) * torch.arange(1, degree, device=counts_RL.device) // degree
-    return seg_N, (cuts_NK <= pos_N.unsqueeze(1)).sum(dim=1)
+    return seg_N, chunk_of(chunk_cuts(seg_R, degree), seg_N, pos_N)
 
 
 def chunk_major_order(send_counts_RL: torch.Tensor, degree: int, num_rows: int) -> torch.Tensor:
@@ -195,19 +206,17 @@ def chunk_major_order(send_counts_RL: torch.Tensor, degree: int, num_rows: int) 
 def chunk_counts(recv_counts_RL: torch.Tensor, degree: int, chunk: int) -> torch.Tensor:
     """int64 [R, L] (device): rows of ``chunk`` from each source rank for each local expert, from the
     received counts [R, L] (the device twin of ``ChunkPlan.recv_counts``, so no host-to-device copy)."""
-    seg_R1 = recv_counts_RL.sum(dim=1, keepdim=True)
-    lo_R1, hi_R1 = seg_R1 * chunk // degree, seg_R1 * (chunk + 1) // degree
+    cuts_RC1 = chunk_cuts(recv_counts_RL.sum(dim=1), degree)
+    lo_R1, hi_R1 = cuts_RC1[:, chunk:chunk + 1], cuts_RC1[:, chunk + 1:chunk + 2]
     start_RL = torch.cumsum(recv_counts_RL, 1) - recv_counts_RL
     return (torch.minimum(hi_R1, start_RL + recv_counts_RL) - torch.maximum(lo_R1, start_RL)).clamp_min(0)
 
 
 ExpertCompute = Callable[[torch.Tensor, list[int]], torch.Tensor]
-LocalOrder = Callable[[torch.Tensor, int], torch.Tensor]  # (counts_RL [R, L], rows) -> grouping permutation
 
 
 def exchange_compute_exchange(x_send: torch.Tensor, chunks: ChunkPlan, recv_counts_RL: torch.Tensor,
-                              local_order: LocalOrder, experts: ExpertCompute, compute_dtype: Optional[torch.dtype],
-                              group) -> torch.Tensor:
+                              experts: ExpertCompute, compute_dtype: Optional[torch.dtype], group) -> torch.Tensor:
     """The pipeline: ``x_send`` [N, D] rows in chunk-major order (``chunk_major_order``; already in
     the wire dtype) -> the experts' outputs for them, same order, in the wire dtype.
     ``recv_counts_RL`` [R, L] (device): rows received per source rank and local expert, all chunks.
@@ -224,12 +233,8 @@ def exchange_compute_exchange(x_send: torch.Tensor, chunks: ChunkPlan, recv_coun
     returning = []
     for c in range(chunks.degree):
         x_recv = wait_exchange(pending[c], chunks.recv[c], chunks.send[c], group)
-        order = local_order(chunk_counts(recv_counts_RL, chunks.degree, c), sum(chunks.recv[c]))
-        x_local = x_recv.index_select(0, order)
-        if compute_dtype is not None:
-            x_local = x_local.to(compute_dtype)
-        y_local = experts(x_local, chunks.local_experts[c])
-        y_recv = torch.empty_like(y_local).index_copy(0, order, y_local).to(x_send.dtype)
+        x_local, order = group_received(x_recv, chunk_counts(recv_counts_RL, chunks.degree, c), compute_dtype)
+        y_recv = ungroup(experts(x_local, chunks.local_experts[c]), order, x_send.dtype)
         returning.append(start_exchange(y_recv, chunks.send[c], chunks.recv[c], group))
     return torch.cat([wait_exchange(returning[c], chunks.send[c], chunks.recv[c], group)
                       for c in range(chunks.degree)])

@@ -8,7 +8,8 @@ Host syncs: planning is all on the device; the only copy to the host is the spli
 (``host_ints``, once per layer forward), which the experts' GEMMs and the all-to-all need as ints.
 
 Shape legend: T tokens, D d_model, E experts, K assignments per token, A = T*K assignments, G routing
-groups, N kept assignments (in the Dispatcher protocol: the rows handed to this process's experts).
+groups, N kept assignments (in the Dispatcher protocol: the rows handed to this process's experts); for a
+receiver of an expert-parallel exchange: M rows received, S source ranks, L local experts.
 """
 
 from __future__ import annotations
@@ -199,6 +200,33 @@ def combine_tokens(y_ND: torch.Tensor, kept: KeptAssignments, out_dtype: torch.d
     out_TD = weighted_ND.new_zeros(kept.num_tokens, y_ND.shape[-1])
     out_TD = out_TD.index_add(0, kept.token_idx_N, weighted_ND)
     return out_TD.to(out_dtype)
+
+
+def local_expert_order(counts_SL: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 [M]: rows that arrive grouped [source][local expert], ``counts_SL`` [S, L] of them
+    (on the device), reordered by local expert (stable: source order inside an expert).
+    ``num_rows`` (= counts_SL.sum(), known on the host) spares repeat_interleave a host sync."""
+    S, L = counts_SL.shape
+    local_expert_M = torch.repeat_interleave(torch.arange(L, device=counts_SL.device).repeat(S),
+                                             counts_SL.reshape(-1), output_size=num_rows)
+    return torch.argsort(local_expert_M, stable=True)
+
+
+def group_received(x_MD: torch.Tensor, counts_SL: torch.Tensor, compute_dtype: torch.dtype | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a receiver does with the rows of an exchange (every expert-parallel dispatcher, and
+    the loopback stand-in): [M, D] rows in arrival order [source][local expert] -> (the rows
+    grouped by local expert and cast to ``compute_dtype`` (None: kept as received), the
+    permutation used, for ``ungroup``)."""
+    order_M = local_expert_order(counts_SL, x_MD.shape[0])
+    x_local = x_MD.index_select(0, order_M)
+    return (x_local if compute_dtype is None else x_local.to(compute_dtype)), order_M
+
+
+def ungroup(y_MD: torch.Tensor, order_M: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+    """``group_received`` undone for the experts' outputs: [M, D] grouped by local expert -> arrival
+    order, in ``wire_dtype``, ready for the exchange back."""
+    return torch.empty_like(y_MD).index_copy(0, order_M, y_MD).to(wire_dtype)
 
 
 @runtime_checkable

@@ -17,7 +17,8 @@ from typing import Callable, Optional
 
 import torch
 
-from m6.moe.dispatch import Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, host_ints, permute_tokens
+from m6.moe.dispatch import (Dispatcher, DispatchPlan, KeptAssignments, combine_tokens, group_received, host_ints,
+                             permute_tokens, ungroup)
 
 
 Sync = Callable[[], None]
@@ -72,16 +73,13 @@ class LoopbackDispatcher(Dispatcher):
             self.sync()  # the payload exchange
             x_ND = sync_in_backward(x_ND, self.sync)  # its backward: the gradients' exchange
         counts_RL = plan.counts_E.view(self.R, self.L)  # what this rank sends is what it receives
-        local_expert_N = torch.repeat_interleave(torch.arange(self.L, device=x_TD.device).repeat(self.R),
-                                                 counts_RL.reshape(-1), output_size=x_ND.shape[0])
-        order_N = torch.argsort(local_expert_N, stable=True)
-        x_local = x_ND.index_select(0, order_N).to(x_TD.dtype)
+        x_local, order_N = group_received(x_ND, counts_RL, x_TD.dtype)
         splits = [sum(counts[r * self.L + e] for r in range(self.R)) for e in range(self.L)]
         return x_local, splits, LoopbackHandle(kept, order_N, wire)
 
     def combine(self, y_ND: torch.Tensor, handle: LoopbackHandle, out_dtype: torch.dtype) -> torch.Tensor:
         """Rows back to their order (and through the wire dtype), weighted and summed per token."""
-        y_sent = torch.empty_like(y_ND).index_copy(0, handle.local_order_N, y_ND).to(handle.wire_dtype)
+        y_sent = ungroup(y_ND, handle.local_order_N, handle.wire_dtype)
         if self.sync is not None:
             self.sync()  # the payload's way back
             y_sent = sync_in_backward(y_sent, self.sync)

@@ -32,6 +32,25 @@ on the expert-parallel group (the layer's one host sync; it carries each chunk's
 chunking adds no exchange), then per chunk: stage A rows and (weight, index) pairs, stage B, stage B
 back, stage A back; zero-row splits are legal. The router weights travel with autograd, so their
 gradient (formed on the relay, where the weighted sum is) returns to the source.
+
+Index arithmetic, a worked example. Group of R = 4 ranks on B = 2 nodes (G = 2 ranks each), E = 4
+experts (expert r on rank r: node 0 holds experts 0-1, node 1 experts 2-3), C = 2 chunks. A source
+rank has T = 4 tokens at top-2: token 0 -> experts (0, 1), 1 -> (1, 2), 2 -> (2, 3), 3 -> (3, 0).
+- Rows (``_pair_rows``): one per (node, token) pair with an assignment there. Node 0: tokens 0, 1,
+  3 (rows 0-2 of its segment); node 1: tokens 1, 2, 3. rows_B = [3, 3].
+- Chunks (``chunk_cuts``, ``chunk_of``): a segment of 3 rows cuts at [0, 1, 3]: chunk 0 = row 0,
+  chunk 1 = rows 1-2. Stage A sends the rows chunk-major (``_rows_chunk_major``): tokens
+  [0, 1 | 1, 3, 2, 3] (chunk 0: node 0's token 0, node 1's token 1; chunk 1: node 0's 1, 3, node
+  1's 2, 3), so rows_CB = [[1, 1], [2, 2]] (chunk c: rows for node b).
+- Assignments per (chunk, expert) (``_count_per_chunk_expert``): counts_CE = [[1, 1, 1, 0],
+  [1, 1, 1, 2]]. Each (weight, index) pair carries its row counted inside its (chunk, node)
+  segment: token 3's pair for expert 0 is row 2 of node 0, chunk 1 starts at row 1: index 1.
+- Counts exchange: rank r receives from every source, per chunk, the counts of node(r)'s experts
+  and the rows for node(r): rank 2 gets [[1, 0, 1], [1, 2, 2]] from this source ([C, NE + 1]).
+- Split sizes (``_host_counts``), at rank 2 (node 1, local index 0) as relay for the sources of
+  local index 0 (ranks 0 and 2), with the above from source 0: stage A rows from node 0 per chunk
+  1, 2 (the last column); pairs 1, 3 (the expert columns summed); stage B to rank 2 (expert 2)
+  1, 1 and to rank 3 (expert 3) 0, 2.
 """
 
 from __future__ import annotations
@@ -43,9 +62,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from m6.moe.all_to_all import AllToAllDispatcher, all_to_all, wire_dtype
-from m6.moe.chunked_all_to_all import start_exchange, wait_exchange
-from m6.moe.dispatch import DispatchPlan, host_ints
+from m6.moe.all_to_all import AllToAllDispatcher, all_to_all, received_compute_dtype, wire_dtype
+from m6.moe.chunked_all_to_all import chunk_cuts, chunk_of, start_exchange, wait_exchange
+from m6.moe.dispatch import DispatchPlan, group_received, host_ints, ungroup
 
 # A relayed assignment's row index travels bit-cast into its router weight's dtype, as the second
 # column of one (weight, index) exchange: one collective per chunk instead of two. Backward sends
@@ -200,25 +219,18 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         look = self._lookup(dev, C)
         self.last_degree = C
 
-        # On the device, before the host knows anything: which (node, token) pairs have a kept
-        # assignment (a row each, node-major, token order), each row's chunk, and the kept
-        # assignments per (chunk, expert).
+        # On the device, before the host knows anything: for each assignment (in the plan's expert
+        # order; past the kept ones: node B, dropped), its expert, its node and the row of its
+        # (node, token) pair inside the node's segment, that row's chunk, and the kept assignments
+        # per (chunk, expert).
         A = plan.order_A.numel()
         expert_pos = torch.searchsorted(torch.cumsum(plan.counts_E, 0), torch.arange(A, device=dev), right=True)
         node_pos = look["node_of_expert"].index_select(0, expert_pos)  # B: not kept
-        key_pos = node_pos * T + plan.order_A // K
-        present = torch.zeros((B + 1) * T, dtype=torch.bool, device=dev).scatter_(0, key_pos, True)[:B * T]
-        rows_B = present.view(B, T).sum(dim=1)
-        cuts_BC1 = rows_B.unsqueeze(1) * torch.arange(C + 1, device=dev) // C  # chunk_bounds of every segment
+        present, rows_B, row_pos = _pair_rows(node_pos, plan.order_A // K, B, T)
+        cuts_BC1 = chunk_cuts(rows_B, C)
         rows_CB = (cuts_BC1[:, 1:] - cuts_BC1[:, :-1]).t()
-        node_start_B = torch.cumsum(rows_B, 0) - rows_B
-        node_safe = node_pos.clamp(max=B - 1)
-        row_pos = torch.cumsum(present, 0).sub_(1).index_select(0, key_pos.clamp(max=max(B * T - 1, 0))) \
-            - node_start_B.index_select(0, node_safe)  # row inside its node's segment
-        chunk_pos = (cuts_BC1[:, 1:C].index_select(0, node_safe) <= row_pos.unsqueeze(1)).sum(dim=1)
-        kept_key = torch.where(expert_pos < E, chunk_pos * E + expert_pos, torch.full_like(expert_pos, C * E))
-        counts_CE = torch.zeros(C * E + 1, dtype=torch.int64, device=dev).scatter_add_(
-            0, kept_key, torch.ones_like(kept_key))[:C * E]
+        chunk_pos = chunk_of(cuts_BC1, node_pos.clamp(max=B - 1), row_pos)
+        counts_CE = _count_per_chunk_expert(expert_pos, chunk_pos, E, C)
         send_counts = torch.cat([counts_CE, rows_CB.reshape(-1)]).index_select(0, look["payload"])
         recv_counts = send_counts.new_empty(R * C * (NE + 1))
         dist.all_to_all_single(recv_counts, send_counts, [C * (NE + 1)] * R,
@@ -240,11 +252,7 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         send_order = torch.argsort((chunk_N * B + node_N) * E + expert_pos[:N], stable=True)
         meta = torch.stack([kept.weights_N.index_select(0, send_order),
                             row_N.index_select(0, send_order).to(index_dtype).view(kept.weights_N.dtype)], dim=1)
-        token_row = torch.argsort(~present, stable=True)[:num_rows] % max(T, 1)  # node-major
-        node_row = torch.repeat_interleave(torch.arange(B, device=dev), rows_B, output_size=num_rows)
-        local_row = torch.arange(num_rows, device=dev) - node_start_B.index_select(0, node_row)
-        chunk_row = (cuts_BC1[:, 1:C].index_select(0, node_row) <= local_row.unsqueeze(1)).sum(dim=1)
-        token_row = token_row.index_select(0, torch.argsort(chunk_row * B + node_row, stable=True))
+        token_row = _rows_chunk_major(present, rows_B, cuts_BC1, num_rows, T)
         return _Source(n, x_TD.index_select(0, token_row).to(dtype), meta, token_row,
                        [0, *accumulate(sum(n.a_send[c]) for c in range(C))],
                        [0, *accumulate(sum(n.w_send[c]) for c in range(C))], recv_RCX, look, index_dtype, T)
@@ -271,17 +279,14 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         x_B = all_to_all(x_A.index_select(0, relay_row), n.b_recv[c], n.b_send[c], self.node_group)
         # Receiver: rows arrive [relay g][source node b][local expert].
         arrival_RL = recv_RX.index_select(0, look["arrival"])[:, self.local_first:self.local_first + L]
-        local_order_M = self.local_order(arrival_RL, sum(n.b_recv[c]))
-        x_local = x_B.index_select(0, local_order_M)
-        if not torch.is_autocast_enabled(x_TD.device.type):
-            x_local = x_local.to(x_TD.dtype)  # a compressed fp32 run computes in fp32 again
+        x_local, local_order_M = group_received(x_B, arrival_RL, received_compute_dtype(x_TD))
         weights = meta_A[:, 0].index_select(0, forward_order)
         return x_local, _Chunk(relay_row, weights, local_order_M, x_A.shape[0], x_A.dtype, n.b_send[c], n.b_recv[c])
 
     def _depart(self, y_local: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
         """This rank's expert outputs back to the relays (stage B back), each relayed row's weighted
         outputs summed there (fp32): [M, D] -> [rows of the chunk at this relay, D] in the wire dtype."""
-        y_B = torch.empty_like(y_local).index_copy(0, chunk.local_order_M, y_local).to(chunk.wire_dtype)
+        y_B = ungroup(y_local, chunk.local_order_M, chunk.wire_dtype)
         y_relay = all_to_all(y_B, chunk.b_send, chunk.b_recv, self.node_group)
         acc = torch.promote_types(y_relay.dtype, chunk.weights.dtype)
         weighted = y_relay.to(acc) * chunk.weights.to(acc).unsqueeze(-1)
@@ -295,25 +300,33 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         return out.index_add(0, src.token_row, y_rows.to(acc)).to(out_dtype)
 
     def _host_counts(self, counts_flat: list[int], rows_flat: list[int], recv_flat: list[int], C: int) -> _Counts:
-        """Every split size of the dispatch, per chunk, from the counts exchange's host ints."""
+        """Every split size of the dispatch, per chunk, from the counts exchange's host ints:
+        ``counts_flat`` [C*E] and ``rows_flat`` [C*B] this rank sends (as a source), ``recv_flat``
+        [R, C, NE + 1] what every source sent this node (the module docstring works an example)."""
         R, G, B, E = self.group_size, self.ranks_per_node, self.num_nodes, self.num_experts
         NE, L = self.node_experts[self.node][1] - self.node_experts[self.node][0], self.num_local
-        X = NE + 1
+        relayed = [b * G + self.local_index for b in range(B)]  # the sources this rank relays for
+        owner, mine = self.owner_bounds, (self.local_first, self.local_first + L)
 
-        def recv(s: int, c: int) -> list[int]:
-            return recv_flat[(s * C + c) * X:(s * C + c + 1) * X]
+        def assigned(s: int, c: int, lo: int = 0, hi: int = NE) -> int:
+            """Assignments source s sent in chunk c for this node's experts lo..hi-1 (node numbering)."""
+            at = (s * C + c) * (NE + 1)
+            return sum(recv_flat[at + lo:at + hi])
 
-        mine = slice(self.local_first, self.local_first + L)
-        a_send = [rows_flat[c * B:(c + 1) * B] for c in range(C)]
-        w_send = [[sum(counts_flat[c * E + a:c * E + b]) for a, b in self.node_experts] for c in range(C)]
-        relayed = [b * G + self.local_index for b in range(B)]
-        a_recv = [[recv(s, c)[NE] for s in relayed] for c in range(C)]
-        w_recv = [[sum(recv(s, c)[:NE]) for s in relayed] for c in range(C)]
-        ob = self.owner_bounds
-        b_send = [[sum(sum(recv(s, c)[ob[h]:ob[h + 1]]) for s in relayed) for h in range(G)] for c in range(C)]
-        b_recv = [[sum(sum(recv(b * G + g, c)[mine]) for b in range(B)) for g in range(G)] for c in range(C)]
-        local = [[sum(recv(s, c)[self.local_first + e] for s in range(R)) for e in range(L)] for c in range(C)]
-        return _Counts(a_send, a_recv, w_send, w_recv, b_send, b_recv, local)
+        def rows(s: int, c: int) -> int:
+            """Stage A rows source s sent in chunk c to this node."""
+            return recv_flat[(s * C + c) * (NE + 1) + NE]
+
+        chunks = range(C)
+        return _Counts(
+            a_send=[rows_flat[c * B:(c + 1) * B] for c in chunks],
+            a_recv=[[rows(s, c) for s in relayed] for c in chunks],
+            w_send=[[sum(counts_flat[c * E + lo:c * E + hi]) for lo, hi in self.node_experts] for c in chunks],
+            w_recv=[[assigned(s, c) for s in relayed] for c in chunks],
+            b_send=[[sum(assigned(s, c, owner[h], owner[h + 1]) for s in relayed) for h in range(G)] for c in chunks],
+            b_recv=[[sum(assigned(b * G + g, c, *mine) for b in range(B)) for g in range(G)] for c in chunks],
+            local_experts=[[sum(assigned(s, c, mine[0] + e, mine[0] + e + 1) for s in range(R)) for e in range(L)]
+                           for c in chunks])
 
     def _count(self, n: _Counts, row_bytes: int, weight_bytes: int) -> None:
         """Add one layer call's inter-node payload to ``inter_node_bytes``, from the split sizes: the
@@ -326,3 +339,42 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         rows = sum(n.a_send[c][b] + n.a_recv[c][b] for c, b in remote)
         pairs_out, pairs_in = sum(n.w_send[c][b] for c, b in remote), sum(n.w_recv[c][b] for c, b in remote)
         self.inter_node_bytes += 2 * rows * row_bytes + (2 * pairs_out + pairs_in) * weight_bytes
+
+
+def _pair_rows(node_A: torch.Tensor, token_A: torch.Tensor, num_nodes: int, num_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows stage A sends: one per (node, token) pair with a kept assignment on that node,
+    node-major, in token order. ``node_A``/``token_A`` [A]: each assignment's node (``num_nodes``
+    for a dropped one) and token. Returns ``present`` bool [B*T] (pair b*T + t has a row),
+    ``rows_B`` [B] (rows per node) and ``row_A`` [A]: the row of each assignment's pair inside
+    its node's segment (meaningless for dropped ones), all on the device."""
+    B, T = num_nodes, num_tokens
+    key_A = node_A * T + token_A  # a dropped assignment's key lies past B*T and is cut off
+    present = torch.zeros((B + 1) * T, dtype=torch.bool, device=node_A.device).scatter_(0, key_A, True)[:B * T]
+    rows_B = present.view(B, T).sum(dim=1)
+    row_of_key = torch.cumsum(present, 0).sub_(1)  # the pair's row counted over all nodes
+    node_start_B = torch.cumsum(rows_B, 0) - rows_B
+    row_A = row_of_key.index_select(0, key_A.clamp(max=max(B * T - 1, 0))) \
+        - node_start_B.index_select(0, node_A.clamp(max=B - 1))
+    return present, rows_B, row_A
+
+
+def _count_per_chunk_expert(expert_A: torch.Tensor, chunk_A: torch.Tensor, num_experts: int, degree: int
+                            ) -> torch.Tensor:
+    """int64 [C*E]: kept assignments per (chunk, expert), chunk-major (``expert_A`` = E: dropped)."""
+    E, C = num_experts, degree
+    key_A = torch.where(expert_A < E, chunk_A * E + expert_A, torch.full_like(expert_A, C * E))
+    return torch.zeros(C * E + 1, dtype=torch.int64, device=expert_A.device).scatter_add_(
+        0, key_A, torch.ones_like(key_A))[:C * E]
+
+
+def _rows_chunk_major(present: torch.Tensor, rows_B: torch.Tensor, cuts_BC1: torch.Tensor, num_rows: int,
+                      num_tokens: int) -> torch.Tensor:
+    """int64 [rows]: the token of each stage A row, rows ordered (chunk, node, token): chunk c of
+    every node's segment in turn, so each chunk's rows are one slice in relay order."""
+    B, T, dev = rows_B.numel(), num_tokens, rows_B.device
+    token_row = torch.argsort(~present, stable=True)[:num_rows] % max(T, 1)  # node-major
+    node_row = torch.repeat_interleave(torch.arange(B, device=dev), rows_B, output_size=num_rows)
+    local_row = torch.arange(num_rows, device=dev) - (torch.cumsum(rows_B, 0) - rows_B).index_select(0, node_row)
+    chunk_row = chunk_of(cuts_BC1, node_row, local_row)
+    return token_row.index_select(0, torch.argsort(chunk_row * B + node_row, stable=True))

@@ -26,7 +26,6 @@ not DCP-reshardable.
 
 from __future__ import annotations
 
-import math
 
 import torch
 import torch.distributed as dist
@@ -35,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from m6.parallel.grad_sync import sum_sq_of
+from m6.parallel.grad_sync import clip_coefficient, sum_sq_of
 from m6.parallel.layout import LayoutError
 from m6.parallel.plan import ShardedModel
 
@@ -191,9 +190,8 @@ def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, d
         total_sq = total_sq.to(device)
         dist.all_reduce(total_sq, group=group)
     total = float(total_sq.sqrt())
-    if math.isfinite(total) and max_norm < math.inf:
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
+    coef = clip_coefficient(total, max_norm)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
     return total

@@ -336,7 +336,7 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
     returned norm is the unscaled one. A non-finite norm leaves the gradients as they are.
     """
     total = global_grad_norm(_grads(replicated), _grads(experts), expert_group, device) / grad_scale
-    if math.isfinite(total):
+    if math.isfinite(total):  # else not even unscaled: the step is skipped or refused
         coef = clip_coefficient(total, max_norm)
         if coef < 1.0 or grad_scale != 1.0:
             for p in replicated + experts:
@@ -364,5 +364,9 @@ def global_grad_norm(replicated_grads: list[torch.Tensor], expert_grads: list[to
 
 
 def clip_coefficient(total: float, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s coefficient (1 when ``max_norm`` is inf)."""
-    return min(1.0, max_norm / (total + 1e-6)) if max_norm < math.inf else 1.0
+    """What every clip multiplies the gradients by, from the global norm ``total``:
+    torch.nn.utils.clip_grad_norm_'s coefficient; 1 when ``max_norm`` is inf, and 1 for a
+    non-finite norm (the gradients are left as they are: the step is skipped or refused)."""
+    if not math.isfinite(total) or max_norm == math.inf:
+        return 1.0
+    return min(1.0, max_norm / (total + 1e-6))

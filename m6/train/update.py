@@ -143,7 +143,7 @@ class ParameterUpdate:
             # fp16 would flush small gradients to zero).
             total = global_grad_norm(self.offload.host_grads(self.replicated), self.offload.host_grads(self.experts),
                                      self.expert_group, self.device) / scale
-            self.offload.grad_multiplier = (clip_coefficient(total, limit) if math.isfinite(total) else 1.0) / scale
+            self.offload.grad_multiplier = clip_coefficient(total, limit) / scale
             return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale)
 

@@ -51,5 +51,7 @@ def _ranks(rank: int, world: int, root: str) -> None:
 
 
 def test_every_rank_chooses_the_same_host_optimizer(tmp_path):
-    # Rank 0 builds the op when the cache is empty (~1-2 min on 2 cores): a generous bound.
+    """Can take over 30 s: rank 0 builds DeepSpeed's cpu_adam op when the build cache is empty
+    (~1-2 min on 2 cores, once per cache; later runs load it in seconds), which is the path under
+    test (the other rank must wait for that build and agree with its outcome); a generous bound."""
     run_distributed(_ranks, 2, str(tmp_path), timeout_s=300)

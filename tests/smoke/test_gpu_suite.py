@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_suite_smoke_on_cpu_writes_every_part(tmp_path):
+    """Over 30 s on a shared 2-core machine (41 s in a full-suite run, ~2 min under a load average of 10): the
+    suite runs each of its nine parts in a process of its own, as on the GPU, so each pays a Python
+    and torch start; running them in one process would no longer test the isolation the suite
+    relies on (a part that crashes or overruns leaves the others their results)."""
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_suite", "--out", str(tmp_path), "--device", "cpu", "--smoke"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

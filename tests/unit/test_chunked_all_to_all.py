@@ -11,13 +11,41 @@ import torch
 
 from m6.config import ConfigError, MoEConfig
 from m6.moe.chunked_all_to_all import (AUTO_CHUNK_BYTES, AUTO_MAX_DEGREE, auto_overlap_degree, chunk_bounds,
-                                       chunk_counts, chunk_major_order, plan_chunks)
+                                       chunk_counts, chunk_cuts, chunk_major_order, chunk_of, plan_chunks)
+from m6.moe.dispatch import group_received, ungroup
 
 
 def test_chunk_bounds_cover_the_segment_in_near_equal_parts():
     assert chunk_bounds(10, 4) == [0, 2, 5, 7, 10]
     assert chunk_bounds(0, 3) == [0, 0, 0, 0]
     assert chunk_bounds(2, 4) == [0, 0, 1, 1, 2]  # more parts than rows: empty parts
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3, 4])
+def test_device_cut_is_the_host_cut(degree):
+    """chunk_cuts / chunk_of (device, every segment at once) cut as chunk_bounds does on the host."""
+    rows_S = torch.tensor([0, 1, 2, 5, 10])
+    cuts = chunk_cuts(rows_S, degree)
+    assert cuts.tolist() == [chunk_bounds(n, degree) for n in rows_S.tolist()]
+    seg_N = torch.repeat_interleave(torch.arange(5), rows_S)
+    pos_N = torch.cat([torch.arange(n) for n in rows_S.tolist()])
+    want = [c for n in rows_S.tolist() for c in range(degree)
+            for _ in range(chunk_bounds(n, degree)[c], chunk_bounds(n, degree)[c + 1])]
+    assert chunk_of(cuts, seg_N, pos_N).tolist() == want
+
+
+def test_receiver_grouping_and_its_inverse():
+    """Rows arriving [source][local expert] come out grouped by local expert (source order kept inside
+    an expert), cast to the compute dtype; ungroup puts outputs back in arrival order, in the wire dtype."""
+    counts_SL = torch.tensor([[2, 1], [0, 2]])  # source 0: 2 rows for expert 0, 1 for 1; source 1: 2 for 1
+    x = torch.tensor([[0.], [1.], [2.], [3.], [4.]], dtype=torch.bfloat16)  # arrival: e0 e0 e1 | e1 e1
+    x_local, order = group_received(x, counts_SL, torch.float32)
+    assert x_local.dtype == torch.float32 and x_local.flatten().tolist() == [0, 1, 2, 3, 4]
+    x = torch.tensor([[0.], [1.], [2.], [3.]])  # source 0: e0 e1 | source 1: e0 e1
+    x_local, order = group_received(x, torch.tensor([[1, 1], [1, 1]]), None)
+    assert x_local.flatten().tolist() == [0, 2, 1, 3] and x_local.dtype == torch.float32
+    back = ungroup(x_local * 10, order, torch.bfloat16)
+    assert back.dtype == torch.bfloat16 and back.flatten().tolist() == [0, 10, 20, 30]
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -15,6 +15,7 @@ import torch
 
 from m6.config import ConfigError, load
 from m6.parallel import clip_grad_norm
+from m6.parallel.grad_sync import clip_coefficient
 from m6.train.loop import Trainer, TrainingDiverged
 from m6.train.loss_scale import BACKOFF_FACTOR, GROWTH_FACTOR, DynamicLossScale
 
@@ -169,3 +170,11 @@ def test_console_line_shows_the_scale(tmp_path, capsys):
     logger.log(1, {"loss": 3.0, "grad_norm": 0.5, "loss_scale": 32768.0, "overflow_steps": 1})
     logger.close()
     assert "gnorm 0.500 | scale 32768 (1 overflow skips)" in capsys.readouterr().out
+
+
+def test_clip_coefficient_is_torchs_and_one_where_nothing_is_clipped():
+    """The one coefficient every clip uses (replicated, FSDP2 shards, 16-bit host gradients)."""
+    assert clip_coefficient(4.0, 1.0) == pytest.approx(1.0 / (4.0 + 1e-6), rel=1e-12)
+    assert clip_coefficient(0.5, 1.0) == 1.0
+    assert clip_coefficient(4.0, math.inf) == 1.0
+    assert clip_coefficient(math.inf, 1.0) == 1.0 and clip_coefficient(math.nan, 1.0) == 1.0  # left as they are

@@ -316,7 +316,9 @@ def test_explicit_deepspeed_that_cannot_build_is_a_config_error(tmp_path, monkey
 @pytest.mark.parametrize("choice", ["deepspeed", "auto"])
 def test_a_real_failed_build_from_the_command_line(tmp_path, choice):
     """No usable compiler (CXX points nowhere) and an empty build cache: deepspeed -> exit 2 with
-    one error line, no traceback; auto -> the run trains with torch's AdamW after one line."""
+    one error line, no traceback; auto -> the run trains with torch's AdamW after one line.
+    About 30 s a case on a busy 2-core machine (32 s under a load average of 14): a real `m6.train`
+    process (torch and DeepSpeed imported) that really attempts the build, which is what is tested."""
     env = dict(os.environ, CXX=str(tmp_path / "no-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"),
                OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "m6.train", "--config", str(REPO / "configs/tiny.yaml"), *SMALL, "data.sources=[]",
