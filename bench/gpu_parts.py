@@ -147,75 +147,7 @@ def part_gemm_rate(args, device: torch.device, out: Path) -> tuple[dict, list[st
 
 
 # ---------------------------------------------------------------------------------------------
-# (c) grouped_mm vs the per-expert loop, real routing, fwd+bwd
-def routed_rows(num_experts: int, top_k: int, tokens: int, d_model: int, ffn_dim: int, device: torch.device,
-                seed: int = 0):
-    """A swiglu MoELayer on ``device`` and the tokens its own router sent to its experts:
-    (layer, x_ND grouped by expert, splits)."""
-    from m6.moe import MoELayer
-
-    torch.manual_seed(seed)
-    layer = MoELayer(d_model, ffn_dim, num_experts, top_k=top_k, capacity_factor=None, activation="swiglu").to(device)
-    x_TD = torch.randn(tokens, d_model, device=device)
-    with torch.no_grad():
-        routing = layer.router(x_TD)
-        plan = layer.dispatch_plan(routing, None, tokens)
-        x_ND, splits, _ = layer.dispatcher.dispatch(x_TD, plan)
-    return layer, x_ND, [int(s) for s in splits]
-
-
-def part_grouped_vs_loop(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
-    dtype = torch.bfloat16
-    tokens, d_model, ffn_dim = (64, 16, 24) if args.smoke else (16384, 2048, 1024)
-    rows = []
-    md = [f"tokens {tokens}, d_model {d_model}, expert ffn {ffn_dim}, swiglu, bf16 compute from fp32 weights "
-          "(cast-on-use), forward+backward of the experts alone on the router's real assignments", "",
-          "| E | top_k | rows | idle experts | rows/expert min-max | loop ms | grouped_mm ms | speedup | TFLOP/s grouped | max rel err (y, grads) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
-    for E, k in ((8, 2), (32, 4), (128, 8)):
-        layer, x_ND, splits = routed_rows(E, k, tokens, d_model, ffn_dim, device)
-        experts = layer.experts
-        experts.cast_on_use = True
-        x = x_ND.to(dtype).detach().requires_grad_(True)
-        dy = torch.randn_like(x)
-        outputs = {}
-        timings = {}
-        for kernel in ("loop", "grouped_mm"):
-            experts.expert_kernel = kernel
-
-            def step() -> None:
-                for p in experts.parameters():
-                    p.grad = None
-                x.grad = None
-                with torch.autocast(device.type, dtype=dtype):
-                    y = experts(x, splits)
-                y.backward(dy)
-
-            step()
-            with torch.autocast(device.type, dtype=dtype):
-                y = experts(x, splits)
-            y.backward(dy)
-            outputs[kernel] = [y.detach().float(), x.grad.float()] + [p.grad.float() for p in experts.parameters()]
-            ran = experts.last_kernel
-            timings[kernel] = _stats(time_ms(step, device, warmup=1 if args.smoke else 3, reps=3 if args.smoke else 20))
-            timings[kernel]["ran"] = ran
-        errs = [float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(outputs["grouped_mm"], outputs["loop"])]
-        flops = 3 * 3 * 2 * sum(splits) * d_model * ffn_dim  # 3 GEMMs (swiglu) x (fwd + 2 bwd) x 2 flops
-        speedup = timings["loop"]["median_ms"] / timings["grouped_mm"]["median_ms"]
-        row = {"num_experts": E, "top_k": k, "rows": sum(splits), "idle_experts": splits.count(0),
-               "rows_per_expert_min": min(splits), "rows_per_expert_max": max(splits), "timings": timings,
-               "speedup_grouped_over_loop": speedup, "rel_err_grouped_vs_loop": errs,
-               "tflops_grouped": flops / (timings["grouped_mm"]["median_ms"] * 1e-3) / 1e12}
-        rows.append(row)
-        md.append(f"| {E} | {k} | {row['rows']} | {row['idle_experts']} | {min(splits)}-{max(splits)} | "
-                  f"{timings['loop']['median_ms']:.3f} | {timings['grouped_mm']['median_ms']:.3f} | {speedup:.2f} | "
-                  f"{row['tflops_grouped']:.1f} | {max(errs):.2e} |")
-        del layer, experts, x, dy, outputs
-    return {"tokens": tokens, "d_model": d_model, "ffn_dim": ffn_dim, "rows": rows}, md
-
-
-# ---------------------------------------------------------------------------------------------
-# (d) bench/moe_layer on the device: m6 vs DeepSpeed-MoE vs dense
+# (c) the MoE layer against DeepSpeed-MoE and a dense FFN (bench/moe_layer)
 def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
     sub = out / "moe_layer"
     cmd = [sys.executable, "-m", "bench.moe_layer", "--device", device.type, "--stages", "timing",
@@ -236,7 +168,7 @@ def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[st
 
 
 # ---------------------------------------------------------------------------------------------
-# (d2) expert kernels at fine-grained shapes: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense
+# (d) expert kernels at fine-grained shapes: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense
 def part_moe_kernels(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
     if device.type == "cpu":
         # The fused kernels run on CPU only under Triton's interpreter, chosen before triton is imported.
@@ -251,7 +183,7 @@ def part_moe_kernels(args, device: torch.device, out: Path) -> tuple[dict, list[
 
 
 # ---------------------------------------------------------------------------------------------
-# (e) one end-to-end train.py run, plus a profile of the same configuration
+# (e) end to end: two configs at several tokens per step, their step breakdowns, the HF peer
 def _text_corpus(path: Path, lines: int, words_per_line: int, seed: int = 0) -> None:
     """Random lowercase words, one long line per sample: every sample fills data.seq_len."""
     import numpy as np
@@ -690,7 +622,7 @@ def _jsonable(obj):
     return obj if isinstance(obj, (int, float, str, bool, type(None))) else str(obj)
 
 
-PARTS = {"tests": part_tests, "gemm_rate": part_gemm_rate, "grouped_vs_loop": part_grouped_vs_loop,
+PARTS = {"tests": part_tests, "gemm_rate": part_gemm_rate,
          "moe_layer": part_moe_layer, "moe_kernels": part_moe_kernels, "train_e2e": part_train_e2e, "memory": part_memory,
          "offload_layouts": part_offload_layouts, "fp16_tiny": part_fp16_tiny, "fp16_base": part_fp16_base}
 

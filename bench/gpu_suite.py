@@ -7,7 +7,6 @@ Parts (bench/gpu_parts.py), each in its own process under its own time limit, so
 CUDA error or a hang in one is recorded and the rest still run:
   tests            pytest --device cuda on the device-aware tests (tests/conftest.py)
   gemm_rate        the device's measured bf16 matmul rate (8192^3, CUDA events, median)
-  grouped_vs_loop  expert FFN fwd+bwd, torch grouped_mm vs the per-expert loop, E = 8, 32, 128
   moe_layer        bench/moe_layer on the device: m6 vs DeepSpeed-MoE vs dense, GPU shapes
   moe_kernels      bench/moe_kernels: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense, fine-grained shapes
   train_e2e        m6-gpu-2b and m6-gpu-finegrained at several tokens per step (tokens/s, MFU, peak
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 
 # Seconds per part on a GPU (a call runs the parts it names with --parts, inside its 10-minute limit).
-BUDGET_S = {"tests": 230, "gemm_rate": 20, "grouped_vs_loop": 60, "moe_layer": 150, "moe_kernels": 330, "train_e2e": 420, "memory": 80,
+BUDGET_S = {"tests": 230, "gemm_rate": 20, "moe_layer": 150, "moe_kernels": 330, "train_e2e": 420, "memory": 80,
             "offload_layouts": 220, "fp16_tiny": 130, "fp16_base": 200}
 SMOKE_BUDGET_S = 180  # per part on a shared CPU
 

@@ -36,12 +36,6 @@ def test_suite_smoke_on_cpu_writes_every_part(tmp_path):
     assert tests["returncode"] == 0 and tests["passed"] >= 2 and tests["failures"] == 0
     gemm = json.loads((tmp_path / "gemm_rate.json").read_text())["result"]
     assert gemm["tflops_median"] > 0
-    gvl = json.loads((tmp_path / "grouped_vs_loop.json").read_text())["result"]["rows"]
-    assert [r["num_experts"] for r in gvl] == [8, 32, 128]
-    assert gvl[-1]["idle_experts"] > 0  # real routing at E=128 leaves experts without tokens
-    for r in gvl:
-        assert r["timings"]["grouped_mm"]["ran"] == "grouped_mm" and r["timings"]["loop"]["ran"] == "loop"
-        assert max(r["rel_err_grouped_vs_loop"]) < 2e-2  # bf16 operands
     moe = json.loads((tmp_path / "moe_layer.json").read_text())["result"]["rows"]
     assert set(moe[0]["impls"]) == {"m6_capacity", "m6_dropless", "deepspeed", "dense"}
     kernels = json.loads((tmp_path / "moe_kernels.json").read_text())["result"]["rows"]
