@@ -7,7 +7,8 @@ optimizer:        fp32 master weights, their gradients and the AdamW moments liv
                   the experts when the expert-data-parallel size is 1) leaves at the end of EVERY
                   micro-batch's backward, parameter by parameter as backward writes it, and is
                   summed on the host in fp32 (m6.memory.grad_stream): with accumulation the device
-                  never holds it past its own backward. A replicated gradient must be all-reduced
+                  never holds it past its own backward (with 16-bit host gradients it accumulates
+                  on the device and leaves once, in the last backward). A replicated gradient must be all-reduced
                   first, and is reduced once per step, in the last micro-batch (reducing it in
                   every micro-batch would multiply its traffic by the accumulation steps), so it
                   accumulates on the device until then and leaves right after its bucket's
@@ -188,8 +189,9 @@ class HostOffload:
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
                  streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32) -> None:
         """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
-        masters' ``.grad``. 16-bit: they stay in their own buffers (one micro-batch per step, nothing
-        added on the host) and the update reads them group by group (``materialize_grads``)."""
+        masters' ``.grad``. 16-bit: they stay in their own buffers, each written once per step
+        (nothing is added on the host: with accumulation they arrive final from the last backward)
+        and the update reads them group by group (``materialize_grads``)."""
         self.device = device
         self.grad_dtype = grad_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -238,8 +240,9 @@ class HostOffload:
     def _stream_grad(self, p: nn.Parameter) -> None:
         grad, buf, master = p.grad, self._grad_buffers[id(p)], self.masters[id(p)]
         if self.half_grads and id(master) in self._filled:
+            # ParameterUpdate.backward keeps these on the device until the step's last backward.
             raise RuntimeError("memory.host_grad_dtype=compute: a second gradient for one parameter in a step "
-                               "(16-bit host gradients are not summed); use host_grad_dtype=fp32 with accumulation")
+                               "(16-bit host gradients are not summed on the host)")
         if master.grad is not None:  # this step's sum is on the host already: add to it
             self._accumulator.add(grad, buf)
             p.grad = None

@@ -1,7 +1,7 @@
 """memory.host_grad_dtype=compute: offloaded gradients kept on the host in the compute dtype (bf16
 or fp16, half the host bytes of fp32), the norm taken from them, the unscale and clip applied as
 the update reads each group back in fp32. Trains like fp32 host gradients (bf16 and fp16, with a
-forced overflow skipped), resumes, and refuses what it cannot do (accumulation, no offload)."""
+forced overflow skipped), with accumulation, resumes, and refuses what it cannot do (no offload)."""
 
 from __future__ import annotations
 
@@ -113,9 +113,26 @@ def test_the_memory_estimate_counts_16bit_host_grads_and_their_fp32_reads(tmp_pa
     assert extra == 4 * largest_group  # one apply group's gradients read back in fp32
 
 
-def test_accumulation_with_compute_dtype_host_grads_is_a_config_error(tmp_path, device):
-    with pytest.raises(ConfigError, match=r"memory.host_grad_dtype=compute with 2 micro-batches per step"):
-        trainer(tmp_path, device, "train.precision=bf16", "memory.host_grad_dtype=compute", "train.micro_batch_size=4")
+def test_accumulation_with_16bit_host_grads_sums_on_the_device_and_trains_like_fp32(tmp_path, device):
+    """Two micro-batches per step: the 16-bit host gradients add up on the device in fp32 and leave
+    once, in the last backward (a 16-bit sum on the host would round every add); the estimate
+    counts them on the device until then."""
+    from m6.memory.estimate import estimate_memory
+    from m6.train.optim import no_decay_ids
+
+    args = ("train.precision=bf16", "train.micro_batch_size=4", "train.max_steps=3")
+    wide = trainer(tmp_path / "fp32", device, *args)
+    half = trainer(tmp_path / "half", device, *args, "memory.host_grad_dtype=compute")
+    assert half.accum == 2
+    rows = {name: [tr.train_step() for _ in range(3)] for name, tr in (("fp32", wide), ("half", half))}
+    assert rows["half"][0]["loss"] == rows["fp32"][0]["loss"]
+    assert [r["grad_norm"] for r in rows["half"]] == pytest.approx([r["grad_norm"] for r in rows["fp32"]], rel=1e-2)
+    assert [r["loss"] for r in rows["half"]] == pytest.approx([r["loss"] for r in rows["fp32"]], rel=1e-3)
+    assert rows["half"][-1]["skipped_steps"] == 0
+    numel = sum(p.numel() for p in half.model.parameters())
+    estimate = {name: estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model)).device["grads"]
+                for name, tr in (("fp32", wide), ("half", half))}
+    assert estimate == {"fp32": 0.0, "half": 4.0 * numel}  # one process: fp32 ones stream out every backward
 
 
 def test_compute_dtype_host_grads_without_offload_is_a_config_error():
