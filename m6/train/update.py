@@ -138,8 +138,10 @@ class ParameterUpdate:
             # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
             # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in
             # fp16 would flush small gradients to zero).
-            total = global_grad_norm(self.offload.host_grads(self.replicated), self.offload.host_grads(self.experts),
-                                     self.expert_group, self.device) / scale
+            off = self.offload
+            total = global_grad_norm(off.host_grads(self.replicated), off.host_grads(self.experts), self.expert_group,
+                                     self.device, off.host_grad_factors(self.replicated),
+                                     off.host_grad_factors(self.experts)) / scale
             self.offload.grad_multiplier = (clip_coefficient(total, limit) if math.isfinite(total) else 1.0) / scale
             return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale)

@@ -140,3 +140,26 @@ def test_compute_dtype_host_grads_without_offload_is_a_config_error():
         load(None, [*SMALL, "memory.offload=none", "memory.host_grad_dtype=compute", "memory.host_optimizer=auto"])
     with pytest.raises(ConfigError, match=r"parallel.shard=full with memory.host_grad_dtype=compute"):
         load(None, [*SMALL, "parallel.shard=full", "memory.host_grad_dtype=compute"])
+
+
+def test_a_gradient_finite_in_fp32_stays_finite_in_an_fp16_host_buffer(device):
+    """An fp32 gradient sum beyond fp16's range (here -3e5; 65504 is fp16's largest) is stored
+    divided by the smallest power of two that fits it: its norm and the fp32 gradient the update
+    reads are the fp32 sum's (to fp16 rounding), not inf; one within range is stored exactly."""
+    from m6.memory.offload import HostOffload
+    from m6.parallel.grad_sync import global_grad_norm
+
+    big, small = torch.nn.Parameter(torch.zeros(4, device=device)), torch.nn.Parameter(torch.zeros(3, device=device))
+    off = HostOffload([big, small], device, grad_dtype=torch.float16)
+    grads = [torch.tensor([1e5, -3e5, 1.0, 0.0], device=device), torch.tensor([0.5, 2.0, 6e4], device=device)]
+    big.grad, small.grad = (g.clone() for g in grads)
+    off.grads_final([big, small])
+    off.finish_backward()
+    masters = off.masters_of([big, small])
+    assert off.host_grad_factors(masters) == [8.0, 1.0]
+    assert torch.equal(off.host_grads(masters)[1], grads[1].cpu().half())
+    norm = global_grad_norm(off.host_grads(masters), [], None, device, off.host_grad_factors(masters))
+    assert norm == pytest.approx(float(torch.cat(grads).double().norm()), rel=1e-3)
+    off.materialize_grads(masters)
+    for m, g in zip(masters, grads):
+        assert m.grad.dtype == torch.float32 and torch.allclose(m.grad, g.cpu(), rtol=1e-3)
