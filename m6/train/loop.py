@@ -146,6 +146,10 @@ class Trainer:
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main,
                                       compute_dtype=self.autocast_dtype or torch.float32)
+        # The batch plan fixes the micro-batch counts the loader, train_step and the banner read.
+        # ParameterUpdate reads none (16-bit host gradients accumulate on the device at any count),
+        # and parallel.balance=auto at EP 1 times the model as the run holds it (offloaded, its
+        # gradient sync off), so the plan is completed here, after the update.
         self._use_batch_plan(self.batch_plan or self._measure_balance())
         self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.world, self.device)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
