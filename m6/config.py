@@ -450,8 +450,9 @@ class MemoryConfig:
     # (DeepSpeed when its C++ op builds or loads, else torch with one console line saying why).
     host_optimizer: Literal["auto", "deepspeed", "torch"] = "auto"
     # The offloaded gradients' dtype on the host: fp32, or the compute dtype (bf16/fp16: half the
-    # host bytes). compute needs one micro-batch per step (nothing to accumulate: a 16-bit sum
-    # would round every add); the update reads each group's gradients back in fp32.
+    # host bytes). They are never summed on the host (a 16-bit sum would round every add): with
+    # accumulation they add up on the device in fp32 and leave once, in the last micro-batch; the
+    # update reads each group's gradients back in fp32.
     host_grad_dtype: Literal["fp32", "compute"] = "fp32"
     activation_checkpointing: Literal["none", "full", "auto"] = "none"
     # auto: recompute the cheapest parts until saved activations fit this budget. Give GiB, or a

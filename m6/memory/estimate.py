@@ -247,7 +247,11 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         edp = world_size // ep
         local = [p for p in params if world_size == 1 or (id(p) in expert_ids and edp == 1)]
         shared_numel = numel - sum(p.numel() for p in local)
-        device_grads = 4.0 * shared_numel
+        half_grads = cfg.memory.host_grad_dtype == "compute"
+        # 16-bit host gradients are never summed on the host: with accumulation the unshared ones
+        # add up on the device too, and leave in the last micro-batch.
+        waits = numel if half_grads and compute_bytes(cfg, device_type) < 4 and accum > 1 else shared_numel
+        device_grads = 4.0 * waits
         streaming = 4.0 * max((p.numel() for p in local), default=0)
         transients["backward transients"] = max(transients["backward transients"], streaming)
         if mode == "optimizer+params":
@@ -259,7 +263,6 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         else:
             device_params = 4.0 * numel
         device = {"params": device_params, "grads": device_grads, **transients}
-        half_grads = cfg.memory.host_grad_dtype == "compute"
         host = {"params": states["params"],
                 "grads": compute_bytes(cfg, device_type) * numel if half_grads else states["grads"],
                 "optimizer state": states["optimizer state"],

@@ -7,7 +7,8 @@ optimizer:        fp32 master weights, their gradients and the AdamW moments liv
                   the experts when the expert-data-parallel size is 1) leaves at the end of EVERY
                   micro-batch's backward, parameter by parameter as backward writes it, and is
                   summed on the host in fp32 (m6.memory.grad_stream): with accumulation the device
-                  never holds it past its own backward. A replicated gradient must be all-reduced
+                  never holds it past its own backward (with 16-bit host gradients it accumulates
+                  on the device and leaves once, in the last backward). A replicated gradient must be all-reduced
                   first, and is reduced once per step, in the last micro-batch (reducing it in
                   every micro-batch would multiply its traffic by the accumulation steps), so it
                   accumulates on the device until then and leaves right after its bucket's
@@ -188,8 +189,9 @@ class HostOffload:
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
                  streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32) -> None:
         """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
-        masters' ``.grad``. 16-bit: they stay in their own buffers (one micro-batch per step, nothing
-        added on the host) and the update reads them group by group (``materialize_grads``)."""
+        masters' ``.grad``. 16-bit: they stay in their own buffers, each written once per step
+        (nothing is added on the host: with accumulation they arrive final from the last backward)
+        and the update reads them group by group (``materialize_grads``)."""
         self.device = device
         self.grad_dtype = grad_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -212,6 +214,10 @@ class HostOffload:
         # .grad stays None until the update reads them), and the multiplier the clip chose (unscale x clip).
         self._filled: dict[int, torch.Tensor] = {}
         self.grad_multiplier = 1.0
+        # fp16 host gradients: per parameter, the power of two its buffer was divided by (see
+        # _fit_fp16's docstring), written by the device next to the gradient's copy.
+        self._fp16_divisors = {id(self.masters[id(p)]): torch.ones((), pin_memory=pin) for p in self.params} \
+            if grad_dtype == torch.float16 else None
         # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
         # this one is done all are, and the step waits once, not once per parameter.
         self._grads_copied: torch.cuda.Event | None = None
@@ -238,12 +244,15 @@ class HostOffload:
     def _stream_grad(self, p: nn.Parameter) -> None:
         grad, buf, master = p.grad, self._grad_buffers[id(p)], self.masters[id(p)]
         if self.half_grads and id(master) in self._filled:
+            # ParameterUpdate.backward keeps these on the device until the step's last backward.
             raise RuntimeError("memory.host_grad_dtype=compute: a second gradient for one parameter in a step "
-                               "(16-bit host gradients are not summed); use host_grad_dtype=fp32 with accumulation")
+                               "(16-bit host gradients are not summed on the host)")
         if master.grad is not None:  # this step's sum is on the host already: add to it
             self._accumulator.add(grad, buf)
             p.grad = None
             return
+        if self._fp16_divisors is not None:
+            grad = _fit_fp16(grad, self._fp16_divisors[id(master)])
         if self.copy_stream is not None:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
@@ -270,13 +279,23 @@ class HostOffload:
             return [m.grad for m in masters if m.grad is not None]
         return [self._filled[id(m)] for m in masters if id(m) in self._filled]
 
+    def host_grad_factors(self, masters: Sequence[torch.Tensor]) -> list[float] | None:
+        """What each of ``host_grads(masters)`` is to be multiplied by to give the gradient: the
+        power of two an fp16 buffer was divided by to stay finite; None where all are 1 (fp32,
+        bf16). Read after ``finish_backward`` (the device wrote them)."""
+        if self._fp16_divisors is None:
+            return None
+        return [float(self._fp16_divisors[id(m)]) for m in masters if id(m) in self._filled]
+
     def materialize_grads(self, masters: Sequence[torch.Tensor]) -> None:
         """16-bit host gradients: give ``masters`` fp32 ``.grad`` for the update (the buffer times
-        ``grad_multiplier``, the clip's unscale and clip in one pass); ``release_grads`` after it."""
+        ``grad_multiplier``, the clip's unscale and clip in one pass, and fp16's divisor);
+        ``release_grads`` after it."""
         for m in masters:
             buf = self._filled.get(id(m))
             if buf is not None:
-                m.grad = buf.to(torch.float32).mul_(self.grad_multiplier)
+                divisor = 1.0 if self._fp16_divisors is None else float(self._fp16_divisors[id(m)])
+                m.grad = buf.to(torch.float32).mul_(self.grad_multiplier * divisor)
 
     @staticmethod
     def release_grads(masters: Sequence[torch.Tensor]) -> None:
@@ -346,6 +365,28 @@ class HostOffload:
         if self.streamer is not None:
             # Streamed params point at their homes while idle, so the load already wrote there.
             self.streamer.release_all()
+
+
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def _fit_fp16(grad: torch.Tensor, divisor_out: torch.Tensor) -> torch.Tensor:
+    """``grad`` (fp32, on the device, about to be cast to an fp16 host buffer) divided in place by
+    the smallest power of two 2**k, k >= 0, that brings its largest magnitude within fp16's range;
+    2**k is written to ``divisor_out`` (a host scalar) by the same stream, without a host sync.
+
+    Why: the gradient reaching the host is an fp32 sum (over the ranks' all-reduce, over
+    micro-batches, over the tokens of a shared weight), and the loss scale only keeps each rank's
+    fp16 backward finite: cast as it is, a sum finite in fp32 would become inf and skip a step
+    that fp32 host gradients apply (about world-size times more often at a high scale). A power
+    of two changes no mantissa bit, so the usual gradient (k = 0) is stored exactly as before; a
+    tensor too large for fp16 loses only the bits that fall below fp16's smallest subnormal. A
+    gradient already inf or nan stays non-finite (inf / inf = nan), so the overflow check sees it
+    as before."""
+    amax = grad.detach().abs().amax().float()
+    divisor = torch.exp2(torch.ceil(torch.log2(amax / FP16_MAX)).clamp_(min=0))  # amax 0: log2 -inf -> 1
+    divisor_out.copy_(divisor, non_blocking=True)
+    return grad.div_(divisor)
 
 
 def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,

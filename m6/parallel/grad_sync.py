@@ -305,19 +305,22 @@ def _sum_sq(params: list[nn.Parameter]) -> torch.Tensor:
     return sum_sq_of([p.grad for p in params if p.grad is not None])
 
 
-def sum_sq_of(grads: list[torch.Tensor]) -> torch.Tensor:
-    """_sum_sq of plain gradient tensors (float64, on their device)."""
+def sum_sq_of(grads: list[torch.Tensor], factors: list[float] | None = None) -> torch.Tensor:
+    """_sum_sq of plain gradient tensors (float64, on their device); ``factors``: the gradient is
+    ``grads[i] * factors[i]`` (an fp16 host buffer stored divided by a power of two)."""
     parts = []
-    for grad in grads:
+    for i, grad in enumerate(grads):
         if grad.numel() == 0:
             continue
         flat = grad.detach().reshape(-1)
         whole = flat.numel() // _NORM_ROW * _NORM_ROW
+        sq = []
         if whole:
             rows = torch.linalg.vector_norm(flat[:whole].view(-1, _NORM_ROW), dim=1, dtype=torch.float32)
-            parts.append(rows.double().square().sum())
+            sq.append(rows.double().square().sum())
         if whole < flat.numel():
-            parts.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).double().square())
+            sq.append(torch.linalg.vector_norm(flat[whole:], dtype=torch.float32).double().square())
+        parts.extend(sq if factors is None or factors[i] == 1.0 else [x * factors[i] ** 2 for x in sq])
     return torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
 
 
@@ -350,10 +353,11 @@ def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
 
 
 def global_grad_norm(replicated_grads: list[torch.Tensor], expert_grads: list[torch.Tensor], expert_group=None,
-                     device: torch.device | None = None) -> float:
-    """The global gradient's norm from these gradient tensors (any float dtype, summed in float64),
-    counting every expert once (see clip_grad_norm)."""
-    sq_rep, sq_exp = sum_sq_of(replicated_grads), sum_sq_of(expert_grads)
+                     device: torch.device | None = None, replicated_factors: list[float] | None = None,
+                     expert_factors: list[float] | None = None) -> float:
+    """The global gradient's norm from these gradient tensors (any float dtype, summed in float64;
+    each times its factor where ``*_factors`` are given), counting every expert once (see clip_grad_norm)."""
+    sq_rep, sq_exp = sum_sq_of(replicated_grads, replicated_factors), sum_sq_of(expert_grads, expert_factors)
     if expert_group is not None and dist.get_world_size(expert_group) > 1:
         # On the compute device (``device``): offloaded gradients live on the host, and NCCL
         # reduces device tensors only.

@@ -24,9 +24,7 @@ from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
 from m6.memory import ActivationMemory
 from m6.model.cast_on_use import set_cast_on_use
-from m6.model.flops import TokenCounts, count_parameters, count_tokens, forward_flop_rates, step_flops
-from m6.moe import MoELayer
-from m6.moe.all_to_all import AllToAllDispatcher
+from m6.model.flops import count_parameters, forward_flop_rates
 from m6.parallel import build_parallel, join_job
 from m6.parallel.compile import compile_seconds
 from m6.parallel.speed_probe import (resolved_expert_parallel_size, speed_probe_model, speeds_size_experts,
@@ -34,21 +32,24 @@ from m6.parallel.speed_probe import (resolved_expert_parallel_size, speed_probe_
 from m6.parallel.peer_check import PeerWatch
 from m6.model import build_meta_model
 from m6.train.balance import (BatchPlan, balance_line, finite_or_error, gather_objects, local_routing_stats,
-                              measure_speed, plan_batch, rank_slots, rows_that_fit_layout, split_notes)
+                              measure_speed, plan_batch, rows_that_fit_layout, split_notes)
 from m6.train.banner import RunFacts, checkpoint_line, compile_time_line, device_label, end_line, startup_banner
 from m6.checkpoint import CheckpointManager, SavedCheckpoint, agree_on_resume, init_from_checkpoint, resolve_resume
+from m6.train.compute_timer import ComputeTimer
 from m6.train.determinism import use_determinism
 from m6.train.eval import evaluate_captions, rank_slice
 from m6.train.expert_bias import ExpertBiasUpdate
 from m6.train.loggers import MetricsLogger, resolve_wandb_mode
-from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss, moe_loss_terms
-from m6.train.metrics import device_peak_tflops, expert_load, peak_memory_gb
+from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss
+from m6.train.metrics import device_peak_tflops, expert_load
 from m6.train.optim import schedule_change_note
 from m6.train.no_target_steps import NoTargetSteps
 from m6.train.preemption import StopOnSignal
 from m6.train.pseudo_to_real import train_pseudo_to_real
 from m6.train.resume_fit import check_steps_left, nothing_to_train_line
 from m6.train.run_directory import prepare_run_dir
+from m6.train.step_metrics import StepMetrics
+from m6.train.step_scalars import StepLosses, StepReduction
 from m6.train.state import ModelState, OptimizerState, SkipLedger, TrainerCounters, TrainingState
 from m6.train.tensorboard_writer import require_tensorboard
 from m6.train.update import ParameterUpdate
@@ -151,6 +152,10 @@ class Trainer:
                                             log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main,
                                       compute_dtype=self.autocast_dtype or torch.float32)
+        # The batch plan fixes the micro-batch counts the loader, train_step and the banner read.
+        # ParameterUpdate reads none (16-bit host gradients accumulate on the device at any count),
+        # and parallel.balance=auto at EP 1 times the model as the run holds it (offloaded, its
+        # gradient sync off), so the plan is completed here, after the update.
         self._use_batch_plan(self.batch_plan or self._measure_balance())
         self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.world, self.device)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
@@ -158,10 +163,11 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
         self.counters = TrainerCounters()
-        self._last_compute_s: float | None = None  # CUDA: the previous step's, from its events (train_step)
-        self._inter_node_last = 0.0  # the dispatchers' inter-node byte count at the last step's end
-        self._has_expert_exchange = any(isinstance(m, MoELayer) and isinstance(m.dispatcher, AllToAllDispatcher)
-                                        for m in self.model.modules())
+        # The step's bookkeeping: its compute time, its one scalar all-reduce, its metrics row.
+        self.compute_timer = ComputeTimer(self.device, self.rank, self.world_size)
+        self.step_reduction = StepReduction(self.model, self.flop_rates, num_patches(cfg.model))
+        self.step_metrics = StepMetrics(cfg.train.global_batch_size, self.device, self.peak_tflops, self.world_size,
+                                        self.step_reduction.has_expert_exchange)
         layout = self.sharded.groups.layout
         self.state = TrainingState(
             ModelState(self.sharded, self.update.offload),
@@ -296,21 +302,6 @@ class Trainer:
         dist.all_reduce(t)
         return t.tolist()
 
-    def _inter_node_bytes(self) -> float:
-        """Inter-node payload bytes this rank's expert-parallel dispatchers have counted so far."""
-        return float(sum(m.dispatcher.inter_node_bytes for m in self.model.modules()
-                         if isinstance(m, MoELayer) and isinstance(m.dispatcher, AllToAllDispatcher)))
-
-    def _rank_compute_slots(self, compute_s: float) -> list[float]:
-        """This rank's compute seconds in its slot of a per-rank list, summed over ranks with the
-        step's scalars: this step's on the host; on CUDA the previous step's (its events are read
-        after that step's synchronize), none at a run's first step (the same step on every rank)."""
-        if self.device.type == "cpu":
-            return rank_slots(compute_s, self.rank, self.world_size)
-        if self._last_compute_s is None:
-            return []
-        return rank_slots(self._last_compute_s, self.rank, self.world_size)
-
     def _autocast(self):
         if self.autocast_dtype is None:
             return nullcontext()
@@ -332,74 +323,34 @@ class Trainer:
         (num_targets,) = self.all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
         self.no_targets.check(num_targets, self.step + 1)  # every record skipped, step after step: stop
         self._ensure_recompute_plan(batches[0], num_targets)
-        parts = []  # per micro-batch: lm sum, aux, balance, z, kept assignments (device, read once at the end)
-        compute_t0 = time.perf_counter()
-        events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-            if self.device.type == "cuda" else None
-        if events:
-            events[0].record()
+        losses = StepLosses(self.model)
+        self.compute_timer.start()
         for i, batch in enumerate(batches):
             self.update.begin_micro_batch(last=i == len(batches) - 1)
             with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
                 lm_sum, aux = self.forward_loss(batch)
             self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
             self.expert_bias.add_micro_batch()
-            parts.append(torch.cat([moe_loss_terms(self.model, lm_sum, aux), self._kept_assignments(lm_sum)]))
-        # Before the gradient sync's wait for the other ranks. On the host the wall time; on CUDA the loop
-        # only queues kernels, so events bracket them, read once the step has synchronized (below) and
-        # reported with the next step's scalars: no host sync of their own.
-        compute_s = time.perf_counter() - compute_t0
-        if events:
-            events[1].record()
+            losses.add(lm_sum, aux)
+        self.compute_timer.stop()  # before the gradient sync's wait for the other ranks
         self.update.finish()
-        lm_local, aux_sum, balance_sum, z_sum, kept = torch.stack(parts).sum(0).tolist()  # the step's one host sync
-        aux_total, balance, z = aux_sum / self.accum, balance_sum / self.accum, z_sum / self.accum
-        if self.aux_ranks > 1:  # aux_loss_scope=local: report the mean over ranks, as trained
-            aux_total, balance, z = (v / self.aux_ranks for v in self.all_reduce_sum([aux_total, balance, z]))
-        # Counted from the host copies of the batches: no device sync inside the micro-batch loop.
-        counts = sum((count_tokens(lb.batch.segment_ids, lb.batch.has_image, num_patches(self.cfg.model),
-                                   lb.batch.num_target_tokens) for lb in loaded), TokenCounts())
-        tokens = sum(lb.real_tokens for lb in loaded)
+        local = losses.read(self.accum, self.aux_ranks, self.all_reduce_sum)  # the step's one host sync
         grad_norm = self.update.clip(self.cfg.train.grad_clip)
-        # The ranks whose gradient norm is not finite ride on the step's one scalar all-reduce: every
-        # rank skips (and, fp16, backs off) together, even where their norms could differ.
-        # The inter-node payload the expert-parallel dispatchers counted this step (from their split
-        # sizes, forward and backward), summed over ranks on the same all-reduce.
-        inter_node = self._inter_node_bytes()
-        lm_total, flops, tokens, new_skips, overflow_ranks, inter_node_step, *rank_compute_s = self.all_reduce_sum(
-            [lm_local, step_flops(self.flop_rates, counts, kept), float(tokens), float(new_skips),
-             float(not math.isfinite(grad_norm)), inter_node - self._inter_node_last,
-             *self._rank_compute_slots(compute_s)])
-        self._inter_node_last = inter_node
-        self.skips.total += int(new_skips)
-        lm_loss = lm_total / max(num_targets, 1)
-        lr = self.update.lr
-        loss_finite = math.isfinite(lm_loss) and math.isfinite(aux_total)
-        grads_finite = not overflow_ranks and math.isfinite(grad_norm)
+        totals = self.step_reduction.reduce(self.all_reduce_sum, loaded, local, new_skips, grad_norm,
+                                            self.compute_timer.rank_slots())
+        self.skips.total += totals.new_skips
+        lr, grad_mb = self.update.lr, self.update.grad_bytes_after_backward / 2**20  # before step() drops them
+        loss_finite = math.isfinite(totals.lm_sum) and math.isfinite(local.aux)
+        grads_finite = not totals.overflow_ranks and math.isfinite(grad_norm)  # on every rank
         # fp16: an overflow is the loss scale's search (skip, back off), a bad step only at its floor.
         bad = not loss_finite or (not grads_finite and not self.update.overflow_is_normal())
-        grad_mb = self.update.grad_bytes_after_backward / 2**20  # before step() drops the gradients
         self.update.step(apply=loss_finite and grads_finite)
         self.expert_bias.step(apply=loss_finite and grads_finite)
         self._count_step(skipped=not (loss_finite and grads_finite), bad=bad)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self._last_compute_s = events[0].elapsed_time(events[1]) / 1e3  # complete: no wait
-        dt = time.perf_counter() - t0
-        metrics = {
-            "loss": lm_loss + aux_total, "lm_loss": lm_loss, "aux_loss_weighted": aux_total,
-            "balance_loss_unweighted": balance, "z_loss_unweighted": z, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / dt,
-            "samples_per_s": self.cfg.train.global_batch_size / dt, "step_time_s": dt,
-            "peak_mem_gb": peak_memory_gb(self.device), "grad_mb": grad_mb, "skipped_steps": self.counters.skipped_steps,
-            "data_wait_s": data_wait, "skipped_records": self.skips.total,
-            **self._throughput(flops, dt), **self.activations.end_step(self.step),
-            **{f"compute_s/rank{r}": s for r, s in enumerate(rank_compute_s)},
-        }
-        if self._has_expert_exchange:
-            metrics["inter_node_mb"] = inter_node_step / 2**20  # all ranks, MiB; 0 inside one node
-        if self.update.loss_scale is not None:  # the scale the next step uses, and the overflow skips so far
-            metrics.update(loss_scale=self.update.loss_scale.scale, overflow_steps=self.update.loss_scale.overflow_steps)
-        return metrics
+        self.compute_timer.end_step()  # CUDA: the step's kernels done before the clock is read
+        return self.step_metrics.row(local, totals, num_targets, lr, grad_norm, grad_mb, time.perf_counter() - t0,
+                                     data_wait, self.counters.skipped_steps, self.skips.total,
+                                     self.activations.end_step(self.step), self.update.loss_scale)
 
     def _ensure_recompute_plan(self, batch: MultimodalBatch, num_targets: float) -> None:
         """First step only: choose what to recompute (memory.activation_checkpointing)."""
@@ -432,25 +383,6 @@ class Trainer:
                 f"{c.step}, limit train.max_bad_steps={self.cfg.train.max_bad_steps}); stopping. "
                 f"The last good checkpoint is {self.checkpoints.latest() or 'none (none was saved yet)'}."
             )
-
-    def _kept_assignments(self, like: torch.Tensor) -> torch.Tensor:
-        """float64 [1]: assignments of this micro-batch's tokens that reached an expert, summed over
-        the MoE layers (MoEStats.kept of the last forward), on ``like``'s device: no host sync.
-        float64 holds the count exactly (below 2**53)."""
-        kept = like.new_zeros(1, dtype=torch.float64)
-        for layer in self.model.moe_layers().values():
-            kept = kept + layer.stats.kept
-        return kept
-
-    def _throughput(self, flops: float, seconds: float) -> dict:
-        """TFLOP/s of the step's model FLOPs summed over all ranks (m6.model.flops.step_flops: real
-        tokens, target positions, kept expert assignments; padding and recompute not counted);
-        MFU divides by the peak of all the job's devices."""
-        tflops = flops / seconds / 1e12
-        out = {"tflops": tflops}
-        if self.peak_tflops:
-            out["mfu"] = tflops / (self.peak_tflops * self.world_size)
-        return out
 
     # ---- evaluation -----------------------------------------------------------------------------
     def held_out_batch(self, indices: list[int], on_device: bool = True) -> MultimodalBatch:

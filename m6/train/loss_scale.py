@@ -47,7 +47,9 @@ class DynamicLossScale:
             self.growth_tracker = 0
             return
         self.growth_tracker += 1
-        if self.growth_tracker == self.growth_interval:
+        # >=, not ==: a run resumed with a smaller train.loss_scale_growth_interval restores a
+        # tracker that may already be past it (== would then never be met again).
+        if self.growth_tracker >= self.growth_interval:
             self.scale *= GROWTH_FACTOR
             self.growth_tracker = 0
 

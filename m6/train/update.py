@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from m6.config import Config, ConfigError, accumulation_steps
+from m6.config import Config
 from m6.memory import GroupedApply, build_offload
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.live_bytes import grad_bytes
@@ -57,12 +57,6 @@ class ParameterUpdate:
         streamed = [] if self.sharded_dp else resolve_offload_blocks(
             cfg, model, no_decay_ids(model), layout.world_size, layout.expert_parallel_size, device, log)
         host_grad_dtype = compute_dtype if cfg.memory.host_grad_dtype == "compute" else torch.float32
-        if host_grad_dtype != torch.float32 and accumulation_steps(cfg.train, layout.world_size) > 1:
-            raise ConfigError(f"memory.host_grad_dtype=compute with {accumulation_steps(cfg.train, layout.world_size)} "
-                              f"micro-batches per step (train.global_batch_size {cfg.train.global_batch_size}, "
-                              f"train.micro_batch_size {cfg.train.micro_batch_size}, {layout.world_size} ranks): "
-                              "16-bit host gradients are not summed over micro-batches; use one micro-batch per "
-                              "step or memory.host_grad_dtype=fp32")
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
             grad_dtype=host_grad_dtype)
@@ -114,8 +108,11 @@ class ParameterUpdate:
             loss = loss * self.loss_scale.scale
         self.sync.prepare(loss)
         # Offload: a gradient no other rank shares leaves for the host in every training backward
-        # (summed there), not only in the last; the trial backwards outside this method keep theirs.
-        self.sync.stream_local = self.offload is not None
+        # (summed there in fp32), not only in the last; the trial backwards outside this method keep
+        # theirs. 16-bit host gradients are not summed on the host (each add would round to 16
+        # bits): with accumulation those gradients add up on the device in fp32, as the replicated
+        # ones do, and leave once, final, in the last backward.
+        self.sync.stream_local = self.offload is not None and not self.offload.half_grads
         try:
             loss.backward()
         finally:
@@ -141,8 +138,10 @@ class ParameterUpdate:
             # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
             # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in
             # fp16 would flush small gradients to zero).
-            total = global_grad_norm(self.offload.host_grads(self.replicated), self.offload.host_grads(self.experts),
-                                     self.expert_group, self.device) / scale
+            off = self.offload
+            total = global_grad_norm(off.host_grads(self.replicated), off.host_grads(self.experts), self.expert_group,
+                                     self.device, off.host_grad_factors(self.replicated),
+                                     off.host_grad_factors(self.experts)) / scale
             self.offload.grad_multiplier = clip_coefficient(total, limit) / scale
             return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale)

@@ -194,3 +194,23 @@ def test_auto_under_shard_measures_each_rank_alone_and_keeps_the_experts_even(tm
     from dist_helpers import run_distributed
 
     run_distributed(_auto_under_shard_with_rank1_slowed, 2, str(tmp_path), timeout_s=120)
+
+
+def test_uneven_accumulation_with_16bit_host_grads_trains_like_fp32_host_grads(tmp_path):
+    """EP 2, bf16, offload with 16-bit host gradients, [3,1]: at micro-batch 4 rank 0 runs two
+    micro-batches (shares 6 and 2 of 8) and the curve is the fp32 host gradients' to 16-bit
+    rounding; a global batch of 7 in one micro-batch (shares 5 and 2: 2 processes do not divide
+    it, which balance allows) trains too."""
+    args = ("train.max_steps=3", "checkpoint.every=0", "parallel.expert_parallel_size=2", "train.precision=bf16",
+            "memory.offload=optimizer", "memory.host_optimizer=torch", "parallel.balance=[3,1]")
+    half = (*args, "memory.host_grad_dtype=compute")
+    stdout = ranks(tmp_path / "half", 2, *half, "train.micro_batch_size=4")
+    assert "2 micro-batch(es) per rank" in stdout
+    ranks(tmp_path / "fp32", 2, *args, "train.micro_batch_size=4")
+    rows, wide = train_rows(tmp_path / "half"), train_rows(tmp_path / "fp32")
+    assert len(rows) == 3 and rows[0]["loss"] == wide[0]["loss"]
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in wide], rel=1e-3)
+    assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in wide], rel=1e-2)
+    stdout = ranks(tmp_path / "b7", 2, *half, "train.global_batch_size=7")
+    assert "1 micro-batch(es) per rank" in stdout and "5 samples" in stdout
+    assert len(train_rows(tmp_path / "b7")) == 3

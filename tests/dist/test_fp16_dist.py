@@ -77,3 +77,21 @@ def _ranks(rank: int, world: int, root: str) -> None:
 
 def test_fp16_overflow_on_one_rank_skips_on_all(tmp_path):
     run_distributed(_ranks, 2, str(tmp_path), timeout_s=120)
+
+
+def test_fp16_host_grads_overflow_like_fp32_host_grads(tmp_path):
+    """fp16 with 16-bit host gradients at world 2 and a high initial scale: the gradient reaching
+    the host is an fp32 sum over the ranks, finite where each rank's fp16 backward was; stored
+    in fp16 as it is it would turn inf and skip steps the fp32 host gradients apply (the scale then
+    settles about world-size times lower). The scale's search is the fp32 host gradients'."""
+    from test_train_world_sizes import ranks, train_rows
+
+    args = ("train.precision=fp16", "memory.offload=optimizer", "memory.host_optimizer=torch",
+            f"train.loss_scale_init={2.0 ** 20}", "train.loss_scale_growth_interval=2", "train.max_steps=10",
+            "checkpoint.every=0")
+    ranks(tmp_path / "fp32", 2, *args)
+    ranks(tmp_path / "half", 2, *args, "memory.host_grad_dtype=compute")
+    wide, half = train_rows(tmp_path / "fp32"), train_rows(tmp_path / "half")
+    assert len(half) == 10 and 0 < wide[-1]["overflow_steps"] < 10
+    for key in ("loss_scale", "overflow_steps"):
+        assert [r[key] for r in half] == [r[key] for r in wide], key

@@ -33,10 +33,10 @@ ALLOW_LIST = (
             "the split sizes (rows per expert, and per rank under expert parallelism) in one read: the "
             "expert GEMMs and the all-to-all take them as host ints"),
     # ---- per training step ----------------------------------------------------------------------
-    Allowed("m6/train/loop.py:train_step", "step", 3,
-            "the step's loss terms and kept assignments in one read; torch.cuda.synchronize before "
-            "reading the clock for step_time_s; the compute events' elapsed time, read after it (complete "
-            "by then: no wait on a GPU; the simulation counts every elapsed_time)"),
+    Allowed("m6/train/step_scalars.py:read", "step", 1, "the step's loss terms and kept assignments in one read"),
+    Allowed("m6/train/compute_timer.py:end_step", "step", 2,
+            "torch.cuda.synchronize before reading the clock for step_time_s; the compute events' elapsed "
+            "time, read after it (complete by then: no wait on a GPU; the simulation counts every elapsed_time)"),
     Allowed("m6/parallel/grad_sync.py:global_grad_norm", "step", 1,
             "the global gradient norm read on the host: a non-finite step is skipped there, and the "
             "norm is the step's grad_norm metric"),

@@ -73,6 +73,20 @@ def test_scale_schedule_is_grad_scalers():
     assert floor.scale == 2.0 and floor.at_floor and floor.overflow_steps == 2
 
 
+def test_the_scale_grows_after_a_resume_with_a_smaller_growth_interval(tmp_path):
+    """Saved 3 finite steps into an interval of 4, resumed with an interval of 2: the tracker is
+    past the new interval, so the next finite step grows the scale (and the one after counts anew)."""
+    tr = trainer(tmp_path, *FP16, "train.loss_scale_growth_interval=4", "train.max_steps=6")
+    assert [tr.train_step()["loss_scale"] for _ in range(3)] == [2.0 ** 16] * 3
+    tr.save_checkpoint(wait=True)
+    resumed = trainer(tmp_path, *FP16, "train.loss_scale_growth_interval=2", "train.max_steps=6")
+    assert resumed.update.loss_scale.growth_tracker == 3
+    assert [resumed.train_step()["loss_scale"] for _ in range(3)] == [2.0 ** 17, 2.0 ** 17, 2.0 ** 18]
+    scale = DynamicLossScale(scale=8.0, growth_interval=2, growth_tracker=5)
+    scale.update(overflow=False)
+    assert scale.scale == 16.0 and scale.growth_tracker == 0
+
+
 def test_unscale_in_clip_equals_grad_scaler_unscale_then_clip():
     torch.manual_seed(0)
     grads = [torch.randn(5, 7), torch.randn(11)]

@@ -1,7 +1,7 @@
 """memory.host_grad_dtype=compute: offloaded gradients kept on the host in the compute dtype (bf16
 or fp16, half the host bytes of fp32), the norm taken from them, the unscale and clip applied as
 the update reads each group back in fp32. Trains like fp32 host gradients (bf16 and fp16, with a
-forced overflow skipped), resumes, and refuses what it cannot do (accumulation, no offload)."""
+forced overflow skipped), with accumulation, resumes, and refuses what it cannot do (no offload)."""
 
 from __future__ import annotations
 
@@ -113,9 +113,26 @@ def test_the_memory_estimate_counts_16bit_host_grads_and_their_fp32_reads(tmp_pa
     assert extra == 4 * largest_group  # one apply group's gradients read back in fp32
 
 
-def test_accumulation_with_compute_dtype_host_grads_is_a_config_error(tmp_path, device):
-    with pytest.raises(ConfigError, match=r"memory.host_grad_dtype=compute with 2 micro-batches per step"):
-        trainer(tmp_path, device, "train.precision=bf16", "memory.host_grad_dtype=compute", "train.micro_batch_size=4")
+def test_accumulation_with_16bit_host_grads_sums_on_the_device_and_trains_like_fp32(tmp_path, device):
+    """Two micro-batches per step: the 16-bit host gradients add up on the device in fp32 and leave
+    once, in the last backward (a 16-bit sum on the host would round every add); the estimate
+    counts them on the device until then."""
+    from m6.memory.estimate import estimate_memory
+    from m6.train.optim import no_decay_ids
+
+    args = ("train.precision=bf16", "train.micro_batch_size=4", "train.max_steps=3")
+    wide = trainer(tmp_path / "fp32", device, *args)
+    half = trainer(tmp_path / "half", device, *args, "memory.host_grad_dtype=compute")
+    assert half.accum == 2
+    rows = {name: [tr.train_step() for _ in range(3)] for name, tr in (("fp32", wide), ("half", half))}
+    assert rows["half"][0]["loss"] == rows["fp32"][0]["loss"]
+    assert [r["grad_norm"] for r in rows["half"]] == pytest.approx([r["grad_norm"] for r in rows["fp32"]], rel=1e-2)
+    assert [r["loss"] for r in rows["half"]] == pytest.approx([r["loss"] for r in rows["fp32"]], rel=1e-3)
+    assert rows["half"][-1]["skipped_steps"] == 0
+    numel = sum(p.numel() for p in half.model.parameters())
+    estimate = {name: estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model)).device["grads"]
+                for name, tr in (("fp32", wide), ("half", half))}
+    assert estimate == {"fp32": 0.0, "half": 4.0 * numel}  # one process: fp32 ones stream out every backward
 
 
 def test_compute_dtype_host_grads_without_offload_is_a_config_error():
@@ -123,3 +140,26 @@ def test_compute_dtype_host_grads_without_offload_is_a_config_error():
         load(None, [*SMALL, "memory.offload=none", "memory.host_grad_dtype=compute", "memory.host_optimizer=auto"])
     with pytest.raises(ConfigError, match=r"parallel.shard=full with memory.host_grad_dtype=compute"):
         load(None, [*SMALL, "parallel.shard=full", "memory.host_grad_dtype=compute"])
+
+
+def test_a_gradient_finite_in_fp32_stays_finite_in_an_fp16_host_buffer(device):
+    """An fp32 gradient sum beyond fp16's range (here -3e5; 65504 is fp16's largest) is stored
+    divided by the smallest power of two that fits it: its norm and the fp32 gradient the update
+    reads are the fp32 sum's (to fp16 rounding), not inf; one within range is stored exactly."""
+    from m6.memory.offload import HostOffload
+    from m6.parallel.grad_sync import global_grad_norm
+
+    big, small = torch.nn.Parameter(torch.zeros(4, device=device)), torch.nn.Parameter(torch.zeros(3, device=device))
+    off = HostOffload([big, small], device, grad_dtype=torch.float16)
+    grads = [torch.tensor([1e5, -3e5, 1.0, 0.0], device=device), torch.tensor([0.5, 2.0, 6e4], device=device)]
+    big.grad, small.grad = (g.clone() for g in grads)
+    off.grads_final([big, small])
+    off.finish_backward()
+    masters = off.masters_of([big, small])
+    assert off.host_grad_factors(masters) == [8.0, 1.0]
+    assert torch.equal(off.host_grads(masters)[1], grads[1].cpu().half())
+    norm = global_grad_norm(off.host_grads(masters), [], None, device, off.host_grad_factors(masters))
+    assert norm == pytest.approx(float(torch.cat(grads).double().norm()), rel=1e-3)
+    off.materialize_grads(masters)
+    for m, g in zip(masters, grads):
+        assert m.grad.dtype == torch.float32 and torch.allclose(m.grad, g.cpu(), rtol=1e-3)
