@@ -10,7 +10,7 @@ released (``sharded_backward``):
   gathered parameters   the root's (gathered for the whole step); full: the block running and the
                         one FSDP2 prefetches; optimizer: every block not yet done (gathered since
                         forward, each freed after its own backward); in the gather dtype (bf16
-                        with train.precision bf16: FSDP2's MixedPrecisionPolicy);
+                        or fp16 with train.precision bf16 or fp16: FSDP2's MixedPrecisionPolicy);
   unsharded gradients   the root's gradients (its head's are made first, reduced last, with the
                         embeddings'), and the running unit's gradients in the gather dtype, with
                         the largest transient of a unit's backward (as without sharding,
@@ -92,11 +92,11 @@ def shard_layout(cfg: Config, model: nn.Module, no_decay: set[int], world_size: 
 
 
 def gather_bytes(cfg: Config, device_type: str) -> int:
-    """Bytes per element of a gathered parameter: bf16 when FSDP2's MixedPrecisionPolicy casts
-    (train.precision bf16, or auto on CUDA), else the fp32 parameter itself."""
+    """Bytes per element of a gathered parameter: 2 when FSDP2's MixedPrecisionPolicy casts
+    (train.precision bf16 or fp16, or auto on CUDA), else the fp32 parameter itself."""
     precision = cfg.train.precision
-    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
-    return 2 if bf16 else 4
+    half = precision in ("bf16", "fp16") or (precision == "auto" and device_type == "cuda")
+    return 2 if half else 4
 
 
 def fused_update(cfg: Config, device_type: str) -> bool:
