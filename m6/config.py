@@ -694,10 +694,6 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.optim.name == "adafactor" and cfg.memory.host_optimizer == "deepspeed":
         raise ConfigError("optim.name=adafactor with memory.host_optimizer=deepspeed: DeepSpeed's CPU op is Adam only; "
                           "use memory.host_optimizer=torch or auto (the host update then runs torch's Adafactor)")
-    if cfg.parallel.shard != "none" and cfg.optim.name == "adafactor":
-        raise ConfigError(f"parallel.shard={cfg.parallel.shard} with optim.name=adafactor: sharded parameters "
-                          "(FSDP2) are built for AdamW so far (Adafactor's factored state does not follow the "
-                          "shards yet); use parallel.shard=none with it")
     if m.moe.expert_kernel == "grouped_mm" and cfg.train.device == "cuda" and cfg.train.precision == "fp32":
         # On CUDA torch fuses the grouped GEMM only in bf16 (m6.moe.expert_gemm); with train.device=auto
         # the device is known only at start-up, and the first MoE forward refuses it there.
