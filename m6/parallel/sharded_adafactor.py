@@ -129,11 +129,16 @@ class ShardedAdafactor(torch.optim.Adafactor):
         # squared sum (the update itself is dropped and made again in phase 3: one shard-sized
         # temporary at a time, not a copy of every shard until the second all-reduce).
         update_sq, alphas, row_means, at = [], [], [], 0
+        # The parameters' squared sums to the host in one copy (one device sync, not one per tensor).
+        starts = [0]
+        for _, p, _ in items[:-1]:
+            starts.append(starts[-1] + 1 + (p.shape[-1] + 1 if p.dim() == 2 else 0))
+        param_sq = sums[starts].tolist()
         for group, p, state in items:
             step = float(state["step"])
             one_minus_beta2 = step ** group["beta2_decay"]
             rho = min(group["lr"], 1 / math.sqrt(step))
-            param_rms = math.sqrt(float(sums[at])) / math.sqrt(p.numel())
+            param_rms = math.sqrt(param_sq[len(alphas)]) / math.sqrt(p.numel())
             at += 1
             alphas.append(max(group["eps"][1], param_rms) * rho)
             row_mean = None

@@ -12,6 +12,10 @@ from dist_helpers import run_distributed
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from m6.config import load
+from m6.memory.estimate import estimate_memory
+from m6.model.param_groups import no_decay_ids
+from m6.parallel.fsdp import local_part
+from m6.plan.memory import rank_model
 from m6.parallel.sharded_adafactor import ShardedAdafactor
 from m6.train.loop import Trainer
 
@@ -46,6 +50,12 @@ def _ranks(rank: int, world: int, root: str) -> None:
     # Sharded equals torch's Adafactor on whole tensors at the same world size to fp32 rounding.
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curves["full"], curves["none"]), 1):
         assert loss == pytest.approx(ref_loss, rel=1e-6) and norm == pytest.approx(ref_norm, rel=1e-6), step
+    # The estimate's optimizer state (m6.memory.shard_estimate) is what this rank holds, within
+    # FSDP2's padding (the estimate counts padded rows; the last rank's shard has fewer).
+    model = rank_model(tr.cfg, world, 1, rank)
+    estimate = estimate_memory(tr.cfg, model, no_decay_ids(model), world, 1, "cpu")
+    held = sum(local_part(t).numel() * 4 for s in tr.update.optimizer.state.values() for t in s.values())
+    assert 0.95 * estimate.device["optimizer state"] <= held <= estimate.device["optimizer state"], (held, estimate)
     # A resume mid-run continues the sharded curve bitwise (the factored state round-trips).
     args = [*SMALL, f"run.dir={root}/resumed", f"train.max_steps={STEPS}", "parallel.shard=full"]
     first = Trainer(load(None, args))

@@ -105,3 +105,16 @@ def test_fp16_gpus_plan_sharded_layouts_gathered_in_fp16():
     assert hw.precision == "fp16"
     full = search(cfg, 64, 8, hw, HostProfile(1), 4096.0, **narrow, shard=("full",))
     assert full.considered > 0 and full.smallest.shard == "full"
+
+
+def test_adafactor_plans_sharded_layouts_with_factored_state():
+    """optim.name=adafactor composes with parallel.shard (m6.parallel.sharded_adafactor): the
+    planner considers sharded candidates, whose optimizer state is the shards' factors (a matrix's
+    local rows and its whole columns), far below AdamW's two moments per shard element."""
+    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), offload=("none",), apply_groups=(1,), a2a=(None,),
+                  shard=("full",))
+    adamw = search(load(DENSE), 64, 8, GPUS["h100"], HostProfile(1), 4096.0, **narrow).smallest
+    adafactor = search(load(DENSE, ["optim.name=adafactor"]), 64, 8, GPUS["h100"], HostProfile(1), 4096.0,
+                       **narrow).smallest
+    assert adafactor.shard == "full"
+    assert 0 < adafactor.memory.device["optimizer state"] < adamw.memory.device["optimizer state"] / 20
