@@ -1,6 +1,7 @@
 """optim.name=adafactor under parallel.shard=full (m6.parallel.sharded_adafactor: torch's Adafactor
 on FSDP2's dim-0 shards, with the statistics that span shards summed over the shard group) on
-real gloo processes: the curve of torch's Adafactor on whole tensors, and an exact resume."""
+real gloo processes: the curve of torch's Adafactor on whole tensors, an exact resume, and a
+checkpoint that reshards to one unsharded process."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _ranks(rank: int, world: int, root: str) -> None:
     held = sum(local_part(t).numel() * 4 for s in tr.update.optimizer.state.values() for t in s.values())
     assert 0.95 * estimate.device["optimizer state"] <= held <= estimate.device["optimizer state"], (held, estimate)
     # A resume mid-run continues the sharded curve bitwise (the factored state round-trips).
-    args = [*SMALL, f"run.dir={root}/resumed", f"train.max_steps={STEPS}", "parallel.shard=full"]
+    args = [*SMALL, f"run.dir={root}/resumed", f"train.max_steps={STEPS}", "parallel.shard=full", "checkpoint.keep=2"]
     first = Trainer(load(None, args))
     first.fit(stop_at=STEPS // 2)
     first.save_checkpoint(wait=True)
@@ -71,6 +72,8 @@ def _ranks(rank: int, world: int, root: str) -> None:
 
 
 def test_sharded_adafactor_equals_unsharded(tmp_path):
+    """~30 s on 2 shared cores: 2 gloo ranks train 4 runs (unsharded, sharded, a resumed pair),
+    then 2 world-1 runs (the reference, the resharded resume)."""
     run_distributed(_ranks, 2, str(tmp_path), timeout_s=300)
     curves = json.loads((tmp_path / "curves.json").read_text())
     one = Trainer(load(None, [*SMALL, f"run.dir={tmp_path}/world1", f"train.max_steps={STEPS}"]))
@@ -80,3 +83,12 @@ def test_sharded_adafactor_equals_unsharded(tmp_path):
     # root of small second moments, which amplifies the fp32 rounding of the world-2 gradient).
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curves["full"], _curve(one)), 1):
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=3e-5), step
+    # The sharded checkpoint (factors as DTensors: a matrix's column factor replicated) reshards to
+    # one unsharded process and continues the sharded curve (to world 1's rounding, as above).
+    middle = tmp_path / "resumed" / "checkpoints" / f"step_{STEPS // 2:08d}"
+    unsharded = Trainer(load(None, [*SMALL, f"run.dir={tmp_path}/unsharded", f"train.max_steps={STEPS}",
+                                    f"checkpoint.resume={middle}"]))
+    assert unsharded.step == STEPS // 2
+    unsharded.fit()
+    for (loss, norm), (ref_loss, ref_norm) in zip(_curve(unsharded), curves["full"][STEPS // 2:]):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=3e-5)
