@@ -308,7 +308,8 @@ def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: O
     groups = [{"params": [p for p in params if id(p) not in skip], "weight_decay": 0.1},
               {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}]
     if how.optimizer == "adafactor":  # parallel.shard: the run's exact form over FSDP2's shards
-        optimizer = ShardedAdafactor(groups, lr=1e-6) if sharded else torch.optim.Adafactor(groups, lr=1e-6, foreach=True)
+        optimizer = ShardedAdafactor(groups, lr=1e-6) if sharded else \
+            torch.optim.Adafactor(groups, lr=1e-6, foreach=True)
     else:
         optimizer = torch.optim.AdamW(groups, lr=1e-6, foreach=True)
     set_cast_on_use(model, how.cast_on_use)

@@ -40,7 +40,8 @@ def _ranks(rank: int, world: int, root: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     curves = {}
     for mode in ("none", "full"):
-        tr = Trainer(load(None, [*SMALL, f"run.dir={root}/{mode}", f"train.max_steps={STEPS}", f"parallel.shard={mode}"]))
+        tr = Trainer(load(None, [*SMALL, f"run.dir={root}/{mode}", f"train.max_steps={STEPS}",
+                                 f"parallel.shard={mode}"]))
         tr.fit()
         curves[mode] = _curve(tr)
     assert isinstance(tr.update.optimizer, ShardedAdafactor)
