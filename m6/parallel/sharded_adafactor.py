@@ -124,7 +124,7 @@ class ShardedAdafactor(torch.optim.Adafactor):
                 local_part(state["variance"]).lerp_(g.square(), one_minus_beta2)
         sums = torch.cat(partial)
         if pg is not None:
-            dist.all_reduce(sums, group=pg)
+            sums = _all_reduce(sums, mesh.device_type, pg)
         # Phase 2, local: the factors completed from the summed statistics, and each update's
         # squared sum (the update itself is dropped and made again in phase 3: one shard-sized
         # temporary at a time, not a copy of every shard until the second all-reduce).
@@ -151,7 +151,7 @@ class ShardedAdafactor(torch.optim.Adafactor):
             update_sq.append(_update(p, state, group, row_mean).float().square().sum().reshape(1))
         update_sq = torch.cat(update_sq)
         if pg is not None:
-            dist.all_reduce(update_sq, group=pg)
+            update_sq = _all_reduce(update_sq, mesh.device_type, pg)
         # Phase 3, local: weight decay and the step, the update's RMS clipped to ``d``.
         for (group, p, state), alpha, row_mean, sq in zip(items, alphas, row_means, update_sq.tolist()):
             w = local_part(p)
@@ -160,6 +160,17 @@ class ShardedAdafactor(torch.optim.Adafactor):
                 w.mul_(1 - group["lr"] * group["weight_decay"])
             denom = max(1.0, math.sqrt(sq) / (math.sqrt(p.numel()) * group["d"]))
             w.add_(update, alpha=-alpha / denom)
+
+
+def _all_reduce(t: torch.Tensor, device_type: str, pg) -> torch.Tensor:
+    """The sum of ``t`` over ``pg``, reduced on the mesh's device type (FSDP2's CPU offload keeps
+    the shards, so these sums, on the host; NCCL reduces only CUDA tensors), returned where ``t`` was."""
+    if t.device.type == device_type:
+        dist.all_reduce(t, group=pg)
+        return t
+    moved = t.to(device_type)
+    dist.all_reduce(moved, group=pg)
+    return moved.to(t.device)
 
 
 def _update(p: DTensor, state: dict, group: dict, row_mean: torch.Tensor | None) -> torch.Tensor:
