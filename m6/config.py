@@ -706,11 +706,6 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.optim.name == "adafactor" and cfg.memory.host_optimizer == "deepspeed":
         raise ConfigError("optim.name=adafactor with memory.host_optimizer=deepspeed: DeepSpeed's CPU op is Adam only; "
                           "use memory.host_optimizer=torch or auto (the host update then runs torch's Adafactor)")
-    if cfg.parallel.shard != "none" and (cfg.optim.name == "adafactor" or cfg.train.precision == "fp16"):
-        key = "optim.name=adafactor" if cfg.optim.name == "adafactor" else "train.precision=fp16"
-        raise ConfigError(f"parallel.shard={cfg.parallel.shard} with {key}: sharded parameters (FSDP2) are "
-                          "built for AdamW and fp32/bf16 so far (Adafactor's factored state and fp16's loss "
-                          "scale do not follow the shards yet); use parallel.shard=none with it")
     if m.moe.expert_kernel == "grouped_mm" and cfg.train.device == "cuda" and cfg.train.precision == "fp32":
         # On CUDA torch fuses the grouped GEMM only in bf16 (m6.moe.expert_gemm); with train.device=auto
         # the device is known only at start-up, and the first MoE forward refuses it there.

@@ -4,13 +4,14 @@ the expert-data-parallel ranks, FSDP2 units = each MoE layer's experts, each blo
 
 A sharded tensor holds ceil(rows / degree) rows of dim 0 per rank (FSDP2 pads dim 0), so the
 shards' bytes are those of meta tensors of that shape. What lives all the time: the fp32 shard of
-every parameter and its two AdamW moments. Backward is walked unit by unit as it runs (head,
-blocks last to first, embeddings), and at each unit the estimate adds to the activations not yet
+every parameter and its two AdamW moments (or its Adafactor factors: m6.parallel.sharded_adafactor).
+Backward is walked unit by unit as it runs (head, blocks last to first, embeddings), and at each
+unit the estimate adds to the activations not yet
 released (``sharded_backward``):
   gathered parameters   the root's (gathered for the whole step); full: the block running and the
                         one FSDP2 prefetches; optimizer: every block not yet done (gathered since
                         forward, each freed after its own backward); in the gather dtype (bf16
-                        with train.precision bf16: FSDP2's MixedPrecisionPolicy);
+                        or fp16 with train.precision bf16 or fp16: FSDP2's MixedPrecisionPolicy);
   unsharded gradients   the root's gradients (its head's are made first, reduced last, with the
                         embeddings'), and the running unit's gradients in the gather dtype, with
                         the largest transient of a unit's backward (as without sharding,
@@ -50,6 +51,8 @@ class ShardLayout:
     dense_numel: int  # whole elements of the dense (replicated) parameters
     expert_numel: int  # whole elements of this EP rank's experts
     largest_update_call: int  # elements of the largest foreach AdamW call over shards
+    largest_shard: int  # elements of the largest single shard (m6.parallel.sharded_adafactor's temporaries)
+    adafactor_state_bytes: int  # the shards' Adafactor state (m6.parallel.sharded_adafactor)
 
     @property
     def unit_numel(self) -> list[int]:
@@ -61,6 +64,17 @@ def _shard_shape(p: nn.Parameter, degree: int) -> torch.Size:
     if p.dim() == 0:
         return p.shape
     return torch.Size([math.ceil(p.shape[0] / degree), *p.shape[1:]])
+
+
+def _adafactor_bytes(shard: torch.Tensor) -> int:
+    """Bytes of m6.parallel.sharded_adafactor's state for one rank's ``shard`` (its step count
+    included): a matrix's rows' factor and its whole column factor (replicated), a 3-D tensor's two
+    factors of its local leading rows, a vector's full second moment."""
+    n = shard.numel()
+    if shard.dim() > 1:
+        rows, cols = shard.shape[-2], shard.shape[-1]
+        return 4 * (n // cols if cols else 0) + 4 * (n // rows if rows else cols) + 4
+    return 4 * n + 4
 
 
 def shard_layout(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int, ep: int) -> ShardLayout:
@@ -88,15 +102,17 @@ def shard_layout(cfg: Config, model: nn.Module, no_decay: set[int], world_size: 
         shard_numel=sum(t.numel() for t in shards.values()), num_tensors=len(params), blocks=blocks,
         root_numel=sum(p.numel() for p in params if id(p) not in in_blocks),
         dense_numel=sum(p.numel() for p in params if id(p) not in expert_ids),
-        expert_numel=sum(p.numel() for p in params if id(p) in expert_ids), largest_update_call=largest)
+        expert_numel=sum(p.numel() for p in params if id(p) in expert_ids), largest_update_call=largest,
+        largest_shard=max((t.numel() for t in shards.values()), default=0),
+        adafactor_state_bytes=sum(_adafactor_bytes(t) for t in shards.values()))
 
 
 def gather_bytes(cfg: Config, device_type: str) -> int:
-    """Bytes per element of a gathered parameter: bf16 when FSDP2's MixedPrecisionPolicy casts
-    (train.precision bf16, or auto on CUDA), else the fp32 parameter itself."""
+    """Bytes per element of a gathered parameter: 2 when FSDP2's MixedPrecisionPolicy casts
+    (train.precision bf16 or fp16, or auto on CUDA), else the fp32 parameter itself."""
     precision = cfg.train.precision
-    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
-    return 2 if bf16 else 4
+    half = precision in ("bf16", "fp16") or (precision == "auto" and device_type == "cuda")
+    return 2 if half else 4
 
 
 def fused_update(cfg: Config, device_type: str) -> bool:
@@ -107,12 +123,19 @@ def fused_update(cfg: Config, device_type: str) -> bool:
 
 def sharded_states(cfg: Config, layout: ShardLayout, world_size: int, device_type: str) -> dict[str, float]:
     """Bytes of one rank's sharded training state that the update holds (names as
-    m6.memory.estimate's): shards, their gradients and optimizer state, the step's temporaries."""
+    m6.memory.estimate's): shards, their gradients and optimizer state, the step's temporaries.
+    optim.name=adafactor: m6.parallel.sharded_adafactor's factored state, and its temporaries of
+    one shard at a time (the squared gradient or estimate, the update, its fp32 square)."""
+    if cfg.optim.name == "adafactor":
+        state, temporaries = float(layout.adafactor_state_bytes), 12.0 * layout.largest_shard
+    else:
+        state = 8.0 * layout.shard_numel + 4.0 * layout.num_tensors
+        temporaries = 0.0 if fused_update(cfg, device_type) else 4.0 * layout.largest_update_call
     return {
         "params": 4.0 * layout.shard_numel,
         "grads": 4.0 * layout.shard_numel,
-        "optimizer state": 8.0 * layout.shard_numel + 4.0 * layout.num_tensors,
-        "optimizer step temporaries": 0.0 if fused_update(cfg, device_type) else 4.0 * layout.largest_update_call,
+        "optimizer state": state,
+        "optimizer step temporaries": temporaries,
     }
 
 

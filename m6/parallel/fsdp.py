@@ -174,7 +174,8 @@ def shard_rows(t: DTensor) -> tuple[int, int]:
     return (offset[0] if len(offset) else 0), (shape[0] if len(shape) else 0)
 
 
-def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, device: torch.device) -> float:
+def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, device: torch.device,
+                           grad_scale: float = 1.0) -> float:
     """Clip the gradients of a model in FSDP2 units to the norm of the GLOBAL gradient; returns it.
 
     Every gradient is a DTensor shard: dense ones of the whole tensor over all ranks, expert ones
@@ -183,15 +184,22 @@ def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, d
     local squares is its squared norm. Same coefficient formula as torch.nn.utils.clip_grad_norm_.
     ``device``: the rank's compute device, where the sum travels (offloaded shards hold host
     gradients, and NCCL reduces only CUDA tensors).
+
+    ``grad_scale``: the gradients hold the fp16 loss scale's multiple; they are unscaled in the
+    clip's one multiply and the returned norm is the unscaled one (as m6.parallel.grad_sync's
+    clip_grad_norm). The sum over all ranks is also the overflow check: an inf/nan in any rank's
+    shard makes the norm non-finite on every rank, so every rank skips the step together, and a
+    non-finite norm leaves the gradients as they are.
     """
     grads = [local_part(p.grad) for p in params if p.grad is not None]
     total_sq = sum_sq_of(grads)
     if group is not None and dist.get_world_size(group) > 1:
         total_sq = total_sq.to(device)
         dist.all_reduce(total_sq, group=group)
-    total = float(total_sq.sqrt())
-    coef = clip_coefficient(total, max_norm)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
+    total = float(total_sq.sqrt()) / grad_scale
+    if math.isfinite(total):  # a non-finite norm skips the step: the gradients are dropped unscaled
+        coef = clip_coefficient(total, max_norm) / grad_scale
+        if coef != 1.0:
+            for g in grads:
+                g.mul_(coef)
     return total

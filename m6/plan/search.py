@@ -162,11 +162,10 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
             if hg != "fp32" and (off == "none" or sh != "none" or mb != per_rank or hw.precision == "fp32"):
                 continue
             # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params), on a
-            # GPU (on a CPU host it moves nothing); not with auto recompute, fp16 or Adafactor (config
-            # errors); nothing to shard at world 1.
+            # GPU (on a CPU host it moves nothing); not with auto recompute (a config error);
+            # nothing to shard at world 1.
             if sh != "none" and ((off != "none" and (off != "optimizer+params" or hw.peak_tflops is None))
-                                 or rc == "auto" or world_size == 1 or hw.precision == "fp16"
-                                 or cfg.optim.name == "adafactor"):
+                                 or rc == "auto" or world_size == 1):
                 continue
             budget = None
             trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, host_grads=hg)

@@ -81,6 +81,7 @@ from m6.model.param_groups import no_decay_ids
 from m6.moe.router import router_gemm_precision
 from m6.moe.chunked_all_to_all import auto_overlap_degree
 from m6.parallel.fsdp import clip_sharded_grad_norm, shard_units
+from m6.parallel.sharded_adafactor import ShardedAdafactor
 from m6.parallel.grad_sync import clip_coefficient, clip_grad_norm, global_grad_norm
 from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.memory import rank_model
@@ -306,8 +307,11 @@ def _time_rank_steps(model: nn.Module, inputs: tuple[torch.Tensor, ...], runs: O
     skip = no_decay_ids(model)
     groups = [{"params": [p for p in params if id(p) not in skip], "weight_decay": 0.1},
               {"params": [p for p in params if id(p) in skip], "weight_decay": 0.0}]
-    optimizer = torch.optim.Adafactor(groups, lr=1e-6, foreach=True) if how.optimizer == "adafactor" \
-        else torch.optim.AdamW(groups, lr=1e-6, foreach=True)
+    if how.optimizer == "adafactor":  # parallel.shard: the run's exact form over FSDP2's shards
+        optimizer = ShardedAdafactor(groups, lr=1e-6) if sharded else \
+            torch.optim.Adafactor(groups, lr=1e-6, foreach=True)
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=1e-6, foreach=True)
     set_cast_on_use(model, how.cast_on_use)
     autocast = (lambda: torch.autocast("cpu", dtype=how.dtype, cache_enabled=not how.cast_on_use)) \
         if how.dtype is not None else nullcontext

@@ -214,7 +214,8 @@ class Trainer:
             "bf16 (FSDP2 gathers bf16)" if self.fsdp_bf16 else
             "bf16 (cast-on-use)" if self.cast_on_use else "bf16 (autocast)")
         if self.update.loss_scale is not None:
-            precision = f"fp16 (cast-on-use), {self.update.loss_scale.describe()}"
+            how = "FSDP2 gathers fp16" if self.fsdp_bf16 else "cast-on-use"
+            precision = f"fp16 ({how}), {self.update.loss_scale.describe()}"
         return RunFacts(
             world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,
             micro_batch=self.micro_batch, accumulation=self.accum, device=self.device, precision=precision,

@@ -9,8 +9,10 @@ and its ``step`` calls ``optimizer.step()``. m6's gradients are reduced in its o
 to a norm summed over the expert-parallel group, and (memory.offload) held and updated on the
 host by a group-wise apply; the inf/nan decision must be the same on every rank. So m6 keeps the
 scaler's small state here (a Stateful piece of the checkpoint: the scale resumes exactly), folds
-the unscale into the clip's one multiply (m6.parallel.grad_sync.clip_grad_norm, ``grad_scale``),
-and agrees on the overflow with the step's existing scalar all-reduce (m6.train.loop).
+the unscale into the clip's one multiply (m6.parallel.grad_sync.clip_grad_norm, ``grad_scale``; under
+parallel.shard m6.parallel.fsdp.clip_sharded_grad_norm, whose sum over every rank's shards makes an
+overflow in any shard non-finite on all), and agrees on the overflow with the step's existing
+scalar all-reduce (m6.train.loop).
 
 Unlike GradScaler the scale has a floor (``min_scale``): an overflow while the scale sits there is
 not the scale's normal search any more but a diverging run, and counts as a bad step

@@ -8,9 +8,11 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from m6.config import OptimConfig
 from m6.model.param_groups import no_decay_ids  # noqa: F401  (re-exported: the optimizer's groups)
+from m6.parallel.sharded_adafactor import ShardedAdafactor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig,
@@ -24,7 +26,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
     default; foreach's temporaries are what ``optim.apply_groups`` bounds); or, for
     host masters with ``host_optimizer="deepspeed"``, DeepSpeed's CPU Adam (same hyper-parameters
     and state layout, m6.memory.deepspeed_adam). ``optim.name=adafactor``: torch.optim.Adafactor
-    (foreach), on the device or on the host masters alike; lr and weight_decay as for AdamW.
+    (foreach), on the device or on the host masters alike, or on FSDP2's shards (parallel.shard) its
+    exact sharded form (m6.parallel.sharded_adafactor); lr and weight_decay as for AdamW.
     """
     skip = no_decay_ids(model)
     target = master if master is not None else (lambda p: p)
@@ -35,6 +38,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
     betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "adafactor":
         assert host_optimizer == "torch", "DeepSpeed's CPU op is Adam only (config.py refuses the combination)"
+        if any(isinstance(t, DTensor) for t in decay + no_decay):  # parallel.shard: FSDP2's dim-0 shards
+            return ShardedAdafactor(groups, lr=cfg.lr)
         return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
     if host_optimizer == "deepspeed":
         assert all(t.device.type == "cpu" for t in decay + no_decay), "DeepSpeed's CPU Adam updates host tensors only"

@@ -21,6 +21,7 @@ from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part, shard_rows
+from m6.parallel.sharded_adafactor import ShardedAdafactor
 from m6.checkpoint.compat import changed_keys, checkpoint_keys, shape_differences
 from m6.checkpoint.errors import CheckpointError, CheckpointMismatch
 from m6.checkpoint.info import read_values
@@ -189,6 +190,8 @@ class OptimizerState:
         """The optimizer's own lazy state for ``p``, made before its first step so that a load can
         fill it in place: a float32 step count on the CPU (foreach), or on ``p``'s device where its
         group is fused or capturable (torch's fused AdamW refuses a host step count for CUDA params)."""
+        if isinstance(self.optimizer, ShardedAdafactor):  # its state's layout over the shards is its own
+            return self.optimizer.fresh_state(p)
         group = self._group_of[id(p)]
         step = torch.zeros((), dtype=torch.float32,
                            device=p.device if group.get("fused") or group.get("capturable") else None)

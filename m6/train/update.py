@@ -131,9 +131,10 @@ class ParameterUpdate:
         ``max_norm`` <= 0 or inf: no clipping, the norm is still measured. fp16: the gradients are
         unscaled first (in the same multiply) and the norm is the unscaled one."""
         limit = max_norm if max_norm > 0 else math.inf
-        if self.sharded_dp:
-            return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device)
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        if self.sharded_dp:
+            return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device,
+                                          grad_scale=scale)
         if self.offload is not None and self.offload.half_grads:
             # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
             # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in

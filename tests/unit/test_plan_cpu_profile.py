@@ -62,3 +62,11 @@ def test_profiled_sharded_rank_waits_at_every_fsdp_unit():
     # On top of the unsharded waits (above): per unit (2 blocks, 2 MoE layers' experts) one before
     # its forward and one as its backward begins; the recomputed experts' second forward none.
     assert len(calls) == 2 * (2 * 6 + 2 + 2 * 4)
+
+
+def test_profiled_sharded_rank_updates_with_sharded_adafactor():
+    """parallel.shard with optim.name=adafactor: the profile (its own process, a one-rank group,
+    FSDP2's units) steps the run's exact sharded form (torch's foreach Adafactor cannot step
+    FSDP2's DTensor shards: the profile would fail)."""
+    cfg = load(None, [*TINY, "parallel.shard=full", "optim.name=adafactor"])
+    assert HostProfile(threads=1).update_s(cfg, 2, 2, 2, frozenset()) > 0

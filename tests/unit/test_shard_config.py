@@ -21,8 +21,6 @@ TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.ff
      ("parallel.shard=full", "memory.offload_blocks=[0]")),
     (["memory.activation_checkpointing=auto"], ("parallel.shard=full", "memory.activation_checkpointing=auto")),
     (["model.num_layers=2", "model.share_layers=2"], ("parallel.shard=full", "model.share_layers=2")),
-    (["optim.name=adafactor"], ("parallel.shard=full", "optim.name=adafactor")),
-    (["train.precision=fp16"], ("parallel.shard=full", "train.precision=fp16")),
 ])
 def test_unsupported_combinations_name_their_keys(extra, keys):
     with pytest.raises(ConfigError) as e:

@@ -91,3 +91,30 @@ def test_inspect_prints_the_setting_and_its_traffic(capsys):
     assert "parallel.shard=full" in out and "gathered parameters" in out
     traffic = next(line for line in out.splitlines() if line.startswith("data-parallel traffic"))
     assert "all-reduce 0.00 MiB" in traffic and "all-gather 0.00" not in traffic
+
+
+def test_fp16_gpus_plan_sharded_layouts_gathered_in_fp16():
+    """train.precision=fp16 (V100s) composes with parallel.shard: the planner considers sharded
+    candidates there, and FSDP2 gathers 2-byte copies as with bf16."""
+    from m6.memory.shard_estimate import gather_bytes
+    cfg = load(DENSE)
+    assert gather_bytes(load(DENSE, ["train.precision=fp16"]), "cuda") == 2
+    assert gather_bytes(load(DENSE, ["train.precision=fp32"]), "cuda") == 4
+    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), offload=("none",), apply_groups=(1,), a2a=(None,))
+    hw = GPUS["v100"]
+    assert hw.precision == "fp16"
+    full = search(cfg, 64, 8, hw, HostProfile(1), 4096.0, **narrow, shard=("full",))
+    assert full.considered > 0 and full.smallest.shard == "full"
+
+
+def test_adafactor_plans_sharded_layouts_with_factored_state():
+    """optim.name=adafactor composes with parallel.shard (m6.parallel.sharded_adafactor): the
+    planner considers sharded candidates, whose optimizer state is the shards' factors (a matrix's
+    local rows and its whole columns), far below AdamW's two moments per shard element."""
+    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), offload=("none",), apply_groups=(1,), a2a=(None,),
+                  shard=("full",))
+    adamw = search(load(DENSE), 64, 8, GPUS["h100"], HostProfile(1), 4096.0, **narrow).smallest
+    adafactor = search(load(DENSE, ["optim.name=adafactor"]), 64, 8, GPUS["h100"], HostProfile(1), 4096.0,
+                       **narrow).smallest
+    assert adafactor.shard == "full"
+    assert 0 < adafactor.memory.device["optimizer state"] < adamw.memory.device["optimizer state"] / 20
