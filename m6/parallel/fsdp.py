@@ -27,6 +27,7 @@ not DCP-reshardable.
 from __future__ import annotations
 
 
+import math
 import torch
 import torch.distributed as dist
 from torch import nn
