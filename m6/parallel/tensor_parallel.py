@@ -1,0 +1,194 @@
+"""Tensor parallel (parallel.tensor_parallel_size): attention heads and dense FFNs split across the
+ranks of a tensor-parallel group, Megatron style, applied to a materialised M6 model from outside.
+
+What is split (each tp rank keeps 1/tp of it, as plain local parameters under the model's own names):
+- attention ``qkv`` column-split by heads: rank r keeps the rows of its H/tp query heads and its
+  Hkv/tp key/value heads, i.e. rows [q_r | k_r | v_r] of the fused [q | k | v] weight (a plain
+  split of the fused rows would give rank 0 all of q and none of v); the module is told its local
+  head counts. ``out`` row-split (its input columns), its bias added once after the sum.
+- dense MLP ``fc_in`` (and ``fc_gate``, swiglu) column-split, ``fc_out`` row-split.
+What is replicated: norms, embeddings, the head, the MoE layers whole (router, experts under
+expert parallelism, shared experts): their input is the same on every tp rank, so each tp rank
+routes and computes the same tokens (a cost: tp times the MoE work of one rank's batch).
+
+The two boundaries of a split region are the Megatron pair: ``copy_to_tensor_parallel`` (identity
+forward, all-reduce of the input's gradient in backward) and ``reduce_from_tensor_parallel``
+(all-reduce forward, identity backward). A replicated weight used inside a region (q/k RMSNorm per
+head) goes through ``copy_to_tensor_parallel`` too, so its gradient is whole on every tp rank.
+After backward every gradient is final within the tp group: replicated ones equal on all its
+ranks, split ones each rank's own shard; data-parallel sync then runs over the ranks of one tp
+coordinate (ProcessGroups.data), and the gradient norm sums the split shards over the tp group.
+
+Why local parameters and hand-placed collectives rather than DTensor parameters
+(parallelize_module): m6's gradient buckets, norm, optimizer grouping, offload and checkpoint
+writer all work on plain local tensors, and the fused qkv weight's per-section split under GQA
+(H/tp and Hkv/tp heads of differently sized sections) is not a DTensor placement.
+
+Shape legend: D d_model, F ffn_dim, H / Hkv query / key-value heads, Dh head dim, tp group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from m6.model.attention import SelfAttention
+from m6.model.block import DenseMLP
+from m6.model.cast_on_use import Linear, linear
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Forward identity; backward sums the gradient over the tp group (each rank's is partial)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Forward sums the partial outputs over the tp group; backward identity (the gradient is whole)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    return _CopyToTensorParallel.apply(x, group)
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
+    return _ReduceFromTensorParallel.apply(x, group)
+
+
+class ColumnParallelLinear(Linear):
+    """This rank's output rows of a Linear: x [..., in] (the same on every tp rank) -> [..., out/tp]."""
+
+    tp_group: object = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(copy_to_tensor_parallel(x, self.tp_group), self.weight, self.bias, self.cast_on_use)
+
+
+class RowParallelLinear(Linear):
+    """This rank's input columns of a Linear: x [..., in/tp] -> [..., out] summed over the tp
+    group, the (replicated) bias added once after the sum."""
+
+    tp_group: object = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tensor_parallel(linear(x, self.weight, None, self.cast_on_use), self.tp_group)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class TensorParallelRMSNorm(nn.RMSNorm):
+    """An RMSNorm applied inside a split region (per-head q/k norm): its weight's gradient is
+    summed over the tp group in backward, so every rank holds the whole of it."""
+
+    tp_group: object = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else copy_to_tensor_parallel(self.weight, self.tp_group)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
+@dataclass
+class TensorParallelPlan:
+    """What apply_tensor_parallel split: parameter name -> (dim, rows kept of each section), the
+    sections in the order the global tensor stacks them (a checkpoint's or the norm's account)."""
+
+    size: int
+    rank: int
+    split: dict[str, int] = field(default_factory=dict)  # name -> the dim split (0 rows, 1 columns)
+
+
+def _sections_slice(t: torch.Tensor, dim: int, sections: list[int], tp: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s 1/tp of every section of ``t`` along ``dim``, concatenated (a copy)."""
+    parts, start = [], 0
+    for size in sections:
+        share = size // tp
+        parts.append(t.narrow(dim, start + rank * share, share))
+        start += size
+    return torch.cat(parts, dim=dim).clone()
+
+
+def _split_linear(module: Linear, kind: type, dim: int, sections: list[int], tp: int, rank: int, group) -> Linear:
+    """A ``kind`` Linear holding rank ``rank``'s share of ``module``'s weight (and bias, when the
+    bias is split too: column-parallel) on the same device and dtype, cast-on-use switch kept."""
+    weight = module.weight.detach()
+    local_w = _sections_slice(weight, dim, sections, tp, rank)
+    with torch.device("meta"):
+        new = kind(local_w.shape[1], local_w.shape[0], bias=module.bias is not None)
+    new.weight = nn.Parameter(local_w, requires_grad=module.weight.requires_grad)
+    if module.bias is not None:
+        bias = module.bias.detach()
+        local_b = _sections_slice(bias, 0, sections, tp, rank) if dim == 0 else bias.clone()
+        new.bias = nn.Parameter(local_b, requires_grad=module.bias.requires_grad)
+    new.cast_on_use = module.cast_on_use
+    new.tp_group = group
+    return new
+
+
+def _split_attention(attn: SelfAttention, tp: int, rank: int, group) -> None:
+    q_dim, kv_dim = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+    attn.qkv = _split_linear(attn.qkv, ColumnParallelLinear, 0, [q_dim, kv_dim, kv_dim], tp, rank, group)
+    attn.out = _split_linear(attn.out, RowParallelLinear, 1, [q_dim], tp, rank, group)
+    attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
+    if attn.qk_norm == "head":
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(attn, name)
+            norm.__class__ = TensorParallelRMSNorm  # same parameters, names and values; forward differs
+            norm.tp_group = group
+    elif attn.qk_norm != "none":
+        raise ValueError(f"model.qk_norm={attn.qk_norm} with tensor parallelism: an RMSNorm over all heads "
+                         "needs every head; use qk_norm none or head")
+
+
+def _split_mlp(mlp: DenseMLP, tp: int, rank: int, group) -> None:
+    ffn_dim = mlp.fc_in.out_features
+    mlp.fc_in = _split_linear(mlp.fc_in, ColumnParallelLinear, 0, [ffn_dim], tp, rank, group)
+    if mlp.fc_gate is not None:
+        mlp.fc_gate = _split_linear(mlp.fc_gate, ColumnParallelLinear, 0, [ffn_dim], tp, rank, group)
+    mlp.fc_out = _split_linear(mlp.fc_out, RowParallelLinear, 1, [ffn_dim], tp, rank, group)
+
+
+def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, group) -> TensorParallelPlan:
+    """Split every transformer block's attention and dense MLP of a materialised M6 model over the
+    tp group (``rank``: this rank's place in it); MoE layers, norms and embeddings stay whole.
+    Returns which parameters were split (by name) and along which dim."""
+    plan = TensorParallelPlan(tp, rank)
+    if tp == 1:
+        return plan
+    for name, block in model.blocks.named_children():
+        prefix = f"blocks.{name}"
+        _split_attention(block.attn, tp, rank, group)
+        plan.split.update({f"{prefix}.attn.qkv.weight": 0, f"{prefix}.attn.out.weight": 1})
+        if block.attn.qkv.bias is not None:
+            plan.split[f"{prefix}.attn.qkv.bias"] = 0
+        if isinstance(block.ffn, DenseMLP):
+            _split_mlp(block.ffn, tp, rank, group)
+            for part, dim in (("fc_in", 0), ("fc_gate", 0), ("fc_out", 1)):
+                module = getattr(block.ffn, part)
+                if module is None:
+                    continue
+                plan.split[f"{prefix}.ffn.{part}.weight"] = dim
+                if dim == 0 and module.bias is not None:
+                    plan.split[f"{prefix}.ffn.{part}.bias"] = 0
+    return plan
