@@ -737,7 +737,7 @@ def check_tensor_parallel(cfg: Config) -> None:
          f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
         (m.qk_norm == "full", "model.qk_norm=full"),  # an RMSNorm over all heads: a tp rank holds some
         (m.dropout > 0, f"model.dropout={m.dropout}"),  # replicated activations need one mask per tp group
-        (cfg.checkpoint.enabled, "checkpoint.enabled=true"),
+        (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),
     ]
     for hit, what in refused:
         if hit:

@@ -52,9 +52,9 @@ class ShardedModel:
     expert_offsets: dict[str, int]  # name -> global id of local expert 0
     # name -> the layer's experts over all EP ranks (dim 0 of the global tensor a checkpoint stores)
     global_experts: dict[str, int] = field(default_factory=dict)
-    # name -> the dim split over the tensor-parallel group (m6.parallel.tensor_parallel); these are
-    # among replicated_params too (synced over the data-parallel group like them)
-    tensor_split: dict[str, int] = field(default_factory=dict)
+    # name -> how it is split over the tensor-parallel group (m6.parallel.tensor_parallel.TensorSplit);
+    # these are among replicated_params too (synced over the data-parallel group like them)
+    tensor_split: dict[str, object] = field(default_factory=dict)
 
     def first_expert(self, name: str) -> int:
         return self.expert_offsets[name]

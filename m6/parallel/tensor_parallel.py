@@ -109,14 +109,42 @@ class TensorParallelRMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
+@dataclass(frozen=True)
+class TensorSplit:
+    """How a parameter is split over the tp group: along ``dim`` (0 rows, 1 columns), each of the
+    global tensor's ``sections`` (sizes along ``dim``, stacked in this order: q, k, v for the fused
+    qkv; one section otherwise) cut in tp equal parts, rank r holding part r of every section."""
+
+    dim: int
+    sections: tuple[int, ...]
+
+    def global_shape(self, local_shape: torch.Size) -> torch.Size:
+        shape = list(local_shape)
+        shape[self.dim] = sum(self.sections)
+        return torch.Size(shape)
+
+    def pieces(self, local_shape: torch.Size, tp: int, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...],
+                                                                               tuple[int, ...]]]:
+        """Where rank ``rank``'s tensor of ``local_shape`` lies in the global one: one (global
+        offsets, local offsets, sizes) per section (a checkpoint's chunks)."""
+        out, global_start, local_start = [], 0, 0
+        for size in self.sections:
+            share = size // tp
+            g, l_, n = [0] * len(local_shape), [0] * len(local_shape), list(local_shape)
+            g[self.dim], l_[self.dim], n[self.dim] = global_start + rank * share, local_start, share
+            out.append((tuple(g), tuple(l_), tuple(n)))
+            global_start += size
+            local_start += share
+        return out
+
+
 @dataclass
 class TensorParallelPlan:
-    """What apply_tensor_parallel split: parameter name -> (dim, rows kept of each section), the
-    sections in the order the global tensor stacks them (a checkpoint's or the norm's account)."""
+    """What apply_tensor_parallel split, by parameter name (the norm's and a checkpoint's account)."""
 
     size: int
     rank: int
-    split: dict[str, int] = field(default_factory=dict)  # name -> the dim split (0 rows, 1 columns)
+    split: dict[str, TensorSplit] = field(default_factory=dict)
 
 
 def _sections_slice(t: torch.Tensor, dim: int, sections: list[int], tp: int, rank: int) -> torch.Tensor:
@@ -178,17 +206,21 @@ def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, group) -> Tensor
         return plan
     for name, block in model.blocks.named_children():
         prefix = f"blocks.{name}"
-        _split_attention(block.attn, tp, rank, group)
-        plan.split.update({f"{prefix}.attn.qkv.weight": 0, f"{prefix}.attn.out.weight": 1})
-        if block.attn.qkv.bias is not None:
-            plan.split[f"{prefix}.attn.qkv.bias"] = 0
+        attn = block.attn
+        q_dim, kv_dim = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
+        _split_attention(attn, tp, rank, group)
+        plan.split[f"{prefix}.attn.qkv.weight"] = TensorSplit(0, (q_dim, kv_dim, kv_dim))
+        plan.split[f"{prefix}.attn.out.weight"] = TensorSplit(1, (q_dim,))
+        if attn.qkv.bias is not None:
+            plan.split[f"{prefix}.attn.qkv.bias"] = TensorSplit(0, (q_dim, kv_dim, kv_dim))
         if isinstance(block.ffn, DenseMLP):
+            ffn_dim = block.ffn.fc_in.out_features
             _split_mlp(block.ffn, tp, rank, group)
             for part, dim in (("fc_in", 0), ("fc_gate", 0), ("fc_out", 1)):
                 module = getattr(block.ffn, part)
                 if module is None:
                     continue
-                plan.split[f"{prefix}.ffn.{part}.weight"] = dim
+                plan.split[f"{prefix}.ffn.{part}.weight"] = TensorSplit(dim, (ffn_dim,))
                 if dim == 0 and module.bias is not None:
-                    plan.split[f"{prefix}.ffn.{part}.bias"] = 0
+                    plan.split[f"{prefix}.ffn.{part}.bias"] = TensorSplit(0, (ffn_dim,))
     return plan

@@ -7,8 +7,9 @@ import pytest
 from dist_helpers import train_ranks
 from test_train_world_sizes import SMALL, TINY, assert_same_curve, train_rows
 
-# Dense and MoE blocks (every second block MoE), checkpoints off (refused at tensor parallel).
-COMMON = ["train.max_steps=10", "model.moe.every=2", "model.num_layers=2", "checkpoint.enabled=false"]
+# Dense and MoE blocks (every second block MoE); checkpoints only where a test resumes.
+COMMON = ["train.max_steps=10", "model.moe.every=2", "model.num_layers=2"]
+NO_CHECKPOINTS = "checkpoint.enabled=false"
 # The M6 block (layernorm, gelu, learned positions, biases) and a Llama/Qwen3-style one (rmsnorm,
 # swiglu, rotary, grouped-query attention with 4 query and 2 key/value heads, per-head q/k norm,
 # q/k/v biases only), whose fused qkv rows must be split per section.
@@ -22,6 +23,7 @@ ARCHS = {
 
 def run(run_dir, nproc: int, *overrides: str) -> list[dict]:
     results = train_ranks(nproc, ["--config", TINY, *SMALL, *COMMON, f"run.dir={run_dir}", *overrides])
+    # (checkpoint.every=5 from SMALL: a checkpoint at step 5 unless NO_CHECKPOINTS is among the overrides)
     for rank, r in enumerate(results):
         assert r.code == 0, f"rank {rank} exited {r.code}: {r.stderr[-3000:]}"
     return train_rows(run_dir)
@@ -29,15 +31,15 @@ def run(run_dir, nproc: int, *overrides: str) -> list[dict]:
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_tp2_trains_like_one_process(tmp_path, arch):
-    reference = run(tmp_path / "w1", 1, *ARCHS[arch])
-    tp = run(tmp_path / "tp2", 2, *ARCHS[arch], "parallel.tensor_parallel_size=2")
+    reference = run(tmp_path / "w1", 1, *ARCHS[arch], NO_CHECKPOINTS)
+    tp = run(tmp_path / "tp2", 2, *ARCHS[arch], NO_CHECKPOINTS, "parallel.tensor_parallel_size=2")
     assert_same_curve(tp, reference)
 
 
 def test_tp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
     """Ranks (0, 1) and (2, 3) are the tp groups; the experts split over ranks 0/2 and 1/3 (each tp
     coordinate runs its own all-to-all over the same tokens)."""
-    arch = ARCHS["gqa-swiglu"]
+    arch = (*ARCHS["gqa-swiglu"], NO_CHECKPOINTS)
     reference = run(tmp_path / "w1", 1, *arch)
     tp = run(tmp_path / "tp2ep2", 4, *arch, "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2")
     assert_same_curve(tp, reference)
@@ -46,9 +48,35 @@ def test_tp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
 def test_tp2_bf16_cast_on_use_follows_one_process(tmp_path):
     """bf16 cast-on-use on the local shards: each split Linear casts its own rows; the partial sums
     meet in bf16, so the curve follows one process's bf16 run to bf16's precision, not to 1e-5."""
-    args = (*ARCHS["gqa-swiglu"], "train.precision=bf16", "train.max_steps=4")
+    args = (*ARCHS["gqa-swiglu"], NO_CHECKPOINTS, "train.precision=bf16", "train.max_steps=4")
     reference = run(tmp_path / "w1", 1, *args)
     tp = run(tmp_path / "tp2", 2, *args, "parallel.tensor_parallel_size=2")
     for a, b in zip(tp, reference, strict=True):
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=2e-2), (a["step"], key, a[key], b[key])
+
+
+@pytest.fixture(scope="module")
+def gqa_reference(tmp_path_factory):
+    """One process, 10 steps, checkpoint at step 5: the curve and the checkpoint both resumes use."""
+    run_dir = tmp_path_factory.mktemp("w1")
+    return run_dir, run(run_dir, 1, *ARCHS["gqa-swiglu"])
+
+
+def test_checkpoint_saved_at_tp2_resumes_at_tp1(gqa_reference, tmp_path):
+    """tp 2 writes each split tensor as chunks of the global one (the fused qkv: a chunk of each of
+    q, k, v per rank), under the names and global shapes one process uses: one process resumes it
+    and continues the single-process curve (weights and Adam moments)."""
+    reference_dir, reference = gqa_reference
+    run(tmp_path / "tp2", 2, *ARCHS["gqa-swiglu"], "parallel.tensor_parallel_size=2", "train.max_steps=5")
+    ckpt = tmp_path / "tp2" / "checkpoints" / "step_00000005"
+    resumed = run(tmp_path / "tp1", 1, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, f"checkpoint.resume={ckpt}")
+    assert_same_curve(resumed, reference[5:])
+
+
+def test_checkpoint_saved_at_tp1_resumes_at_tp2(gqa_reference, tmp_path):
+    reference_dir, reference = gqa_reference
+    ckpt = reference_dir / "checkpoints" / "step_00000005"
+    resumed = run(tmp_path / "tp2", 2, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, "parallel.tensor_parallel_size=2",
+                  f"checkpoint.resume={ckpt}")
+    assert_same_curve(resumed, reference[5:])

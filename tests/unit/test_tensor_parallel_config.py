@@ -43,6 +43,7 @@ def test_sizes_that_do_not_split_name_their_keys(extra, key):
     (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
     (["model.qk_norm=full"], "model.qk_norm=full"),
     (["model.dropout=0.1"], "model.dropout=0.1"),
+    (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
 ])
 def test_combinations_not_built_are_refused_by_name(extra, key):
     with pytest.raises(ConfigError) as e:
