@@ -78,3 +78,10 @@ def test_tp_must_divide_the_world_and_ep_the_data_ranks():
     with pytest.raises(LayoutError, match=r"parallel.expert_parallel_size \(4\) must divide the data-parallel ranks"):
         build_layout(4, 0, 4, 4, local_world_size=4, tensor_parallel_size=2)
     assert build_layout(4, 0, "auto", 4, local_world_size=4, tensor_parallel_size=2).expert_parallel_size == 2
+
+
+def test_planner_refuses_tensor_parallel_rather_than_plan_it_as_tp1(capsys):
+    from m6.plan.__main__ import main
+
+    assert main(["configs/tiny.yaml", *TP2, "data.sources=[]", "--gpus", "1", "--gpu-memory", "1GB", "--gpu", "h100"]) == 2
+    assert "parallel.tensor_parallel_size=2: the planner does not model tensor parallelism" in capsys.readouterr().err
