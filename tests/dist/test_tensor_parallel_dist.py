@@ -22,10 +22,12 @@ ARCHS = {
 
 
 def run(run_dir, nproc: int, *overrides: str) -> list[dict]:
+    """The metrics rows of a run (checkpoint.every=5 from SMALL: a checkpoint at step 5 unless
+    NO_CHECKPOINTS is among the overrides); rank 0's console output in ``run.stdout``."""
     results = train_ranks(nproc, ["--config", TINY, *SMALL, *COMMON, f"run.dir={run_dir}", *overrides])
-    # (checkpoint.every=5 from SMALL: a checkpoint at step 5 unless NO_CHECKPOINTS is among the overrides)
     for rank, r in enumerate(results):
         assert r.code == 0, f"rank {rank} exited {r.code}: {r.stderr[-3000:]}"
+    run.stdout = results[0].stdout
     return train_rows(run_dir)
 
 
@@ -42,6 +44,8 @@ def test_tp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
     arch = (*ARCHS["gqa-swiglu"], NO_CHECKPOINTS)
     reference = run(tmp_path / "w1", 1, *arch)
     tp = run(tmp_path / "tp2ep2", 4, *arch, "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2")
+    assert "parallel world 4 = tensor-parallel 2 x expert-parallel 2 x expert-data-parallel 1" in run.stdout
+    assert "x 2 tp groups" in run.stdout  # the batch is split over the 2 data-parallel tp groups
     assert_same_curve(tp, reference)
 
 
