@@ -12,12 +12,14 @@ COMMON = ["train.max_steps=10", "model.moe.every=2", "model.num_layers=2"]
 NO_CHECKPOINTS = "checkpoint.enabled=false"
 # The M6 block (layernorm, gelu, learned positions, biases) and a Llama/Qwen3-style one (rmsnorm,
 # swiglu, rotary, grouped-query attention with 4 query and 2 key/value heads, per-head q/k norm,
-# q/k/v biases only), whose fused qkv rows must be split per section.
+# q/k/v biases only), whose fused qkv rows must be split per section, with a gated shared expert
+# and the aux-free expert bias in its MoE layer (both replicated across the tp group).
 ARCHS = {
     "m6": ["model.num_heads=2"],
     "gqa-swiglu": ["model.num_heads=4", "model.num_kv_heads=2", "model.norm=rmsnorm", "model.ffn_activation=swiglu",
                    "model.positions=rope", "model.qk_norm=head", "model.linear_bias=false",
-                   "model.attention_bias=true"],
+                   "model.attention_bias=true", "model.moe.num_shared_experts=1", "model.moe.shared_expert_gate=true",
+                   "model.moe.expert_bias_update_rate=0.01"],
 }
 
 
