@@ -53,13 +53,14 @@ def test_tp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
 
 def test_tp2_bf16_cast_on_use_follows_one_process(tmp_path):
     """bf16 cast-on-use on the local shards: each split Linear casts its own rows; the partial sums
-    meet in bf16, so the curve follows one process's bf16 run to bf16's precision, not to 1e-5."""
+    meet in bf16, so the curve follows one process's bf16 run to 1e-3, not to 1e-5 (measured: 4e-5 on
+    the loss, 2e-4 on the gradient norm over 4 steps)."""
     args = (*ARCHS["gqa-swiglu"], NO_CHECKPOINTS, "train.precision=bf16", "train.max_steps=4")
     reference = run(tmp_path / "w1", 1, *args)
     tp = run(tmp_path / "tp2", 2, *args, "parallel.tensor_parallel_size=2")
     for a, b in zip(tp, reference, strict=True):
         for key in ("loss", "grad_norm"):
-            assert a[key] == pytest.approx(b[key], rel=2e-2), (a["step"], key, a[key], b[key])
+            assert a[key] == pytest.approx(b[key], rel=1e-3), (a["step"], key, a[key], b[key])
 
 
 @pytest.fixture(scope="module")
