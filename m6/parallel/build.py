@@ -55,7 +55,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     model.materialize(init_device or device, cfg.run.seed)
     # Tensor parallel: whole weights first (the same on every rank, from the seed), then each tp
     # rank keeps its heads' and FFN columns' share (m6.parallel.tensor_parallel).
-    tp = apply_tensor_parallel(model, layout.tensor_parallel_size, layout.tp_rank, groups.tensor)
+    tp = apply_tensor_parallel(model, layout.tensor_parallel_size, layout.tp_rank, groups.tensor_mesh)
     sharded = classify_parameters(model, plan, groups)
     sharded.tensor_split = tp.split
     if cfg.parallel.shard != "none":

@@ -236,6 +236,13 @@ class ProcessGroups:
         return self.mesh.get_group("tp")
 
     @property
+    def tensor_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh's "tp" dim for this rank (its tensor-parallel group as a 1-D DeviceMesh), None at tp 1."""
+        if self.mesh is None or self.layout.tensor_parallel_size == 1:
+            return None
+        return self.mesh["tp"]
+
+    @property
     def expert(self):
         """This rank's expert-parallel group (the all-to-all)."""
         return self.mesh.get_group("ep") if self.mesh is not None else None

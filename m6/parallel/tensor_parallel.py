@@ -11,18 +11,19 @@ What is replicated: norms, embeddings, the head, the MoE layers whole (router, e
 expert parallelism, shared experts): their input is the same on every tp rank, so each tp rank
 routes and computes the same tokens (a cost: tp times the MoE work of one rank's batch).
 
-The two boundaries of a split region are the Megatron pair: ``copy_to_tensor_parallel`` (identity
-forward, all-reduce of the input's gradient in backward) and ``reduce_from_tensor_parallel``
-(all-reduce forward, identity backward). A replicated weight used inside a region (q/k RMSNorm per
+The two boundaries of a split region are the Megatron pair, written as DTensor placements on the
+job mesh's "tp" dim: ``copy_to_tensor_parallel`` (the input Replicate, its gradient Partial:
+identity forward, all-reduce of the gradient in backward) and ``reduce_from_tensor_parallel``
+(the output Partial, redistributed to Replicate: all-reduce forward, identity backward). A replicated weight used inside a region (q/k RMSNorm per
 head) goes through ``copy_to_tensor_parallel`` too, so its gradient is whole on every tp rank.
 After backward every gradient is final within the tp group: replicated ones equal on all its
 ranks, split ones each rank's own shard; data-parallel sync then runs over the ranks of one tp
 coordinate (ProcessGroups.data), and the gradient norm sums the split shards over the tp group.
 
-Why local parameters and hand-placed collectives rather than DTensor parameters
-(parallelize_module): m6's gradient buckets, norm, optimizer grouping, offload and checkpoint
-writer all work on plain local tensors, and the fused qkv weight's per-section split under GQA
-(H/tp and Hkv/tp heads of differently sized sections) is not a DTensor placement.
+Why local parameters rather than DTensor parameters (parallelize_module with ColwiseParallel /
+RowwiseParallel, as torchtitan): m6's gradient buckets, norm, optimizer grouping, offload and
+checkpoint writer all work on plain local tensors, and the fused qkv weight's per-section split
+under GQA (H/tp and Hkv/tp heads of differently sized sections) is not a DTensor placement.
 
 Shape legend: D d_model, F ffn_dim, H / Hkv query / key-value heads, Dh head dim, tp group size.
 """
@@ -32,50 +33,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from m6.model.attention import SelfAttention
 from m6.model.block import DenseMLP
 from m6.model.cast_on_use import Linear, linear
 
 
-class _CopyToTensorParallel(torch.autograd.Function):
-    """Forward identity; backward sums the gradient over the tp group (each rank's is partial)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+def copy_to_tensor_parallel(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """Enter a split region: forward identity (``x`` is Replicate on the tp mesh); backward sums
+    the gradient over the tp group (each rank's is Partial: the share its heads or columns took)."""
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
 
 
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    """Forward sums the partial outputs over the tp group; backward identity (the gradient is whole)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-def copy_to_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    return _CopyToTensorParallel.apply(x, group)
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, group) -> torch.Tensor:
-    return _ReduceFromTensorParallel.apply(x, group)
+def reduce_from_tensor_parallel(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
+    """Leave a split region: forward sums the ranks' Partial outputs (an all-reduce); backward
+    identity (the gradient of a Replicate output is whole on every rank)."""
+    return DTensor.from_local(x, tp_mesh, [Partial()], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
 
 
 class ColumnParallelLinear(Linear):
@@ -83,12 +60,12 @@ class ColumnParallelLinear(Linear):
     ``copies_input`` False: the caller enters the split region itself (one backward all-reduce
     for several column-parallel Linears reading the same input: swiglu's fc_in and fc_gate)."""
 
-    tp_group: object = None
+    tp_mesh: DeviceMesh | None = None
     copies_input: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.copies_input:
-            x = copy_to_tensor_parallel(x, self.tp_group)
+            x = copy_to_tensor_parallel(x, self.tp_mesh)
         return linear(x, self.weight, self.bias, self.cast_on_use)
 
 
@@ -96,10 +73,10 @@ class RowParallelLinear(Linear):
     """This rank's input columns of a Linear: x [..., in/tp] -> [..., out] summed over the tp
     group, the (replicated) bias added once after the sum."""
 
-    tp_group: object = None
+    tp_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel(linear(x, self.weight, None, self.cast_on_use), self.tp_group)
+        y = reduce_from_tensor_parallel(linear(x, self.weight, None, self.cast_on_use), self.tp_mesh)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
@@ -107,10 +84,10 @@ class TensorParallelRMSNorm(nn.RMSNorm):
     """An RMSNorm applied inside a split region (per-head q/k norm): its weight's gradient is
     summed over the tp group in backward, so every rank holds the whole of it."""
 
-    tp_group: object = None
+    tp_mesh: DeviceMesh | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = None if self.weight is None else copy_to_tensor_parallel(self.weight, self.tp_group)
+        weight = None if self.weight is None else copy_to_tensor_parallel(self.weight, self.tp_mesh)
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
@@ -162,7 +139,8 @@ def _sections_slice(t: torch.Tensor, dim: int, sections: list[int], tp: int, ran
     return torch.cat(parts, dim=dim).clone()
 
 
-def _split_linear(module: Linear, kind: type, dim: int, sections: list[int], tp: int, rank: int, group) -> Linear:
+def _split_linear(module: Linear, kind: type, dim: int, sections: list[int], tp: int, rank: int,
+                  tp_mesh: DeviceMesh) -> Linear:
     """A ``kind`` Linear holding rank ``rank``'s share of ``module``'s weight (and bias, when the
     bias is split too: column-parallel) on the same device and dtype, cast-on-use switch kept."""
     weight = module.weight.detach()
@@ -175,40 +153,41 @@ def _split_linear(module: Linear, kind: type, dim: int, sections: list[int], tp:
         local_b = _sections_slice(bias, 0, sections, tp, rank) if dim == 0 else bias.clone()
         new.bias = nn.Parameter(local_b, requires_grad=module.bias.requires_grad)
     new.cast_on_use = module.cast_on_use
-    new.tp_group = group
+    new.tp_mesh = tp_mesh
     return new
 
 
-def _split_attention(attn: SelfAttention, tp: int, rank: int, group) -> None:
+def _split_attention(attn: SelfAttention, tp: int, rank: int, tp_mesh: DeviceMesh) -> None:
     q_dim, kv_dim = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-    attn.qkv = _split_linear(attn.qkv, ColumnParallelLinear, 0, [q_dim, kv_dim, kv_dim], tp, rank, group)
-    attn.out = _split_linear(attn.out, RowParallelLinear, 1, [q_dim], tp, rank, group)
+    attn.qkv = _split_linear(attn.qkv, ColumnParallelLinear, 0, [q_dim, kv_dim, kv_dim], tp, rank, tp_mesh)
+    attn.out = _split_linear(attn.out, RowParallelLinear, 1, [q_dim], tp, rank, tp_mesh)
     attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
     if attn.qk_norm == "head":
         for name in ("q_norm", "k_norm"):
             norm = getattr(attn, name)
             norm.__class__ = TensorParallelRMSNorm  # same parameters, names and values; forward differs
-            norm.tp_group = group
+            norm.tp_mesh = tp_mesh
     elif attn.qk_norm != "none":
         raise ValueError(f"model.qk_norm={attn.qk_norm} with tensor parallelism: an RMSNorm over all heads "
                          "needs every head; use qk_norm none or head")
 
 
-def _split_mlp(mlp: DenseMLP, tp: int, rank: int, group) -> None:
+def _split_mlp(mlp: DenseMLP, tp: int, rank: int, tp_mesh: DeviceMesh) -> None:
     ffn_dim = mlp.fc_in.out_features
-    mlp.fc_in = _split_linear(mlp.fc_in, ColumnParallelLinear, 0, [ffn_dim], tp, rank, group)
+    mlp.fc_in = _split_linear(mlp.fc_in, ColumnParallelLinear, 0, [ffn_dim], tp, rank, tp_mesh)
     if mlp.fc_gate is not None:
-        mlp.fc_gate = _split_linear(mlp.fc_gate, ColumnParallelLinear, 0, [ffn_dim], tp, rank, group)
+        mlp.fc_gate = _split_linear(mlp.fc_gate, ColumnParallelLinear, 0, [ffn_dim], tp, rank, tp_mesh)
         # fc_in and fc_gate read the same input: enter the region once, so backward sums the two
         # partial input gradients with one all-reduce instead of one each.
         mlp.fc_in.copies_input = mlp.fc_gate.copies_input = False
-        mlp.register_forward_pre_hook(lambda module, args: (copy_to_tensor_parallel(args[0], group), *args[1:]))
-    mlp.fc_out = _split_linear(mlp.fc_out, RowParallelLinear, 1, [ffn_dim], tp, rank, group)
+        mlp.register_forward_pre_hook(lambda module, args: (copy_to_tensor_parallel(args[0], tp_mesh), *args[1:]))
+    mlp.fc_out = _split_linear(mlp.fc_out, RowParallelLinear, 1, [ffn_dim], tp, rank, tp_mesh)
 
 
-def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, group) -> TensorParallelPlan:
+def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, tp_mesh: DeviceMesh | None) -> TensorParallelPlan:
     """Split every transformer block's attention and dense MLP of a materialised M6 model over the
-    tp group (``rank``: this rank's place in it); MoE layers, norms and embeddings stay whole.
+    tp mesh (the job mesh's "tp" dim; ``rank``: this rank's place in it); MoE layers, norms and
+    embeddings stay whole.
     Returns which parameters were split (by name) and along which dim."""
     plan = TensorParallelPlan(tp, rank)
     if tp == 1:
@@ -217,14 +196,14 @@ def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, group) -> Tensor
         prefix = f"blocks.{name}"
         attn = block.attn
         q_dim, kv_dim = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        _split_attention(attn, tp, rank, group)
+        _split_attention(attn, tp, rank, tp_mesh)
         plan.split[f"{prefix}.attn.qkv.weight"] = TensorSplit(0, (q_dim, kv_dim, kv_dim))
         plan.split[f"{prefix}.attn.out.weight"] = TensorSplit(1, (q_dim,))
         if attn.qkv.bias is not None:
             plan.split[f"{prefix}.attn.qkv.bias"] = TensorSplit(0, (q_dim, kv_dim, kv_dim))
         if isinstance(block.ffn, DenseMLP):
             ffn_dim = block.ffn.fc_in.out_features
-            _split_mlp(block.ffn, tp, rank, group)
+            _split_mlp(block.ffn, tp, rank, tp_mesh)
             for part, dim in (("fc_in", 0), ("fc_gate", 0), ("fc_out", 1)):
                 module = getattr(block.ffn, part)
                 if module is None:
