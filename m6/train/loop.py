@@ -502,9 +502,11 @@ class Trainer:
         saved_world = meta.get("world_size", 1)
         rng = "" if saved_world == self.world_size else (
             "; RNG streams are per rank, so at another world size they restart from the run seed")
+        saved_tp = meta.get("config", {}).get("parallel", {}).get("tensor_parallel_size", 1)
+        tp = "" if saved_tp == self.tp_size == 1 else f", tensor-parallel size {saved_tp} -> {self.tp_size}"
         self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
-                      f"{self.sharded.groups.layout.expert_parallel_size}{rng})")
+                      f"{self.sharded.groups.layout.expert_parallel_size}{tp}{rng})")
 
         note = schedule_change_note(self.cfg.optim, meta.get("config", {}).get("train", {}).get("max_steps"),
                                     self.cfg.train.max_steps, self.step)

@@ -78,6 +78,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(gqa_reference, tmp_path):
     run(tmp_path / "tp2", 2, *ARCHS["gqa-swiglu"], "parallel.tensor_parallel_size=2", "train.max_steps=5")
     ckpt = tmp_path / "tp2" / "checkpoints" / "step_00000005"
     resumed = run(tmp_path / "tp1", 1, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, f"checkpoint.resume={ckpt}")
+    assert "tensor-parallel size 2 -> 1" in run.stdout
     assert_same_curve(resumed, reference[5:])
 
 
