@@ -4,6 +4,7 @@ single-process losses and gradient norms (dropless, fp32) over 10 steps."""
 from __future__ import annotations
 
 import pytest
+import torch
 from dist_helpers import train_ranks
 from test_train_world_sizes import SMALL, TINY, assert_same_curve, train_rows
 
@@ -80,6 +81,17 @@ def test_checkpoint_saved_at_tp2_resumes_at_tp1(gqa_reference, tmp_path):
     resumed = run(tmp_path / "tp1", 1, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, f"checkpoint.resume={ckpt}")
     assert "tensor-parallel size 2 -> 1" in run.stdout
     assert_same_curve(resumed, reference[5:])
+    # The export tool reads the chunks back as the global tensors one process saves at step 5.
+    from safetensors.torch import load_file
+
+    from m6.checkpoint.__main__ import main as checkpoint_cli
+
+    for name, path in (("tp2", ckpt), ("w1", reference_dir / "checkpoints" / "step_00000005")):
+        assert checkpoint_cli(["export", str(path), str(tmp_path / f"{name}.safetensors")]) == 0
+    tp2, w1 = load_file(tmp_path / "tp2.safetensors"), load_file(tmp_path / "w1.safetensors")
+    assert tp2.keys() == w1.keys()
+    for key in w1:
+        torch.testing.assert_close(tp2[key], w1[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
 def test_checkpoint_saved_at_tp1_resumes_at_tp2(gqa_reference, tmp_path):
