@@ -12,9 +12,12 @@ expert parallelism, shared experts): their input is the same on every tp rank, s
 routes and computes the same tokens (a cost: tp times the MoE work of one rank's batch).
 
 The two boundaries of a split region are the Megatron pair, written as DTensor placements on the
-job mesh's "tp" dim: ``copy_to_tensor_parallel`` (the input Replicate, its gradient Partial:
-identity forward, all-reduce of the gradient in backward) and ``reduce_from_tensor_parallel``
-(the output Partial, redistributed to Replicate: all-reduce forward, identity backward). A replicated weight used inside a region (q/k RMSNorm per
+job mesh's "tp" dim (m6.parallel.tp_regions): ``copy_to_tensor_parallel`` (the input Replicate,
+its gradient Partial: identity forward, all-reduce of the gradient in backward), installed on
+the attention and MLP modules, and ``reduce_from_tensor_parallel`` (the output Partial,
+redistributed to Replicate: all-reduce forward, identity backward) in the row-parallel Linears.
+Under sequence parallel (m6.parallel.sequence_parallel) they become an all-gather of the
+sequence chunks and a reduce-scatter back to them. A replicated weight used inside a region (q/k RMSNorm per
 head) goes through ``copy_to_tensor_parallel`` too, so its gradient is whole on every tp rank.
 After backward every gradient is final within the tp group: replicated ones equal on all its
 ranks, split ones each rank's own shard; data-parallel sync then runs over the ranks of one tp
@@ -36,48 +39,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from m6.model.attention import SelfAttention
 from m6.model.block import DenseMLP
 from m6.model.cast_on_use import Linear, linear
-
-
-def copy_to_tensor_parallel(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
-    """Enter a split region: forward identity (``x`` is Replicate on the tp mesh); backward sums
-    the gradient over the tp group (each rank's is Partial: the share its heads or columns took)."""
-    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
-
-
-def reduce_from_tensor_parallel(x: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
-    """Leave a split region: forward sums the ranks' Partial outputs (an all-reduce); backward
-    identity (the gradient of a Replicate output is whole on every rank)."""
-    return DTensor.from_local(x, tp_mesh, [Partial()], run_check=False).redistribute(tp_mesh, [Replicate()]).to_local()
+from m6.parallel.tp_regions import (SequenceShape, copy_to_tensor_parallel, gather_from_sequence,
+                                    reduce_from_tensor_parallel, reduce_scatter_to_sequence)
 
 
 class ColumnParallelLinear(Linear):
-    """This rank's output rows of a Linear: x [..., in] (the same on every tp rank) -> [..., out/tp].
-    ``copies_input`` False: the caller enters the split region itself (one backward all-reduce
-    for several column-parallel Linears reading the same input: swiglu's fc_in and fc_gate)."""
+    """This rank's output rows of a Linear: x [..., in] -> [..., out/tp]. The module that owns it
+    enters the split region for it (``_enter_region``: one backward collective for all the
+    column-parallel Linears reading the same input, e.g. swiglu's fc_in and fc_gate)."""
 
     tp_mesh: DeviceMesh | None = None
-    copies_input: bool = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.copies_input:
-            x = copy_to_tensor_parallel(x, self.tp_mesh)
         return linear(x, self.weight, self.bias, self.cast_on_use)
 
 
 class RowParallelLinear(Linear):
     """This rank's input columns of a Linear: x [..., in/tp] -> [..., out] summed over the tp
-    group, the (replicated) bias added once after the sum."""
+    group, the (replicated) bias added once after the sum. ``scatter_sequence`` (sequence
+    parallel): the sum is reduce-scattered over dim 1 (each rank keeps its chunk of S) and the
+    bias, added to that chunk only, has its gradient summed over the tp group."""
 
     tp_mesh: DeviceMesh | None = None
+    scatter_sequence: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tensor_parallel(linear(x, self.weight, None, self.cast_on_use), self.tp_mesh)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = linear(x, self.weight, None, self.cast_on_use)
+        if not self.scatter_sequence:
+            y = reduce_from_tensor_parallel(y, self.tp_mesh)
+            return y if self.bias is None else y + self.bias.to(y.dtype)
+        y = reduce_scatter_to_sequence(y, self.tp_mesh)
+        return y if self.bias is None else y + copy_to_tensor_parallel(self.bias, self.tp_mesh).to(y.dtype)
 
 
 class TensorParallelRMSNorm(nn.RMSNorm):
@@ -157,10 +153,25 @@ def _split_linear(module: Linear, kind: type, dim: int, sections: list[int], tp:
     return new
 
 
-def _split_attention(attn: SelfAttention, tp: int, rank: int, tp_mesh: DeviceMesh) -> None:
+def _enter_region(module: nn.Module, tp_mesh: DeviceMesh, sequence: SequenceShape | None) -> None:
+    """Make ``module``'s first input enter a split region before its column-parallel Linears read
+    it: the same input on every rank, its gradient summed over the tp group in backward (tensor
+    parallel); or (sequence parallel) all-gathered from the ranks' chunks of S, the gradient
+    reduce-scattered back."""
+    if sequence is None:
+        enter = lambda x: copy_to_tensor_parallel(x, tp_mesh)  # noqa: E731
+    else:
+        enter = lambda x: gather_from_sequence(x, tp_mesh, sequence, partial_grad=True)  # noqa: E731
+    module.register_forward_pre_hook(lambda module, args: (enter(args[0]), *args[1:]))
+
+
+def _split_attention(attn: SelfAttention, tp: int, rank: int, tp_mesh: DeviceMesh,
+                     sequence: SequenceShape | None) -> None:
     q_dim, kv_dim = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
     attn.qkv = _split_linear(attn.qkv, ColumnParallelLinear, 0, [q_dim, kv_dim, kv_dim], tp, rank, tp_mesh)
     attn.out = _split_linear(attn.out, RowParallelLinear, 1, [q_dim], tp, rank, tp_mesh)
+    attn.out.scatter_sequence = sequence is not None
+    _enter_region(attn, tp_mesh, sequence)
     attn.num_heads, attn.num_kv_heads = attn.num_heads // tp, attn.num_kv_heads // tp
     if attn.qk_norm == "head":
         for name in ("q_norm", "k_norm"):
@@ -172,22 +183,24 @@ def _split_attention(attn: SelfAttention, tp: int, rank: int, tp_mesh: DeviceMes
                          "needs every head; use qk_norm none or head")
 
 
-def _split_mlp(mlp: DenseMLP, tp: int, rank: int, tp_mesh: DeviceMesh) -> None:
+def _split_mlp(mlp: DenseMLP, tp: int, rank: int, tp_mesh: DeviceMesh, sequence: SequenceShape | None) -> None:
     ffn_dim = mlp.fc_in.out_features
     mlp.fc_in = _split_linear(mlp.fc_in, ColumnParallelLinear, 0, [ffn_dim], tp, rank, tp_mesh)
     if mlp.fc_gate is not None:
         mlp.fc_gate = _split_linear(mlp.fc_gate, ColumnParallelLinear, 0, [ffn_dim], tp, rank, tp_mesh)
-        # fc_in and fc_gate read the same input: enter the region once, so backward sums the two
-        # partial input gradients with one all-reduce instead of one each.
-        mlp.fc_in.copies_input = mlp.fc_gate.copies_input = False
-        mlp.register_forward_pre_hook(lambda module, args: (copy_to_tensor_parallel(args[0], tp_mesh), *args[1:]))
     mlp.fc_out = _split_linear(mlp.fc_out, RowParallelLinear, 1, [ffn_dim], tp, rank, tp_mesh)
+    mlp.fc_out.scatter_sequence = sequence is not None
+    # fc_in and fc_gate read the same input: the region is entered once, so backward sums the two
+    # partial input gradients with one collective instead of one each.
+    _enter_region(mlp, tp_mesh, sequence)
 
 
-def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, tp_mesh: DeviceMesh | None) -> TensorParallelPlan:
+def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, tp_mesh: DeviceMesh | None,
+                          sequence: SequenceShape | None = None) -> TensorParallelPlan:
     """Split every transformer block's attention and dense MLP of a materialised M6 model over the
     tp mesh (the job mesh's "tp" dim; ``rank``: this rank's place in it); MoE layers, norms and
-    embeddings stay whole.
+    embeddings stay whole. ``sequence``: the regions are entered and left for sequence parallel
+    (m6.parallel.sequence_parallel adds the rest).
     Returns which parameters were split (by name) and along which dim."""
     plan = TensorParallelPlan(tp, rank)
     if tp == 1:
@@ -196,14 +209,14 @@ def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, tp_mesh: DeviceM
         prefix = f"blocks.{name}"
         attn = block.attn
         q_dim, kv_dim = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-        _split_attention(attn, tp, rank, tp_mesh)
+        _split_attention(attn, tp, rank, tp_mesh, sequence)
         plan.split[f"{prefix}.attn.qkv.weight"] = TensorSplit(0, (q_dim, kv_dim, kv_dim))
         plan.split[f"{prefix}.attn.out.weight"] = TensorSplit(1, (q_dim,))
         if attn.qkv.bias is not None:
             plan.split[f"{prefix}.attn.qkv.bias"] = TensorSplit(0, (q_dim, kv_dim, kv_dim))
         if isinstance(block.ffn, DenseMLP):
             ffn_dim = block.ffn.fc_in.out_features
-            _split_mlp(block.ffn, tp, rank, tp_mesh)
+            _split_mlp(block.ffn, tp, rank, tp_mesh, sequence)
             for part, dim in (("fc_in", 0), ("fc_gate", 0), ("fc_out", 1)):
                 module = getattr(block.ffn, part)
                 if module is None:
