@@ -609,6 +609,9 @@ class ParallelConfig:
     # Tensor parallel (m6.parallel.tensor_parallel): attention heads and dense FFNs split over this
     # many ranks (the innermost mesh dim); data and expert parallelism run over the rest.
     tensor_parallel_size: int = 1
+    # With tensor parallel: the residual stream between split regions cut along the sequence
+    # over the tp group (norms and residual adds at 1/tp per rank; m6.parallel.sequence_parallel).
+    sequence_parallel: bool = False
 
     def validate(self) -> None:
         """Check the parallel keys on their own (the world size is known only at start-up)."""
@@ -718,6 +721,9 @@ def check_tensor_parallel(cfg: Config) -> None:
     not built with it yet are refused by name (the world size is checked at start-up, in
     m6.parallel.layout)."""
     tp, m = cfg.parallel.tensor_parallel_size, cfg.model
+    if cfg.parallel.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1 (the sequence is "
+                          "cut over the tensor-parallel group)")
     if tp == 1:
         return
     key = f"parallel.tensor_parallel_size={tp}"

@@ -12,7 +12,9 @@ from m6.parallel.launch import DistEnv
 from m6.parallel.layout import LayoutError, build_layout, create_process_groups
 from m6.parallel.node_groups import check_node_aware_dispatch, check_node_groups
 from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
+from m6.parallel.sequence_parallel import apply_sequence_parallel
 from m6.parallel.tensor_parallel import apply_tensor_parallel
+from m6.parallel.tp_regions import SequenceShape
 
 
 def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
@@ -55,7 +57,10 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     model.materialize(init_device or device, cfg.run.seed)
     # Tensor parallel: whole weights first (the same on every rank, from the seed), then each tp
     # rank keeps its heads' and FFN columns' share (m6.parallel.tensor_parallel).
-    tp = apply_tensor_parallel(model, layout.tensor_parallel_size, layout.tp_rank, groups.tensor_mesh)
+    sequence = SequenceShape() if cfg.parallel.sequence_parallel and layout.tensor_parallel_size > 1 else None
+    tp = apply_tensor_parallel(model, layout.tensor_parallel_size, layout.tp_rank, groups.tensor_mesh, sequence)
+    if sequence is not None:
+        apply_sequence_parallel(model, groups.tensor_mesh, sequence)
     sharded = classify_parameters(model, plan, groups)
     sharded.tensor_split = tp.split
     if cfg.parallel.shard != "none":

@@ -51,6 +51,12 @@ def test_combinations_not_built_are_refused_by_name(extra, key):
     assert "parallel.tensor_parallel_size=2" in str(e.value) and key in str(e.value), str(e.value)
 
 
+def test_sequence_parallel_needs_tensor_parallel():
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1"):
+        load(None, [*TINY, "parallel.sequence_parallel=true"])
+    assert load(None, [*TP2, "parallel.sequence_parallel=true"]).parallel.sequence_parallel
+
+
 def test_non_positive_size_is_refused():
     with pytest.raises(ConfigError, match="parallel.tensor_parallel_size must be a positive integer"):
         load(None, [*TINY, "parallel.tensor_parallel_size=0"])
