@@ -616,7 +616,8 @@ class ParallelConfig:
     def validate(self) -> None:
         """Check the parallel keys on their own (the world size is known only at start-up)."""
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
-            raise ConfigError(f"parallel.tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+            raise ConfigError(f"parallel.tensor_parallel_size must be a positive integer, got "
+                              f"{self.tensor_parallel_size!r}")
         if self.bucket_size_mb <= 0 or self.timeout_s <= 0:
             raise ConfigError(f"parallel.bucket_size_mb ({self.bucket_size_mb}) and parallel.timeout_s "
                               f"({self.timeout_s}) must be > 0")

@@ -5,9 +5,10 @@ A state is a flat dict ``{key: tensor | python value}``. An *expert shard* is a 
 rows [first, first + n) of a global tensor whose dim 0 is the global expert id; ``shards`` maps
 its key to (global shape, first row). A tensor-parallel split holds one or more blocks of its
 global tensor (the fused qkv: a block of each of q, k and v); ``shards`` then maps its key to
-(global shape, [(global offsets, local offsets, sizes) per block]). Expert shards are declared to DCP as chunks of the global
-tensor, so a checkpoint written at one (world size, expert-parallel size) is read at any other:
-DCP intersects the chunks a rank asks for with those on disk. Identical entries saved by several
+(global shape, [(global offsets, local offsets, sizes) per block]). Both are declared to DCP as
+chunks of the global tensor, so a checkpoint written at one (world size, expert-parallel size,
+tensor-parallel size) is read at any other: DCP intersects the chunks a rank asks for with those
+on disk. Identical entries saved by several
 ranks (replicated weights, the same experts on their expert-data-parallel replicas, rank-
 independent python state) are written once, spread over the ranks (DCP's de-duplication).
 

@@ -201,8 +201,8 @@ def _tensor_parallel_layout(world_size: int, rank: int, expert_parallel_size: Un
     return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tensor_parallel_size=tp)
 
 
-MESH_DIMS = ("edp", "ep")
-TP_MESH_DIMS = ("edp", "ep", "tp")  # parallel.tensor_parallel_size > 1: tp innermost  # expert-data-parallel (same experts), expert-parallel (all-to-all)
+MESH_DIMS = ("edp", "ep")  # expert-data-parallel (same experts), expert-parallel (all-to-all)
+TP_MESH_DIMS = ("edp", "ep", "tp")  # parallel.tensor_parallel_size > 1: tensor-parallel innermost
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ class SequenceShape:
 
 def scatter_to_sequence(x_BSD: torch.Tensor, tp_mesh: DeviceMesh) -> torch.Tensor:
     """Replicate [B, S, D] -> this rank's chunk of S; backward all-gathers the chunks' gradients."""
-    return DTensor.from_local(x_BSD, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(1)]).to_local()
+    replicated = DTensor.from_local(x_BSD, tp_mesh, [Replicate()], run_check=False)
+    return replicated.redistribute(tp_mesh, [Shard(1)]).to_local()
 
 
 def gather_from_sequence(x_local: torch.Tensor, tp_mesh: DeviceMesh, sequence: SequenceShape,

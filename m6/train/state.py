@@ -232,7 +232,8 @@ class OptimizerState:
         for name, p in self.params.items():
             for key, t in self.optimizer.state[p].items():
                 if torch.is_tensor(t) and t.dim() > 0 and is_row_shard(self.sharded, name, t):
-                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t), placement(self.sharded, name, t))
+                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t),
+                                                    placement(self.sharded, name, t))
         return out
 
     def hyperparameters(self) -> list[dict]:
