@@ -362,20 +362,22 @@ def global_grad_norm(replicated_grads: list[torch.Tensor], expert_grads: list[to
     """The global gradient's norm from these gradient tensors (any float dtype, summed in float64),
     counting every expert once (see clip_grad_norm) and every tensor-parallel shard once
     (``split_grads``, this rank's shards, summed over ``tensor_group``)."""
-    return float((sum_sq_of(replicated_grads) + _group_sum_sq(expert_grads, expert_group, device)
-                  + _group_sum_sq(list(split_grads), tensor_group, device)).sqrt())
+    sq_rep = sum_sq_of(replicated_grads)
+    sq_exp = _group_sum_sq(expert_grads, expert_group, device).to(sq_rep.device)
+    if split_grads or tensor_group is not None:
+        sq_rep = sq_rep + _group_sum_sq(list(split_grads), tensor_group, device).to(sq_rep.device)
+    return float((sq_rep + sq_exp).sqrt())
 
 
 def _group_sum_sq(grads: list[torch.Tensor], group, device: torch.device | None) -> torch.Tensor:
-    """Sum of squares of ``grads`` over the ranks of ``group`` (float64, on the gradients' device)."""
+    """Sum of squares of ``grads`` over the ranks of ``group`` (float64; on the compute device
+    ``device`` when reduced: offloaded gradients live on the host, and NCCL reduces device tensors only)."""
     sq = sum_sq_of(grads)
     if group is None or dist.get_world_size(group) == 1:
         return sq
-    # On the compute device (``device``): offloaded gradients live on the host, and NCCL reduces
-    # device tensors only.
     reduced = sq.to(device or sq.device)
     dist.all_reduce(reduced, group=group)
-    return reduced.to(sq.device)
+    return reduced
 
 
 def clip_coefficient(total: float, max_norm: float) -> float:
