@@ -618,9 +618,18 @@ class ParallelConfig:
     # gradients and optimizer state sharded, parameters gathered once per step (ZeRO-2); full =
     # parameters too, gathered per block and freed after use (FSDP2, ZeRO-3).
     shard: Literal["none", "optimizer", "full"] = "none"
+    # Tensor parallel (m6.parallel.tensor_parallel): attention heads and dense FFNs split over this
+    # many ranks (the innermost mesh dim); data and expert parallelism run over the rest.
+    tensor_parallel_size: int = 1
+    # With tensor parallel: the residual stream between split regions cut along the sequence
+    # over the tp group (norms and residual adds at 1/tp per rank; m6.parallel.sequence_parallel).
+    sequence_parallel: bool = False
 
     def validate(self) -> None:
         """Check the parallel keys on their own (the world size is known only at start-up)."""
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
+            raise ConfigError(f"parallel.tensor_parallel_size must be a positive integer, got "
+                              f"{self.tensor_parallel_size!r}")
         if self.bucket_size_mb <= 0 or self.timeout_s <= 0:
             raise ConfigError(f"parallel.bucket_size_mb ({self.bucket_size_mb}) and parallel.timeout_s "
                               f"({self.timeout_s}) must be > 0")
@@ -694,6 +703,7 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
                           f"model.image_channels ({m.image_channels}) values each, std > 0")
     check_shard_offload(cfg)
+    check_tensor_parallel(cfg)
     if cfg.parallel.shard != "none" and m.share_layers > 1:
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with model.share_layers={m.share_layers}: FSDP2 shards "
                           "each block's parameters on their own and a shared weight belongs to several blocks; not "
@@ -712,6 +722,41 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError("model.moe.expert_kernel=grouped_mm with train.precision=fp32 on train.device=cuda: torch's "
                           "CUDA grouped GEMM is fused only in bf16, in fp32 it loops over experts with a host sync "
                           "per GEMM; use train.precision=bf16 (or bf16-autocast), or model.moe.expert_kernel=auto or loop")
+
+
+def check_tensor_parallel(cfg: Config) -> None:
+    """parallel.tensor_parallel_size > 1: the sizes it splits must divide by it, and the features
+    not built with it yet are refused by name (the world size is checked at start-up, in
+    m6.parallel.layout)."""
+    tp, m = cfg.parallel.tensor_parallel_size, cfg.model
+    if cfg.parallel.sequence_parallel and tp == 1:
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tensor_parallel_size > 1 (the sequence is "
+                          "cut over the tensor-parallel group)")
+    if tp == 1:
+        return
+    key = f"parallel.tensor_parallel_size={tp}"
+    for name, value in (("model.num_heads", m.num_heads), ("model.num_kv_heads", m.num_kv_heads or m.num_heads),
+                        ("model.ffn_dim", m.ffn_dim), ("model.d_model", m.d_model)):
+        if value % tp:
+            raise ConfigError(f"{key} must divide {name} ({value})")
+    refused = [
+        (cfg.parallel.shard != "none", f"parallel.shard={cfg.parallel.shard}"),
+        (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
+        (cfg.train.precision == "fp16", "train.precision=fp16"),
+        (cfg.parallel.balance != "even", f"parallel.balance={cfg.parallel.balance}"),
+        (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
+        (m.moe.a2a_dispatch == "node_aware", "model.moe.a2a_dispatch=node_aware"),
+        (m.moe.aux_loss_scope == "local", "model.moe.aux_loss_scope=local"),
+        (cfg.memory.activation_checkpointing != "none",
+         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
+        (m.qk_norm == "full", "model.qk_norm=full"),  # an RMSNorm over all heads: a tp rank holds some
+        (m.dropout > 0, f"model.dropout={m.dropout}"),  # replicated activations need one mask per tp group
+        (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(f"{key} with {what}: not built together yet (docs/parallelism.md, Tensor parallel); "
+                              f"use parallel.tensor_parallel_size=1 or change {what.split('=')[0]}")
 
 
 def check_shard_offload(cfg: Config) -> None:

@@ -3,9 +3,12 @@ owns and reads only the rows it needs.
 
 A state is a flat dict ``{key: tensor | python value}``. An *expert shard* is a tensor holding
 rows [first, first + n) of a global tensor whose dim 0 is the global expert id; ``shards`` maps
-its key to (global shape, first row). Expert shards are declared to DCP as chunks of the global
-tensor, so a checkpoint written at one (world size, expert-parallel size) is read at any other:
-DCP intersects the chunks a rank asks for with those on disk. Identical entries saved by several
+its key to (global shape, first row). A tensor-parallel split holds one or more blocks of its
+global tensor (the fused qkv: a block of each of q, k and v); ``shards`` then maps its key to
+(global shape, [(global offsets, local offsets, sizes) per block]). Both are declared to DCP as
+chunks of the global tensor, so a checkpoint written at one (world size, expert-parallel size,
+tensor-parallel size) is read at any other: DCP intersects the chunks a rank asks for with those
+on disk. Identical entries saved by several
 ranks (replicated weights, the same experts on their expert-data-parallel replicas, rank-
 independent python state) are written once, spread over the ranks (DCP's de-duplication).
 
@@ -32,7 +35,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
@@ -48,12 +51,32 @@ from m6.checkpoint.errors import CheckpointDamaged, RunDirNotShared, first_line
 from m6.checkpoint.staging import StagingBuffer
 
 METADATA_FILE = ".metadata"  # written by the coordinator once every rank has written: marks a complete save
-Shards = dict[str, tuple[torch.Size, int]]  # key -> (global shape, first row of this rank's shard)
+Piece = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]  # global offsets, local offsets, sizes
+# key -> (global shape, first row of this rank's shard | the pieces of the global tensor it holds)
+Shards = dict[str, tuple[torch.Size, Union[int, list[Piece]]]]
 
 
 def _chunk(t: torch.Tensor, first: int) -> ChunkStorageMetadata:
     offsets = torch.Size([first] + [0] * (t.dim() - 1))
     return ChunkStorageMetadata(offsets=offsets, sizes=t.size())
+
+
+def _pieces(t: torch.Tensor, where: Union[int, list[Piece]]) -> list[tuple[ChunkStorageMetadata, torch.Tensor]]:
+    """Each chunk of the global tensor that ``t`` holds, with the view of ``t`` that holds it."""
+    if isinstance(where, int):
+        return [(_chunk(t, where), t)]
+    out = []
+    for global_offsets, local_offsets, sizes in where:
+        view = t
+        for dim, (start, size) in enumerate(zip(local_offsets, sizes)):
+            view = view.narrow(dim, start, size)
+        out.append((ChunkStorageMetadata(offsets=torch.Size(global_offsets), sizes=torch.Size(sizes)), view))
+    return out
+
+
+def _piece_at(t: torch.Tensor, where: Union[int, list[Piece]], offsets) -> torch.Tensor:
+    """The view of ``t`` holding the chunk that starts at the global ``offsets``."""
+    return next(view for chunk, view in _pieces(t, where) if tuple(chunk.offsets) == tuple(offsets))
 
 
 class _SavePlanner(DefaultSavePlanner):
@@ -65,21 +88,24 @@ class _SavePlanner(DefaultSavePlanner):
 
     def create_local_plan(self):
         plan = super().create_local_plan()
-        items = [self._shard_item(item) if item.index.fqn in self.shards else item for item in plan.items]
+        items = [shard for item in plan.items
+                 for shard in (self._shard_items(item) if item.index.fqn in self.shards else [item])]
         self.plan = dataclasses.replace(plan, items=items)
         return self.plan
 
-    def _shard_item(self, item: WriteItem) -> WriteItem:
+    def _shard_items(self, item: WriteItem) -> list[WriteItem]:
         t = self.state_dict[item.index.fqn]
-        global_shape, first = self.shards[item.index.fqn]
-        chunk = _chunk(t, first)
-        return WriteItem(index=MetadataIndex(item.index.fqn, chunk.offsets), type=WriteItemType.SHARD,
-                         tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(t),
-                                                     size=torch.Size(global_shape)))
+        global_shape, where = self.shards[item.index.fqn]
+        return [WriteItem(index=MetadataIndex(item.index.fqn, chunk.offsets), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(t),
+                                                      size=torch.Size(global_shape)))
+                for chunk, _ in _pieces(t, where)]
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         if index.fqn in self.shards:
-            return self.state_dict[index.fqn]
+            t = self.state_dict[index.fqn]
+            where = self.shards[index.fqn][1]
+            return t if isinstance(where, int) else _piece_at(t, where, index.offset).contiguous()
         return super().lookup_object(index)
 
 
@@ -112,14 +138,15 @@ class _LoadPlanner(DefaultLoadPlanner):
         for key, obj in self.state_dict.items():
             md = self.metadata.state_dict_metadata[key]  # callers ask only for keys on disk
             if key in self.shards:
-                requests += create_read_items_for_chunk_list(key, md, [_chunk(obj, self.shards[key][1])])
+                requests += create_read_items_for_chunk_list(key, md, [c for c, _ in _pieces(obj, self.shards[key][1])])
             else:
                 requests += _create_read_items(key, md, obj)
         return LoadPlan(requests)
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         if index.fqn in self.shards:
-            return self.state_dict[index.fqn]
+            t, where = self.state_dict[index.fqn], self.shards[index.fqn][1]
+            return t if isinstance(where, int) else _piece_at(t, where, index.offset)  # a view: loads in place
         return super().lookup_tensor(index)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

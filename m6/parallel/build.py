@@ -13,6 +13,9 @@ from m6.parallel.launch import DistEnv
 from m6.parallel.layout import LayoutError, build_layout, create_process_groups
 from m6.parallel.node_groups import check_node_aware_dispatch, check_node_groups
 from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
+from m6.parallel.sequence_parallel import apply_sequence_parallel
+from m6.parallel.tensor_parallel import apply_tensor_parallel
+from m6.parallel.tp_regions import SequenceShape
 
 
 def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
@@ -35,7 +38,8 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     # expert parallelism arrives here as the measured speeds: m6.parallel.speed_probe).
     weights = cfg.parallel.balance if isinstance(cfg.parallel.balance, list) else None
     layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
-                          env.local_world_size, rank_weights=weights)
+                          env.local_world_size, rank_weights=weights,
+                          tensor_parallel_size=cfg.parallel.tensor_parallel_size)
     check_node_groups(layout, m.moe.node_groups, m.moe.max_nodes_per_token)  # before any collective
     check_node_aware_dispatch(layout, m.moe.a2a_dispatch)
     if layout.uneven_experts and cfg.parallel.shard != "none":
@@ -53,11 +57,18 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
     shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree, m.moe.a2a_dispatch)
     model.materialize(init_device or device, cfg.run.seed)
+    # Tensor parallel: whole weights first (the same on every rank, from the seed), then each tp
+    # rank keeps its heads' and FFN columns' share (m6.parallel.tensor_parallel).
+    sequence = SequenceShape() if cfg.parallel.sequence_parallel and layout.tensor_parallel_size > 1 else None
+    tp = apply_tensor_parallel(model, layout.tensor_parallel_size, layout.tp_rank, groups.tensor_mesh, sequence)
+    if sequence is not None:
+        apply_sequence_parallel(model, groups.tensor_mesh, sequence)
     if cfg.train.compile == "blocks":
         # Before FSDP2 wraps the blocks (as torchtitan compiles each block before fully_shard); the
         # recompute wrappers come later and wrap the compiled regions (m6.parallel.compile).
         compile_blocks(model)
     sharded = classify_parameters(model, plan, groups)
+    sharded.tensor_split = tp.split
     if cfg.parallel.shard != "none":
         apply_sharding(sharded, cfg.parallel.shard, param_dtype, offload=cfg.memory.offload != "none")
     return sharded

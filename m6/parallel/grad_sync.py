@@ -52,7 +52,7 @@ class _Bucket:
     params: list[nn.Parameter]
     names: list[str]
     group: object
-    group_name: str  # "world" (replicated params) or "expert_data" (expert params)
+    group_name: str  # "world" (replicated params: the data-parallel ranks) or "expert_data" (expert params)
     group_size: int
     dtype: torch.dtype
     ready: int = 0  # params whose gradient is final for this step (or that the graph does not reach)
@@ -160,7 +160,8 @@ class GradientSync:
             if id(p) in experts:
                 group, group_name, size = groups.expert_data, "expert_data", layout.expert_data_parallel_size
             else:
-                group, group_name, size = groups.world, "world", layout.world_size
+                # the data-parallel ranks: all of them but at tensor parallel (ProcessGroups.data)
+                group, group_name, size = groups.data, "world", layout.data_parallel_size
             if size == 1:
                 self._local.add(id(p))
                 continue
@@ -325,7 +326,8 @@ def sum_sq_of(grads: list[torch.Tensor], factors: list[float] | None = None) -> 
 
 
 def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float,
-                   expert_group=None, device: torch.device | None = None, grad_scale: float = 1.0) -> float:
+                   expert_group=None, device: torch.device | None = None, grad_scale: float = 1.0,
+                   split: list[nn.Parameter] = (), tensor_group=None) -> float:
     """Clip to the norm of the GLOBAL gradient, counting every expert once; returns that norm.
 
     Replicated grads are identical on all ranks after sync (counted from this rank); expert grads
@@ -337,12 +339,17 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
     by it) before clipping, as torch.amp.GradScaler.unscale_ before clip_grad_norm_, in the clip's
     one multiply (one pass over the gradients, which matters on the host when offloaded), and the
     returned norm is the unscaled one. A non-finite norm leaves the gradients as they are.
+
+    ``split``: tensor-parallel shards (m6.parallel.tensor_parallel), summed over ``tensor_group``;
+    ``replicated`` then holds the rest (whole on every rank of the tensor-parallel group).
     """
-    total = global_grad_norm(_grads(replicated), _grads(experts), expert_group, device) / grad_scale
+    split = list(split)
+    total = global_grad_norm(_grads(replicated), _grads(experts), expert_group, device,
+                             split_grads=_grads(split), tensor_group=tensor_group) / grad_scale
     if math.isfinite(total):  # else not even unscaled: the step is skipped or refused
         coef = clip_coefficient(total, max_norm)
         if coef < 1.0 or grad_scale != 1.0:
-            for p in replicated + experts:
+            for p in replicated + experts + split:
                 if p.grad is not None:
                     p.grad.detach().mul_(coef / grad_scale)
     return total
@@ -354,17 +361,30 @@ def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
 
 def global_grad_norm(replicated_grads: list[torch.Tensor], expert_grads: list[torch.Tensor], expert_group=None,
                      device: torch.device | None = None, replicated_factors: list[float] | None = None,
-                     expert_factors: list[float] | None = None) -> float:
+                     expert_factors: list[float] | None = None, split_grads: list[torch.Tensor] = (),
+                     tensor_group=None) -> float:
     """The global gradient's norm from these gradient tensors (any float dtype, summed in float64;
-    each times its factor where ``*_factors`` are given), counting every expert once (see clip_grad_norm)."""
-    sq_rep, sq_exp = sum_sq_of(replicated_grads, replicated_factors), sum_sq_of(expert_grads, expert_factors)
-    if expert_group is not None and dist.get_world_size(expert_group) > 1:
-        # On the compute device (``device``): offloaded gradients live on the host, and NCCL
-        # reduces device tensors only.
-        reduced = sq_exp.to(device or sq_exp.device)
-        dist.all_reduce(reduced, group=expert_group)
-        sq_exp = reduced.to(sq_rep.device)
+    each times its factor where ``*_factors`` are given), counting every expert once (see
+    clip_grad_norm) and every tensor-parallel shard once (``split_grads``, this rank's shards,
+    summed over ``tensor_group``)."""
+    sq_rep = sum_sq_of(replicated_grads, replicated_factors)
+    sq_exp = _group_sum_sq(expert_grads, expert_group, device, expert_factors).to(sq_rep.device)
+    if split_grads or tensor_group is not None:
+        sq_rep = sq_rep + _group_sum_sq(list(split_grads), tensor_group, device).to(sq_rep.device)
     return float((sq_rep + sq_exp).sqrt())
+
+
+def _group_sum_sq(grads: list[torch.Tensor], group, device: torch.device | None,
+                  factors: list[float] | None = None) -> torch.Tensor:
+    """Sum of squares of ``grads`` (times ``factors``, see sum_sq_of) over the ranks of ``group``
+    (float64; on the compute device ``device`` when reduced: offloaded gradients live on the host,
+    and NCCL reduces device tensors only)."""
+    sq = sum_sq_of(grads, factors)
+    if group is None or dist.get_world_size(group) == 1:
+        return sq
+    reduced = sq.to(device or sq.device)
+    dist.all_reduce(reduced, group=group)
+    return reduced
 
 
 def clip_coefficient(total: float, max_norm: float) -> float:

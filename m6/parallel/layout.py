@@ -6,6 +6,13 @@ first: EP group g = ranks [g*ep, (g+1)*ep) (a row of the mesh), so with ep <= pr
 the all-to-all stays inside a node. The expert-data-parallel (EDP) groups (columns) join the
 ranks holding the same experts; replicated parameters are data parallel over all ranks. One
 process without torch.distributed is the trivial layout (world 1, EP 1) with no mesh.
+
+Tensor parallel (parallel.tensor_parallel_size = tp > 1) adds an innermost mesh dim: the mesh is
+("edp", "ep", "tp") over arange(world).view(edp, ep, tp), so a tensor-parallel group is tp
+consecutive ranks (inside a node whenever tp divides the processes per node). Everything above
+then runs over the ranks of one tp coordinate: the data-parallel group (``data``) is the world /
+tp ranks with this rank's tp coordinate, EP and EDP groups are taken among them. At tp = 1 the
+mesh, the groups and every rank's coordinates are the ones above.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ class ParallelLayout:
     local_world_size: int  # processes per node (torchrun's LOCAL_WORLD_SIZE)
     # Experts held by each EP rank, contiguous in EP rank order (m6.parallel.expert_ranges); empty = even.
     expert_counts: tuple[int, ...] = field(default=())
+    tensor_parallel_size: int = 1  # the innermost mesh dim (see the module docstring)
 
     def __post_init__(self) -> None:
         if not self.expert_counts:
@@ -44,12 +52,26 @@ class ParallelLayout:
         assert len(self.expert_counts) == self.expert_parallel_size and sum(self.expert_counts) == self.num_experts
 
     @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that see different batches: the world over the tensor-parallel size."""
+        return self.world_size // self.tensor_parallel_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (its batch shard)."""
+        return self.rank // self.tensor_parallel_size
+
+    @property
     def ep_rank(self) -> int:
-        return self.rank % self.expert_parallel_size
+        return self.dp_rank % self.expert_parallel_size
 
     @property
     def expert_data_parallel_size(self) -> int:
-        return self.world_size // self.expert_parallel_size
+        return self.data_parallel_size // self.expert_parallel_size
 
     @property
     def experts_per_rank(self) -> int:
@@ -74,19 +96,43 @@ class ParallelLayout:
     def expert_ranges_by_rank(self) -> list[str]:
         """The experts every rank of the job holds, in rank order, as text (``0-4``; the banner's)."""
         ranges = describe_ranges(list(self.expert_counts))
-        return [ranges[r % self.expert_parallel_size] for r in range(self.world_size)]
+        return [ranges[(r // self.tensor_parallel_size) % self.expert_parallel_size] for r in range(self.world_size)]
 
     @property
     def node(self) -> int:
         return self.rank // self.local_world_size
 
     def ep_group_ranks(self) -> list[list[int]]:
-        ep = self.expert_parallel_size
-        return [list(range(g * ep, (g + 1) * ep)) for g in range(self.world_size // ep)]
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        return [[(g * ep + e) * tp + t for e in range(ep)] for g in range(self.expert_data_parallel_size)
+                for t in range(tp)]
 
     def edp_group_ranks(self) -> list[list[int]]:
-        ep = self.expert_parallel_size
-        return [list(range(i, self.world_size, ep)) for i in range(ep)]
+        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
+        return [[(g * ep + e) * tp + t for g in range(self.expert_data_parallel_size)] for e in range(ep)
+                for t in range(tp)]
+
+    def tp_group_ranks(self) -> list[list[int]]:
+        tp = self.tensor_parallel_size
+        return [list(range(d * tp, (d + 1) * tp)) for d in range(self.data_parallel_size)]
+
+    def data_group_ranks(self) -> list[list[int]]:
+        """The data-parallel groups: the ranks of each tp coordinate (all ranks at tp = 1)."""
+        tp = self.tensor_parallel_size
+        return [list(range(t, self.world_size, tp)) for t in range(tp)]
+
+    def my_ep_group(self) -> list[int]:
+        """The ranks of this rank's expert-parallel group, in EP rank order."""
+        return next(g for g in self.ep_group_ranks() if self.rank in g)
+
+
+def data_parallel_coordinates(world_size: int, rank: int, tensor_parallel_size: int) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel size): the batch shard it reads. The
+    ranks of one tensor-parallel group (tp consecutive ranks) read the same shard."""
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or tp <= 0 or world_size % tp:
+        raise LayoutError(f"parallel.tensor_parallel_size ({tp}) must divide the number of processes ({world_size})")
+    return rank // tp, world_size // tp
 
 
 def resolve_expert_parallel_size(setting: Union[int, str], world_size: int, num_experts: int) -> int:
@@ -100,14 +146,21 @@ def resolve_expert_parallel_size(setting: Union[int, str], world_size: int, num_
 
 def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
                  local_world_size: Optional[int] = None,
-                 rank_weights: Optional[list[float]] = None) -> ParallelLayout:
+                 rank_weights: Optional[list[float]] = None, tensor_parallel_size: int = 1) -> ParallelLayout:
     """Validate the degrees and return this rank's layout (pure: no communication).
+
+    ``tensor_parallel_size`` (parallel.tensor_parallel_size) must divide the world; expert
+    parallelism is then resolved and checked against the world / tp data-parallel ranks.
 
     ``rank_weights`` (parallel.balance as a list, one weight per rank): with expert parallelism,
     each EP rank holds experts in proportion to its weight (m6.parallel.expert_ranges); None = even.
     """
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    tp = tensor_parallel_size
+    if tp != 1:
+        return _tensor_parallel_layout(world_size, rank, expert_parallel_size, num_experts, local_world_size,
+                                       rank_weights, tp)
     ep = resolve_expert_parallel_size(expert_parallel_size, world_size, num_experts)
     if world_size % ep:
         raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the number of processes ({world_size})")
@@ -127,7 +180,29 @@ def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, st
     return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tuple(counts))
 
 
+def _tensor_parallel_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
+                            local_world_size: int, rank_weights: Optional[list[float]], tp: int) -> ParallelLayout:
+    """build_layout at parallel.tensor_parallel_size > 1: even experts over the world / tp
+    data-parallel ranks (uneven ones, parallel.balance, are refused by the config)."""
+    if not isinstance(tp, int) or tp <= 0 or world_size % tp:
+        raise LayoutError(f"parallel.tensor_parallel_size ({tp}) must divide the number of processes ({world_size})")
+    if world_size % local_world_size:
+        raise LayoutError(f"LOCAL_WORLD_SIZE ({local_world_size}) must divide WORLD_SIZE ({world_size})")
+    if rank_weights is not None:
+        raise LayoutError(f"parallel.balance={rank_weights} with parallel.tensor_parallel_size={tp} is not supported: "
+                          f"use parallel.balance=even")
+    dp = world_size // tp
+    ep = resolve_expert_parallel_size(expert_parallel_size, dp, num_experts)
+    if dp % ep:
+        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the data-parallel ranks ({dp} = "
+                          f"{world_size} processes / parallel.tensor_parallel_size {tp})")
+    if num_experts % ep:
+        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide model.moe.num_experts ({num_experts})")
+    return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tensor_parallel_size=tp)
+
+
 MESH_DIMS = ("edp", "ep")  # expert-data-parallel (same experts), expert-parallel (all-to-all)
+TP_MESH_DIMS = ("edp", "ep", "tp")  # parallel.tensor_parallel_size > 1: tensor-parallel innermost
 
 
 @dataclass(frozen=True)
@@ -140,10 +215,32 @@ class ProcessGroups:
     checkpoint: object = None  # a gloo group of all ranks for checkpoint coordination (see below)
     node_aware: Optional["NodeAwareGroups"] = None  # made only for model.moe.a2a_dispatch: node_aware
 
+    data_group: object = None  # tensor parallel only: this rank's data-parallel group (see ``data``)
+
     @property
     def world(self):
-        """All ranks: the replicated parameters' data-parallel group."""
+        """All ranks (at tensor-parallel size 1 also the replicated parameters' data-parallel group)."""
         return dist.group.WORLD if self.mesh is not None else None
+
+    @property
+    def data(self):
+        """The ranks that see different batches and hold the same replicated and tensor-parallel
+        shards: the gradient sync group of every parameter but the experts (all ranks at tp 1)."""
+        return self.data_group if self.data_group is not None else self.world
+
+    @property
+    def tensor(self):
+        """This rank's tensor-parallel group (None at tensor-parallel size 1)."""
+        if self.mesh is None or self.layout.tensor_parallel_size == 1:
+            return None
+        return self.mesh.get_group("tp")
+
+    @property
+    def tensor_mesh(self) -> Optional[DeviceMesh]:
+        """The mesh's "tp" dim for this rank (its tensor-parallel group as a 1-D DeviceMesh), None at tp 1."""
+        if self.mesh is None or self.layout.tensor_parallel_size == 1:
+            return None
+        return self.mesh["tp"]
 
     @property
     def expert(self):
@@ -204,12 +301,21 @@ def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = N
             return ProcessGroups(layout, None)
         raise RuntimeError("torch.distributed is not initialised; call m6.parallel.init_distributed() first")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (layout.expert_data_parallel_size, layout.expert_parallel_size),
-                            mesh_dim_names=MESH_DIMS)
+    data_group = None
+    if layout.tensor_parallel_size == 1:
+        mesh = init_device_mesh(device_type, (layout.expert_data_parallel_size, layout.expert_parallel_size),
+                                mesh_dim_names=MESH_DIMS)
+    else:
+        mesh = init_device_mesh(device_type, (layout.expert_data_parallel_size, layout.expert_parallel_size,
+                                              layout.tensor_parallel_size), mesh_dim_names=TP_MESH_DIMS)
+        for ranks in layout.data_group_ranks():  # every rank creates every group, in the same order
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                data_group = group
     # Checkpoints coordinate over a group of their own: DCP exchanges plans and results as
     # pickled objects (host memory: gloo serves them whatever the training backend), and a save
     # running in a background thread must never interleave with the training collectives.
     checkpoint = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     # node_aware: the subgroups node-aware dispatch needs (model.moe.a2a_dispatch: node_aware).
     aware = node_aware_groups(layout) if node_aware and layout.expert_parallel_size > 1 else None
-    return ProcessGroups(layout, mesh, checkpoint, aware)
+    return ProcessGroups(layout, mesh, checkpoint, aware, data_group)

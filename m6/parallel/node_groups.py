@@ -10,8 +10,7 @@ from m6.parallel.layout import LayoutError, ParallelLayout
 
 def ep_group_nodes(layout: ParallelLayout) -> list[int]:
     """Node of each rank of this rank's expert-parallel group, by position in the group."""
-    first = layout.rank - layout.ep_rank
-    return [(first + j) // layout.local_world_size for j in range(layout.expert_parallel_size)]
+    return [r // layout.local_world_size for r in layout.my_ep_group()]
 
 
 def check_node_groups(layout: ParallelLayout, node_groups: int, max_nodes_per_token: int) -> None:
@@ -23,8 +22,8 @@ def check_node_groups(layout: ParallelLayout, node_groups: int, max_nodes_per_to
     ep, lws = layout.expert_parallel_size, layout.local_world_size
     per_group = layout.num_experts // node_groups
     owner = [j for j, count in enumerate(layout.expert_counts) for _ in range(count)]  # EP rank of each expert
-    for first in range(0, layout.world_size, ep):
-        nodes = [(first + j) // lws for j in range(ep)]
+    for ranks in layout.ep_group_ranks():
+        nodes = [r // lws for r in ranks]
         for group in range(node_groups):
             spanned = {nodes[owner[e]] for e in range(group * per_group, (group + 1) * per_group)}
             if len(spanned) > 1:

@@ -52,6 +52,9 @@ class ShardedModel:
     expert_offsets: dict[str, int]  # name -> global id of local expert 0
     # name -> the layer's experts over all EP ranks (dim 0 of the global tensor a checkpoint stores)
     global_experts: dict[str, int] = field(default_factory=dict)
+    # name -> how it is split over the tensor-parallel group (m6.parallel.tensor_parallel.TensorSplit);
+    # these are among replicated_params too (synced over the data-parallel group like them)
+    tensor_split: dict[str, object] = field(default_factory=dict)
 
     def first_expert(self, name: str) -> int:
         return self.expert_offsets[name]
@@ -88,7 +91,7 @@ def shard_model(model: nn.Module, plan: ParallelPlan, groups: ProcessGroups,
         if not isinstance(module, MoELayer):
             continue
         if aux_loss_scope == "global" and layout.world_size > 1:
-            module.stats_reducer = GlobalRoutingStats(groups.world)
+            module.stats_reducer = GlobalRoutingStats(groups.data)  # tp ranks repeat their tokens: not them
         if module in plan.split and layout.expert_parallel_size > 1:
             if a2a_dispatch == "node_aware":
                 if groups.node_aware is None:

@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     args.gpus = int(args.gpus)
     try:
         cfg = m6config.load(args.config, args.overrides)
+        if cfg.parallel.tensor_parallel_size > 1:  # planned as tp 1 would be a wrong answer, silently
+            raise ConfigError(f"parallel.tensor_parallel_size={cfg.parallel.tensor_parallel_size}: the planner does "
+                              "not model tensor parallelism yet; plan the config at parallel.tensor_parallel_size=1")
         if args.gpus <= 0 or cfg.train.global_batch_size % args.gpus:
             raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be divisible by "
                               f"--gpus ({args.gpus})")

@@ -162,16 +162,20 @@ def compile_time_line(step: int, seconds: float, step_seconds: float, first: boo
 def startup_banner(cfg: Config, facts: RunFacts) -> str:
     """The block a run prints before its first step: what trains, where, on what, from where."""
     t, mem = cfg.train, cfg.memory
-    dp = facts.world_size // facts.expert_parallel_size
+    tp = cfg.parallel.tensor_parallel_size
+    dp = facts.world_size // tp // facts.expert_parallel_size
+    data_ranks = facts.world_size // tp
     ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
-    split = (f"micro-batch {facts.micro_batch} x accumulation {facts.accumulation} x {facts.world_size} "
-             f"rank{'s' if facts.world_size > 1 else ''}") if facts.balance is None else (
+    # At tensor parallel a batch shard feeds a tp group: data_ranks shards, not one per process.
+    split = (f"micro-batch {facts.micro_batch} x accumulation {facts.accumulation} x {data_ranks} "
+             f"{'rank' if tp == 1 else 'tp group'}{'s' if data_ranks > 1 else ''}") if facts.balance is None else (
              f"shares by parallel.balance in {facts.accumulation} micro-batch(es) per rank of at most {facts.micro_batch}")
     lines = [
         f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}"
         f"{' | deterministic' if t.deterministic else ''}",
         f"model    {_model_line(cfg, facts.size, facts.moe_blocks, facts.device)}",
-        f"parallel world {facts.world_size} = expert-parallel {facts.expert_parallel_size} x expert-data-parallel "
+        f"parallel world {facts.world_size} = {f'tensor-parallel {tp} x ' if tp > 1 else ''}expert-parallel "
+        f"{facts.expert_parallel_size} x expert-data-parallel "
         f"{dp}{'' if cfg.parallel.shard == 'none' else f', sharded {_SHARD_WORDS[cfg.parallel.shard]}'}; batch {t.global_batch_size} = {split}; per sample {cfg.data.seq_len} text tokens + "
         f"{num_patches(cfg.model)} image patches",
         *([facts.balance] if facts.balance else []),

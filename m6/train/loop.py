@@ -27,6 +27,7 @@ from m6.model.cast_on_use import set_cast_on_use
 from m6.model.flops import count_parameters, forward_flop_rates
 from m6.parallel import build_parallel, join_job
 from m6.parallel.compile import compile_seconds
+from m6.parallel.layout import data_parallel_coordinates
 from m6.parallel.speed_probe import (resolved_expert_parallel_size, speed_probe_model, speeds_size_experts,
                                     times_a_probe)
 from m6.parallel.peer_check import PeerWatch
@@ -98,6 +99,10 @@ class Trainer:
         self.cfg = cfg
         self.env = join_job(cfg.parallel.timeout_s)
         self.rank, self.world_size = self.env.rank, self.env.world_size
+        # Batches are split over the data-parallel ranks: all of them, or world / tp at tensor
+        # parallel, where a tp group's ranks read the same batch (m6.parallel.layout).
+        self.tp_size = cfg.parallel.tensor_parallel_size
+        self.data_rank, self.data_world = data_parallel_coordinates(self.world_size, self.rank, self.tp_size)
         # Names a dead or hung peer even while this rank's main thread waits inside a device sync.
         self.peer_watch = PeerWatch.for_job(self.rank, self.world_size, cfg.parallel.timeout_s) \
             if self.world_size > 1 else None
@@ -115,13 +120,13 @@ class Trainer:
         # bf16, fp16 (and auto on CUDA) = cast-on-use; bf16-autocast = plain autocast, kept to compare.
         self.cast_on_use = self.autocast_dtype is not None and cfg.train.precision != "bf16-autocast"
         # parallel.balance: the split of the global batch (auto: measured once the model is built).
-        self.batch_plan = None if cfg.parallel.balance == "auto" else plan_batch(cfg, self.world_size)
-        self.aux_ranks = aux_loss_ranks(cfg.model.moe.aux_loss_scope, self.world_size)
+        self.batch_plan = None if cfg.parallel.balance == "auto" else plan_batch(cfg, self.data_world)
+        self.aux_ranks = aux_loss_ranks(cfg.model.moe.aux_loss_scope, self.data_world)
         seed_everything(cfg.run.seed)
         self.run_dir = Path(run_dir(cfg))
         prepare_run_dir(self.run_dir)  # every rank: each writes its checkpoint shards there
 
-        self.data = build_training_data(cfg, self.rank, self.world_size, pin_memory=self.device.type == "cuda",
+        self.data = build_training_data(cfg, self.data_rank, self.data_world, pin_memory=self.device.type == "cuda",
                                         dataset=dataset, eval_samples=eval_samples)
         self.dataset_name = None if dataset is None else type(dataset).__name__
         self.loader, self.eval_set = self.data.loader, self.data.eval_set
@@ -157,14 +162,15 @@ class Trainer:
         # and parallel.balance=auto at EP 1 times the model as the run holds it (offloaded, its
         # gradient sync off), so the plan is completed here, after the update.
         self._use_batch_plan(self.batch_plan or self._measure_balance())
-        self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.world, self.device)
+        self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.data, self.device)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
-        self.flop_rates = forward_flop_rates(self.model)
+        # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN.
+        self.flop_rates = forward_flop_rates(self.model if self.tp_size == 1 else build_meta_model(cfg.model))
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
         self.counters = TrainerCounters()
         # The step's bookkeeping: its compute time, its one scalar all-reduce, its metrics row.
-        self.compute_timer = ComputeTimer(self.device, self.rank, self.world_size)
+        self.compute_timer = ComputeTimer(self.device, self.data_rank, self.data_world)
         self.step_reduction = StepReduction(self.model, self.flop_rates, num_patches(cfg.model))
         self.step_metrics = StepMetrics(cfg.train.global_batch_size, self.device, self.peak_tflops, self.world_size,
                                         self.step_reduction.has_expert_exchange)
@@ -296,12 +302,14 @@ class Trainer:
             print(line, flush=True)
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        """Sum scalars over all ranks (one collective, on the compute device); identity on one process."""
+        """Sum scalars over the data-parallel ranks (one collective, on the compute device); identity
+        on one process. At tensor parallel the ranks of a tp group hold the same values (one batch,
+        replicated losses): the sum over all ranks counts each tp group tp times."""
         if self.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return t.tolist()
+        return (t / self.tp_size).tolist() if self.tp_size > 1 else t.tolist()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -408,7 +416,7 @@ class Trainer:
                 eval_batch=lambda indices: self.held_out_batch(indices, on_device=False),
                 num_samples=len(self.eval_set), global_batch_size=self.cfg.train.global_batch_size,
                 num_batches=self.cfg.train.eval_batches, micro_batch_size=self.micro_batch,
-                rank_slice=lambda idx: rank_slice(idx, self.rank, self.world_size),
+                rank_slice=lambda idx: rank_slice(idx, self.data_rank, self.data_world),
                 reduce_sum=self.all_reduce_sum, seed=self.cfg.run.seed)
         finally:
             self.model.train()
@@ -435,9 +443,11 @@ class Trainer:
             "; RNG streams are per rank, so at another world size they restart from the run seed")
         auto = ", chosen by checkpoint.resume=auto (the run dir's latest)" \
             if str(self.cfg.checkpoint.resume).strip().lower() == "auto" else ""
+        saved_tp = meta.get("config", {}).get("parallel", {}).get("tensor_parallel_size", 1)
+        tp = "" if saved_tp == self.tp_size == 1 else f", tensor-parallel size {saved_tp} -> {self.tp_size}"
         self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
-                      f"{self.sharded.groups.layout.expert_parallel_size}{rng}){auto}")
+                      f"{self.sharded.groups.layout.expert_parallel_size}{tp}{rng}){auto}")
 
         note = schedule_change_note(self.cfg.optim, meta.get("config", {}).get("train", {}).get("max_steps"),
                                     self.cfg.train.max_steps, self.step)

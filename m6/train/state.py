@@ -125,7 +125,7 @@ class ModelState:
         return {name: global_shape(self.sharded, name, t) for name, t in self._state().items()}
 
     def shards(self, prefix: str) -> Shards:
-        return {f"{prefix}{name}": (global_shape(self.sharded, name, t), first_row(self.sharded, name, t))
+        return {f"{prefix}{name}": (global_shape(self.sharded, name, t), placement(self.sharded, name, t))
                 for name, t in self._state().items() if is_row_shard(self.sharded, name, t)}
 
     def after_load(self) -> None:
@@ -134,9 +134,20 @@ class ModelState:
 
 
 def is_row_shard(sharded: ShardedModel, name: str, t: torch.Tensor) -> bool:
-    """Whether this rank holds only some rows of ``name``'s global tensor (its experts, or a
-    parameter sharded by parallel.shard), which a checkpoint then stores as a chunk."""
-    return name in sharded.expert_params or isinstance(t, DTensor)
+    """Whether this rank holds only part of ``name``'s global tensor (its experts' rows, a
+    parameter sharded by parallel.shard, or a tensor-parallel split), which a checkpoint then
+    stores as chunks of the global tensor."""
+    return name in sharded.expert_params or isinstance(t, DTensor) or name in sharded.tensor_split
+
+
+def placement(sharded: ShardedModel, name: str, t: torch.Tensor) -> int | list:
+    """Where this rank's tensor of ``name`` lies in the global one, as m6.checkpoint.sharded_io's
+    Shards say it: the first row, or (global offsets, local offsets, sizes) per piece for a
+    tensor-parallel split (its q, k and v sections for the fused qkv)."""
+    if name in sharded.tensor_split:
+        layout = sharded.groups.layout
+        return sharded.tensor_split[name].pieces(t.shape, layout.tensor_parallel_size, layout.tp_rank)
+    return first_row(sharded, name, t)
 
 
 def first_row(sharded: ShardedModel, name: str, t: torch.Tensor) -> int:
@@ -149,6 +160,8 @@ def first_row(sharded: ShardedModel, name: str, t: torch.Tensor) -> int:
 def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor) -> torch.Size:
     """The shape of ``name`` over all ranks: expert tensors hold this rank's range of the layer's
     experts (dim 0), even or uneven (``t`` a DTensor: its other dims are already those over its shards)."""
+    if name in sharded.tensor_split:
+        return sharded.tensor_split[name].global_shape(t.shape)
     if name not in sharded.expert_params:
         return t.shape
     return torch.Size([sharded.global_experts[name], *t.shape[1:]])
@@ -225,7 +238,8 @@ class OptimizerState:
         for name, p in self.params.items():
             for key, t in self.optimizer.state[p].items():
                 if torch.is_tensor(t) and t.dim() > 0 and is_row_shard(self.sharded, name, t):
-                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t), first_row(self.sharded, name, t))
+                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t),
+                                                    placement(self.sharded, name, t))
         return out
 
     def hyperparameters(self) -> list[dict]:

@@ -63,8 +63,11 @@ class ParameterUpdate:
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None)
-        replicated = list(sharded.replicated_params.values())
+        # Tensor-parallel shards count once per tp group in the norm (tp 1: none).
+        split = [p for n, p in sharded.replicated_params.items() if n in sharded.tensor_split]
+        replicated = [p for n, p in sharded.replicated_params.items() if n not in sharded.tensor_split]
         experts = list(sharded.expert_params.values())
+        self.split, self.tensor_group = split, sharded.groups.tensor
         if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
         self.replicated, self.experts = replicated, experts
@@ -86,7 +89,7 @@ class ParameterUpdate:
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
             if t.precision == "fp16" else None
-        self.apply = GroupedApply(self.optimizer, replicated, experts, cfg.optim.apply_groups)
+        self.apply = GroupedApply(self.optimizer, replicated + split, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
 
     @property
@@ -145,7 +148,8 @@ class ParameterUpdate:
                                      off.host_grad_factors(self.experts)) / scale
             self.offload.grad_multiplier = clip_coefficient(total, limit) / scale
             return total
-        return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale)
+        return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale,
+                              split=self.split, tensor_group=self.tensor_group)
 
     def overflow_is_normal(self) -> bool:
         """Whether a non-finite gradient now is the loss scale's normal search (fp16, scale above
