@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,6 +31,7 @@ from m6.checkpoint.export import EXPORT_DTYPES, read_tensor, safetensors_header
 from m6.checkpoint.hf_families import TensorMap, expected_hf_shapes, family_of_m6, tensor_maps
 from m6.checkpoint.info import MODEL, read_values
 from m6.checkpoint.reader import find_checkpoint, load_metadata
+from m6.checkpoint.step_dirs import written_whole
 from m6.config import ConfigError, ModelConfig, to_dict
 from m6.config_loader import from_dict
 
@@ -107,11 +106,8 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: Optional[str] = None
     names = (["model.safetensors"] if len(files) == 1 else
              [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))])
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     total, weight_map = 0, {}
-    try:
-        tmp.mkdir(parents=True)
+    with written_whole(out_dir) as tmp:
         for name, group in zip(names, files):
             entries = {}
             for tmap in group:
@@ -135,12 +131,6 @@ def export_hf(path: str | Path, out_dir: str | Path, dtype: Optional[str] = None
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         hf_config["torch_dtype"] = hf_config["dtype"] = _TORCH_DTYPE_NAMES[out_dtype]
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     step = values.get("counters", {}).get("step")
     return {"path": str(ckpt), "out": str(out_dir), "step": step, "architecture": family.architecture,
             "num_tensors": len(weight_map), "size_bytes": total, "files": names, "dropped": dropped}

@@ -22,8 +22,6 @@ computes exactly what the HF model does.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,7 +33,7 @@ from m6.checkpoint.export import EXPORT_DTYPES
 from m6.checkpoint.hf_families import HFFamily, TensorMap, expected_hf_shapes, tensor_maps, to_m6_model
 from m6.checkpoint.safetensors_reader import SafetensorsReader
 from m6.checkpoint.state_tree import flatten
-from m6.checkpoint.step_dirs import step_dir_name
+from m6.checkpoint.step_dirs import step_dir_name, written_whole
 from m6.config import Config, ConfigError, ModelConfig, dump_yaml, to_dict
 from m6.config_loader import from_dict
 from m6.model.m6_model import build_meta_model
@@ -152,17 +150,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, dtype: str = "fp32", seed
             return assemble(maps[name], reader, torch_dtype)
         return fresh_tensor(name, shapes[name], torch_dtype, cfg.init_std, seed)
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        (tmp / "checkpoints").mkdir(parents=True)
+    with written_whole(out_dir) as tmp:
+        (tmp / "checkpoints").mkdir()
         sharded_io.write_streamed(tmp / "checkpoints" / step_dir_name(0), state, produce)
         dump_yaml(config, tmp / "config.yaml")
-        if out_dir.exists():
-            out_dir.rmdir()  # empty (checked above)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {"family": family.name, "out": str(out_dir), "checkpoint": str(step_dir),
             "num_tensors": len(shapes), "fresh": fresh}

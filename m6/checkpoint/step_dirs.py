@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from m6.checkpoint.sharded_io import METADATA_FILE
@@ -84,3 +87,21 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def written_whole(out_dir: Path) -> Iterator[Path]:
+    """A temporary directory beside ``out_dir`` to write into; renamed to ``out_dir`` (which must be
+    absent or empty) when the block ends, removed when it raises: the directory appears whole or
+    not at all (the tools' outputs: an export, an import)."""
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out_dir.exists():
+            out_dir.rmdir()  # empty: a directory with files is refused before anything is written
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
