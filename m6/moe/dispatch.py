@@ -5,7 +5,11 @@ No one-hot [tokens, experts, capacity] tensors: everything is argsort + gather +
 cost grows with the number of assignments, not with the number of experts.
 
 Host syncs: planning is all on the device; the only copy to the host is the split sizes
-(``host_ints``, once per layer forward), which the experts' GEMMs and the all-to-all need as ints.
+(``host_ints``, at most once per layer forward), which the loop of expert GEMMs, the capacity
+limit's row count and the all-to-all need as ints. A dropless plan for experts in this process
+dispatches every assignment (padding too, with combine weight 0), so the host knows the row count
+(T*K) without reading anything, and the grouped_mm and fused kernels take the rows per expert as a
+device tensor: that layer forward has no host sync at all.
 
 Shape legend: T tokens, D d_model, E experts, K assignments per token, A = T*K assignments, G routing
 groups, N kept assignments (in the Dispatcher protocol: the rows handed to this process's experts); for a
@@ -84,6 +88,10 @@ class DispatchPlan:
     routed_counts_E:   int64 [E] assignments of routed tokens per expert before capacity.
     num_tokens:        T, the number of rows of the input and of the combined output.
     num_assignments:   K, assignments per token.
+    rows_E:            int64 [E] rows per expert that dispatch moves: counts_E, plus the padding
+                       tokens' assignments when the plan dispatches them (``dispatch_padding``).
+    num_rows:          their sum when the host knows it without a sync (dropless: every assignment
+                       is dispatched, A rows), else None (the host must read rows_E).
     """
 
     order_A: torch.Tensor
@@ -92,6 +100,8 @@ class DispatchPlan:
     routed_counts_E: torch.Tensor
     num_tokens: int
     num_assignments: int
+    rows_E: torch.Tensor
+    num_rows: Optional[int] = None
 
     @property
     def num_dropped(self) -> torch.Tensor:
@@ -108,6 +118,7 @@ class DispatchPlan:
 def plan_dispatch(
     expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
     capacity: torch.Tensor | int | None, *, routed_T: torch.Tensor | None = None, group_size: int | None = None,
+    dispatch_padding: bool = False,
 ) -> DispatchPlan:
     """Group assignments by expert; with a capacity, keep each expert's highest-weight ones in
     every routing group.
@@ -122,10 +133,25 @@ def plan_dispatch(
 
     ``routed_T`` (bool [T], True = route this token) leaves the other tokens' assignments out:
     they take no capacity, are not counted, and their rows get zeros in the combine.
+
+    ``dispatch_padding`` (dropless only): the unrouted tokens' assignments are still dispatched to
+    the experts they picked, with combine weight 0 (so their output rows add exact zeros and the
+    router gets no gradient from them), but stay out of every count but ``rows_E``. The plan then
+    dispatches all A assignments and the host knows the row count without a sync; the experts do
+    K rows of extra work per padding token.
     """
     T, K = expert_ids_TK.shape
     E, A = num_experts, T * K
     flat_ids = expert_ids_TK.reshape(-1)
+    weights_A = weights_TK.reshape(-1)
+    if routed_T is not None and dispatch_padding and capacity is None:
+        routed_A = routed_T.reshape(T, 1).expand(T, K).reshape(-1)
+        order_A = torch.argsort(flat_ids, stable=True)
+        routed_counts_E = _count(torch.where(routed_A, flat_ids, torch.full_like(flat_ids, E)), E + 1)[:E]
+        # where, not a multiply by the mask: the combine weight is an exact 0 whatever the router gave.
+        return DispatchPlan(order_A=order_A, weights_A=torch.where(routed_A, weights_A, 0.0),
+                            counts_E=routed_counts_E, routed_counts_E=routed_counts_E, num_tokens=T,
+                            num_assignments=K, rows_E=_count(flat_ids, E), num_rows=A)
     if routed_T is not None:
         # Unrouted tokens' assignments get key E: past every expert, they sort to the end.
         routed_A = routed_T.reshape(T, 1).expand(T, K).reshape(-1)
@@ -157,8 +183,10 @@ def plan_dispatch(
         rest_rank = torch.cumsum(~kept, 0) - 1 + kept.sum()
         order_A = torch.empty_like(by_segment).scatter_(0, torch.where(kept, kept_rank, rest_rank), by_segment)
         counts_E = _count(torch.where(kept, flat_ids[by_segment], torch.full_like(flat_ids, E)), E + 1)[:E]
-    return DispatchPlan(order_A=order_A, weights_A=weights_TK.reshape(-1), counts_E=counts_E,
-                        routed_counts_E=routed_counts_E, num_tokens=T, num_assignments=K)
+    # Dropless with every token routed: all A assignments are dispatched, a count the host knows.
+    num_rows = A if capacity is None and routed_T is None else None
+    return DispatchPlan(order_A=order_A, weights_A=weights_A, counts_E=counts_E, routed_counts_E=routed_counts_E,
+                        num_tokens=T, num_assignments=K, rows_E=counts_E, num_rows=num_rows)
 
 
 class _GatherRowsCast(torch.autograd.Function):
@@ -271,19 +299,21 @@ class LocalDispatcher(Dispatcher):
     The expert-parallel dispatcher (m6.moe.all_to_all) implements the same protocol and adds the
     all-to-all in between, so the MoE layer reads route -> dispatch -> experts -> combine whichever
     is installed. The handle is the plan's kept assignments.
+
+    It accepts plans that dispatch padding (``plan_dispatch(dispatch_padding=True)``): the layer
+    asks for them only from a dispatcher with ``dispatches_padding``.
     """
+
+    dispatches_padding = True
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan
     ) -> tuple[torch.Tensor, list[int], KeptAssignments]:
         """Tokens for the local experts, grouped by expert, with their per-expert counts on host
         (the layer's one host sync)."""
-        (splits,) = host_ints(plan.counts_E)
+        (splits,) = host_ints(plan.rows_E)
         kept = plan.kept(sum(splits))
-        # Under autocast the experts compute in its dtype: the rows are gathered in it already.
-        device_type = x_TD.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        return permute_tokens(x_TD, kept, dtype), splits, kept
+        return permute_tokens(x_TD, kept, _autocast_dtype(x_TD)), splits, kept
 
     def combine(self, y_ND: torch.Tensor, handle: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to token order, weighted by the router."""
@@ -294,10 +324,30 @@ class LocalDispatcher(Dispatcher):
                                  out_dtype: torch.dtype) -> torch.Tensor:
         """As the protocol's three calls; experts that fuse the gather and the weighted combine into
         their kernels (``fuses_dispatch``/``forward_routed``, m6.moe.experts with expert_kernel
-        fused) get the routing instead of a permuted copy, and return the combined [T, D]."""
+        fused) get the routing instead of a permuted copy, and return the combined [T, D].
+
+        Where the host knows the row count (``plan.num_rows``: dropless) and the experts take the
+        rows per expert on the device (``takes_device_counts``: grouped_mm, fused), nothing is read
+        back: no host sync in this layer forward."""
+        if on_device_counts(plan, experts, x_TD):
+            splits, kept = plan.rows_E, plan.kept(plan.num_rows)
+        else:
+            (host_splits,) = host_ints(plan.rows_E)
+            splits, kept = host_splits, plan.kept(sum(host_splits))
         fuses = getattr(experts, "fuses_dispatch", None)
-        if fuses is None or not fuses(x_TD):
-            return super().dispatch_compute_combine(x_TD, plan, experts, out_dtype)
-        (splits,) = host_ints(plan.counts_E)
-        kept = plan.kept(sum(splits))
-        return experts.forward_routed(x_TD, kept.token_idx_N, kept.weights_N, splits, out_dtype)
+        if fuses is not None and fuses(x_TD):
+            return experts.forward_routed(x_TD, kept.token_idx_N, kept.weights_N, splits, out_dtype)
+        return combine_tokens(experts(permute_tokens(x_TD, kept, _autocast_dtype(x_TD)), splits), kept, out_dtype)
+
+
+def on_device_counts(plan: DispatchPlan, experts: Any, x_TD: torch.Tensor) -> bool:
+    """Whether a local dispatch of ``plan`` to ``experts`` can skip the host sync: the host knows
+    the row count, and the experts' kernel takes the rows per expert as a device tensor."""
+    takes = getattr(experts, "takes_device_counts", None)
+    return plan.num_rows is not None and takes is not None and takes(x_TD, plan.num_rows)
+
+
+def _autocast_dtype(x_TD: torch.Tensor) -> Optional[torch.dtype]:
+    """Under autocast the experts compute in its dtype: the rows are gathered in it already."""
+    device_type = x_TD.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

@@ -58,7 +58,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
 
 
-def _check(device, T, D, Fd, E, activation, src, splits, routed=True, seed=0):
+def _check(device, T, D, Fd, E, activation, src, splits, routed=True, seed=0, device_counts=False):
     from m6.moe.fused_experts import fused_expert_ffn, reference_expert_ffn
 
     gen = torch.Generator().manual_seed(seed)
@@ -80,8 +80,9 @@ def _check(device, T, D, Fd, E, activation, src, splits, routed=True, seed=0):
     ours = {k: (v.detach().to(device, dtype if k == "x" else torch.float32)).requires_grad_(True)
             for k, v in leaves.items()}
     src_d = src.to(device) if routed else None
-    y = fused_expert_ffn(ours["x"], src_d, ours.get("probs"), splits, activation, ours["w_in"], ours["w_out"],
-                         ours.get("w_gate"), T, torch.float32)
+    counts = torch.tensor(splits, dtype=torch.int64, device=device) if device_counts else splits
+    y = fused_expert_ffn(ours["x"], src_d, ours.get("probs"), counts, activation, ours["w_in"], ours["w_out"],
+                         ours.get("w_gate"), T, torch.float32, num_rows=N if device_counts else None)
     grads = torch.autograd.grad(y, list(ours.values()), dy.to(device, y.dtype))
     errors = {"y": _rel(y.cpu(), ref)} | {f"d{k}": _rel(g.cpu(), r) for k, g, r in zip(ours, grads, ref_grads)}
     assert y.dtype == torch.float32 and y.shape == ref.shape
@@ -124,6 +125,29 @@ def test_grouped_form_and_uneven_dims(fused_device):
     ffn_dim not multiples of the tile size."""
     splits = [0, 13, 2, 0]
     _check(fused_device, sum(splits), 20, 12, 4, "swiglu", None, splits, routed=False)
+
+
+@pytest.mark.parametrize("case", ["empty-expert", "uneven", "grouped"])
+def test_tile_tables_built_on_the_device(fused_device, case):
+    """Rows per expert as a device tensor (the dropless local path, no host sync): the tile tables
+    are built on the device, padded to the most tiles there can be; the results equal the reference."""
+    from m6.moe.fused_experts import RowTiles
+
+    gen = torch.Generator().manual_seed(6)
+    if case == "empty-expert":
+        src, splits = _routing(24, 5, 2, gen, allowed=[0, 1, 3, 4])
+        _check(fused_device, 24, 16, 32, 5, "swiglu", src, splits, device_counts=True)
+    elif case == "uneven":
+        src, splits = _routing(40, 6, 2, gen, skew=True)
+        _check(fused_device, 40, 32, 16, 6, "gelu", src, splits, device_counts=True)
+    else:
+        splits = [0, 13, 2, 0]
+        _check(fused_device, sum(splits), 20, 12, 4, "swiglu", None, splits, routed=False, device_counts=True)
+    host = RowTiles(splits, 16, torch.device("cpu"))
+    dev = RowTiles.from_device_counts(torch.tensor(splits), sum(splits), 16)
+    assert dev.num_tiles == -(-sum(splits) // 16) + len(splits) >= host.num_tiles
+    assert torch.equal(dev.tiles[:, :host.num_tiles], host.tiles) and torch.equal(dev.segs, host.segs)
+    assert (dev.tiles[1:, host.num_tiles:] == sum(splits)).all()  # the padding tiles are empty
 
 
 def test_no_rows_at_all(fused_device):
