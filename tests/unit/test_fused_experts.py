@@ -191,6 +191,56 @@ def test_moe_layer_fused_equals_loop(fused_device, dispatcher):
         assert _rel(ours.float(), ref.double()) < tol
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_dropless_fused_layer_reads_nothing_back(fused_device, monkeypatch, masked):
+    """Dropless, local experts, fused kernels: the rows per expert stay on the device (padding rows
+    dispatched with weight 0), so no host copy is made, forward or backward (on CUDA torch counts
+    the syncs); output and gradients equal the loop's, which reads the counts and skips padding."""
+    import warnings
+
+    import m6.moe.dispatch as dispatch_module
+    from m6.moe import MoELayer
+
+    copies = []
+    real = dispatch_module.host_ints
+    monkeypatch.setattr(dispatch_module, "host_ints", lambda *t: copies.append(len(t)) or real(*t))
+    device = fused_device
+    D, Fd, E = 16, 32, 4
+    layers = {k: MoELayer(D, Fd, E, top_k=2, capacity_factor=None, activation="swiglu", expert_kernel=k,
+                          init_seed=7).to(device) for k in ("loop", "fused")}
+    layers["fused"].load_state_dict(layers["loop"].state_dict())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 12, D, generator=gen).to(device)
+    mask = (torch.rand(2, 12, generator=gen) > 0.3).to(device) if masked else None
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    results, syncs = {}, {}
+    for name, layer in layers.items():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            layer(x, mask)[0].float().sum().backward()  # warm-up: compiles, lazy inits
+        layer.zero_grad(set_to_none=True)
+        copies.clear()
+        xx = x.clone().requires_grad_(True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    y, aux = layer(xx, mask)
+                (y.float().square().sum() + aux).backward()
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs[name] = (len(copies), len([w for w in caught if "synchroniz" in str(w.message)]))
+        results[name] = [y, xx.grad] + [p.grad for p in layer.parameters()]
+        assert layer.experts.last_kernel == name
+    assert syncs["fused"] == (0, 0) and syncs["loop"][0] == 1, syncs
+    tol = 1e-5 if device.type == "cpu" else 3e-2
+    for ours, ref in zip(results["fused"], results["loop"]):
+        assert _rel(ours.float(), ref.double()) < tol
+
+
 def test_second_backward_is_refused(fused_device):
     from m6.moe.fused_experts import fused_expert_ffn
 
