@@ -6,10 +6,11 @@ cost grows with the number of assignments, not with the number of experts.
 
 Host syncs: planning is all on the device; the only copy to the host is the split sizes
 (``host_ints``, at most once per layer forward), which the loop of expert GEMMs, the capacity
-limit's row count and the all-to-all need as ints. A dropless plan for experts in this process
-dispatches every assignment (padding too, with combine weight 0), so the host knows the row count
-(T*K) without reading anything, and the grouped_mm and fused kernels take the rows per expert as a
-device tensor: that layer forward has no host sync at all.
+limit's kept count and the all-to-all need as ints. A dropless plan has a row count the host knows,
+T*K: the kept assignments, then those of padding tokens with combine weight 0. The local dispatcher
+moves all of them, and the grouped_mm and fused kernels take the rows per expert as a device tensor
+and compute only the kept rows (the padding tail costs a gather and a zero, no GEMM work): that
+layer forward has no host sync at all.
 
 Shape legend: T tokens, D d_model, E experts, K assignments per token, A = T*K assignments, G routing
 groups, N kept assignments (in the Dispatcher protocol: the rows handed to this process's experts); for a
@@ -88,10 +89,9 @@ class DispatchPlan:
     routed_counts_E:   int64 [E] assignments of routed tokens per expert before capacity.
     num_tokens:        T, the number of rows of the input and of the combined output.
     num_assignments:   K, assignments per token.
-    rows_E:            int64 [E] rows per expert that dispatch moves: counts_E, plus the padding
-                       tokens' assignments when the plan dispatches them (``dispatch_padding``).
-    num_rows:          their sum when the host knows it without a sync (dropless: every assignment
-                       is dispatched, A rows), else None (the host must read rows_E).
+    num_rows:          A when the host may dispatch every assignment without reading the counts
+                       (dropless): the kept ones grouped by expert, then the unrouted ones, whose
+                       weights_A entries are 0; None where the kept count must be read (capacity).
     """
 
     order_A: torch.Tensor
@@ -100,7 +100,6 @@ class DispatchPlan:
     routed_counts_E: torch.Tensor
     num_tokens: int
     num_assignments: int
-    rows_E: torch.Tensor
     num_rows: Optional[int] = None
 
     @property
@@ -118,7 +117,6 @@ class DispatchPlan:
 def plan_dispatch(
     expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, num_experts: int,
     capacity: torch.Tensor | int | None, *, routed_T: torch.Tensor | None = None, group_size: int | None = None,
-    dispatch_padding: bool = False,
 ) -> DispatchPlan:
     """Group assignments by expert; with a capacity, keep each expert's highest-weight ones in
     every routing group.
@@ -133,29 +131,18 @@ def plan_dispatch(
 
     ``routed_T`` (bool [T], True = route this token) leaves the other tokens' assignments out:
     they take no capacity, are not counted, and their rows get zeros in the combine.
-
-    ``dispatch_padding`` (dropless only): the unrouted tokens' assignments are still dispatched to
-    the experts they picked, with combine weight 0 (so their output rows add exact zeros and the
-    router gets no gradient from them), but stay out of every count but ``rows_E``. The plan then
-    dispatches all A assignments and the host knows the row count without a sync; the experts do
-    K rows of extra work per padding token.
     """
     T, K = expert_ids_TK.shape
     E, A = num_experts, T * K
     flat_ids = expert_ids_TK.reshape(-1)
     weights_A = weights_TK.reshape(-1)
-    if routed_T is not None and dispatch_padding and capacity is None:
-        routed_A = routed_T.reshape(T, 1).expand(T, K).reshape(-1)
-        order_A = torch.argsort(flat_ids, stable=True)
-        routed_counts_E = _count(torch.where(routed_A, flat_ids, torch.full_like(flat_ids, E)), E + 1)[:E]
-        # where, not a multiply by the mask: the combine weight is an exact 0 whatever the router gave.
-        return DispatchPlan(order_A=order_A, weights_A=torch.where(routed_A, weights_A, 0.0),
-                            counts_E=routed_counts_E, routed_counts_E=routed_counts_E, num_tokens=T,
-                            num_assignments=K, rows_E=_count(flat_ids, E), num_rows=A)
     if routed_T is not None:
-        # Unrouted tokens' assignments get key E: past every expert, they sort to the end.
+        # Unrouted tokens' assignments get key E: past every expert, they sort to the end. Their
+        # combine weight is an exact 0 (where, not a multiply: whatever the router gave), so a
+        # dispatcher may move them too (num_rows) and their rows add nothing.
         routed_A = routed_T.reshape(T, 1).expand(T, K).reshape(-1)
         flat_ids = torch.where(routed_A, flat_ids, torch.full_like(flat_ids, E))
+        weights_A = torch.where(routed_A, weights_A, 0.0)
     routed_counts_E = _count(flat_ids, E + 1)[:E]
     if capacity is None:
         order_A = torch.argsort(flat_ids, stable=True)
@@ -183,10 +170,8 @@ def plan_dispatch(
         rest_rank = torch.cumsum(~kept, 0) - 1 + kept.sum()
         order_A = torch.empty_like(by_segment).scatter_(0, torch.where(kept, kept_rank, rest_rank), by_segment)
         counts_E = _count(torch.where(kept, flat_ids[by_segment], torch.full_like(flat_ids, E)), E + 1)[:E]
-    # Dropless with every token routed: all A assignments are dispatched, a count the host knows.
-    num_rows = A if capacity is None and routed_T is None else None
     return DispatchPlan(order_A=order_A, weights_A=weights_A, counts_E=counts_E, routed_counts_E=routed_counts_E,
-                        num_tokens=T, num_assignments=K, rows_E=counts_E, num_rows=num_rows)
+                        num_tokens=T, num_assignments=K, num_rows=A if capacity is None else None)
 
 
 class _GatherRowsCast(torch.autograd.Function):
@@ -299,19 +284,14 @@ class LocalDispatcher(Dispatcher):
     The expert-parallel dispatcher (m6.moe.all_to_all) implements the same protocol and adds the
     all-to-all in between, so the MoE layer reads route -> dispatch -> experts -> combine whichever
     is installed. The handle is the plan's kept assignments.
-
-    It accepts plans that dispatch padding (``plan_dispatch(dispatch_padding=True)``): the layer
-    asks for them only from a dispatcher with ``dispatches_padding``.
     """
-
-    dispatches_padding = True
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan
     ) -> tuple[torch.Tensor, list[int], KeptAssignments]:
         """Tokens for the local experts, grouped by expert, with their per-expert counts on host
         (the layer's one host sync)."""
-        (splits,) = host_ints(plan.rows_E)
+        (splits,) = host_ints(plan.counts_E)
         kept = plan.kept(sum(splits))
         return permute_tokens(x_TD, kept, _autocast_dtype(x_TD)), splits, kept
 
@@ -328,11 +308,13 @@ class LocalDispatcher(Dispatcher):
 
         Where the host knows the row count (``plan.num_rows``: dropless) and the experts take the
         rows per expert on the device (``takes_device_counts``: grouped_mm, fused), nothing is read
-        back: no host sync in this layer forward."""
+        back: no host sync in this layer forward. All A assignments are then moved; the padding
+        tokens' ones (after the kept, past the experts' segments, weight 0) are computed by no
+        GEMM and come back as zeros."""
         if on_device_counts(plan, experts, x_TD):
-            splits, kept = plan.rows_E, plan.kept(plan.num_rows)
+            splits, kept = plan.counts_E, plan.kept(plan.num_rows)
         else:
-            (host_splits,) = host_ints(plan.rows_E)
+            (host_splits,) = host_ints(plan.counts_E)
             splits, kept = host_splits, plan.kept(sum(host_splits))
         fuses = getattr(experts, "fuses_dispatch", None)
         if fuses is not None and fuses(x_TD):

@@ -218,6 +218,10 @@ class LoopGemms:
                 torch.mm(a_NK[s:t], w, out=out[s:t])
         return out
 
+    def zero_tail(self, out_NM: torch.Tensor) -> torch.Tensor:
+        """Host splits cover every row: nothing to do."""
+        return out_NM
+
     def weight_grad(self, a_NK: torch.Tensor, g_NM: torch.Tensor) -> torch.Tensor:
         """[E, K, M] grad_w[e] = a[s:t].T @ g[s:t] in a's dtype; idle experts get exact zeros."""
         grad = a_NK.new_empty(self.num_experts, a_NK.shape[1], g_NM.shape[1])
@@ -245,6 +249,7 @@ class GroupedGemms:
         if isinstance(splits, torch.Tensor):
             # Rows per expert on the device (int64 [E]): the row ends and the idle experts are
             # computed there, and nothing is read back (a dropless single-GPU layer, no host sync).
+            # Rows past the last end (padding) are in no group: see zero_tail.
             self.num_experts = splits.numel()
             self.offs = torch.cumsum(splits, 0).to(torch.int32)
             self.idle_E: Optional[torch.Tensor] = (splits == 0).view(-1, 1, 1)
@@ -276,6 +281,15 @@ class GroupedGemms:
         if accumulate:
             return out.add_(y)
         return out.copy_(y)
+
+    def zero_tail(self, out_NM: torch.Tensor) -> torch.Tensor:
+        """With device counts the rows may outnumber the experts' segments (a dropless plan's padding
+        tail, weight 0): no group covers them, so the GEMMs leave them unwritten; zero them in place
+        (a fill: whatever they held cannot turn into NaN)."""
+        if self.idle_E is not None and out_NM.shape[0]:
+            tail_N = torch.arange(out_NM.shape[0], device=out_NM.device) >= self.offs[-1]
+            out_NM.masked_fill_(tail_N.unsqueeze(1), 0)
+        return out_NM
 
     def weight_grad(self, a_NK: torch.Tensor, g_NM: torch.Tensor) -> torch.Tensor:
         """[E, K, M] grad_w[e] = a[s:t].T @ g[s:t] in a's dtype; idle experts get exact zeros."""

@@ -43,7 +43,8 @@ Activation = Literal["gelu", "swiglu"]
 class _GroupedFFN(torch.autograd.Function):
     """y = act(x @ w_in [, x @ w_gate]) @ w_out, per expert segment, with an explicit backward.
 
-    Computes in x's dtype; weight gradients are returned in the weights' own dtype.
+    Computes in x's dtype; weight gradients are returned in the weights' own dtype. With splits on
+    the device (grouped_mm), rows past the last segment (padding) get zero output and gradient.
     """
 
     @staticmethod
@@ -56,7 +57,7 @@ class _GroupedFFN(torch.autograd.Function):
         else:
             g_NF = None
             a_NF = F.gelu(h_NF)
-        y_ND = gemms.mm(a_NF, w_out_EFD)
+        y_ND = gemms.zero_tail(gemms.mm(a_NF, w_out_EFD))
         ctx.gemms, ctx.activation = gemms, activation
         ctx.save_for_backward(x_ND, h_NF, g_NF, a_NF, w_in_EDF, w_out_EFD, w_gate_EDF)
         return y_ND
@@ -86,6 +87,7 @@ class _GroupedFFN(torch.autograd.Function):
             dx_ND = gemms.mm(dh_NF, w_in, transpose_w=True)
             if ctx.activation == "swiglu":
                 gemms.mm(dg_NF, w_gate, transpose_w=True, out=dx_ND, accumulate=True)
+            gemms.zero_tail(dx_ND)
         return dx_ND, None, None, None, grad_w_in, grad_w_out, grad_w_gate
 
 
@@ -94,7 +96,8 @@ class GroupedExperts(nn.Module):
 
     ``forward(x_ND, splits)`` takes tokens already grouped by expert and the number of rows per
     expert (host ints summing to N; or, for the grouped_mm and fused kernels, an int64 [E] device
-    tensor, which spares the dispatcher its host sync). No biases: as in most large MoE models, and it keeps
+    tensor, which spares the dispatcher its host sync: it may then sum to less than N, and the rows
+    past the experts' segments are computed by no GEMM and come out as zeros). No biases: as in most large MoE models, and it keeps
     every expert's work a pure GEMM.
     """
 
@@ -147,8 +150,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND: torch.Tensor, splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """[N, D] tokens grouped by expert -> [N, D] expert outputs. ``splits``: rows per expert as
-        host ints, or as a device tensor (int64 [E]) when ``takes_device_counts`` said so; the
-        caller then guarantees they sum to N (checking would read them back)."""
+        host ints, or as a device tensor (int64 [E]) when ``takes_device_counts`` said so (at most
+        N; checking would read them back)."""
         splits = self._checked_splits(splits, x_ND.shape[0])
         x_ND, weights, kernel = self._inputs(x_ND)
         self.last_kernel = kernel

@@ -160,17 +160,19 @@ class RowTiles:
         self.segs = _to_device(np.stack([starts, ends]), device)
         self.num_experts = len(counts)
         self.num_rows = int(counts.sum())
+        self.device_built = False
 
     @classmethod
     def from_device_counts(cls, counts_E: torch.Tensor, num_rows: int, block_m: int) -> "RowTiles":
-        """The same tables built on the device from int64 [E] rows per expert whose sum ``num_rows``
-        the host knows (nothing is read back). The host cannot know how many tiles there are, so
-        the table has the most there can be, cdiv(num_rows, block_m) + E (each expert adds at most
-        one partial tile), and the tiles past the real ones are empty (first row = end = num_rows):
-        the kernels mask every row of them; they cost their share of the launch grid, no stores."""
+        """The same tables built on the device from int64 [E] rows per expert (nothing is read
+        back), for ``num_rows`` rows, which may be more than the counts' sum (a dropless plan's
+        padding tail: those rows are in no tile). The host cannot know how many tiles there are,
+        so the table has the most there can be, cdiv(num_rows, block_m) + E (each expert adds at
+        most one partial tile), and the tiles past the real ones are empty (first row = end =
+        num_rows): each kernel program of an empty tile returns at once."""
         self = cls.__new__(cls)
         E, device = counts_E.numel(), counts_E.device
-        self.num_experts, self.num_rows = E, num_rows
+        self.num_experts, self.num_rows, self.device_built = E, num_rows, True
         self.num_tiles = -(-num_rows // block_m) + E
         ends = torch.cumsum(counts_E, 0)
         starts = ends - counts_E
@@ -243,7 +245,8 @@ def _gemm_act_backward(dy, src_N, w_out, h, g, probs_N, tiles: RowTiles, act: in
     N, Fd = h.shape
     n_tiles = _cdiv(Fd, blocks.n)
     aw = torch.empty_like(h)
-    dprobs = torch.empty(N, n_tiles, dtype=torch.float32, device=h.device) if probs_N is not None else None
+    # zeros: rows in no tile (a dropless plan's padding tail) get no partials written.
+    dprobs = torch.zeros(N, n_tiles, dtype=torch.float32, device=h.device) if probs_N is not None else None
     s0, s1, s2 = w_out.stride()  # w_out [E, F, D] read as [E, D, F]
     tk.gather_gemm_act_backward_kernel[(n_tiles * tiles.num_tiles,)](
         dy, src_N if src_N is not None else dy, w_out, h, g if g is not None else h,
@@ -299,7 +302,7 @@ class FusedExpertFFN(torch.autograd.Function):
                 _gemm_scatter(a, w_out, None, None, False, probs_N, src_N, acc, tiles, blocks)
                 y = acc.to(out_dtype)
             else:
-                y = x_SD.new_empty(tiles.num_rows, D)
+                y = (x_SD.new_zeros if tiles.device_built else x_SD.new_empty)(tiles.num_rows, D)
                 _gemm_scatter(a, w_out, None, None, False, None, None, y, tiles, blocks)
             del a
         ctx.act, ctx.blocks, ctx.tiles, ctx.routed, ctx.consumed = act, blocks, tiles, routed, False
@@ -338,7 +341,7 @@ class FusedExpertFFN(torch.autograd.Function):
                 _gemm_scatter(dh, w_in, dg, w_gate, True, None, src_N, acc, tiles, blocks)
                 dx = acc.to(x_SD.dtype)
             else:
-                dx = torch.empty_like(x_SD)
+                dx = (torch.zeros_like if tiles.device_built else torch.empty_like)(x_SD)
                 _gemm_scatter(dh, w_in, dg, w_gate, True, None, None, dx, tiles, blocks)
         return dx, None, dp, None, None, None, None, None, dw_in, dw_out, dw_gate
 

@@ -4,10 +4,7 @@ Shape legend: T tokens (all leading dims flattened), D d_model, E experts, K ass
 G routing groups (capacity is decided per group), S tokens per group.
 
 The router scores every row (padding too: picking the real rows out would be a host sync); the
-token mask then keeps padding out of capacity, the balance statistics and the output. Padding is
-also kept out of the experts, except in a dropless layer whose experts are all in this process and
-take their rows per expert on the device (grouped_mm, fused): there the padding rows are dispatched
-with combine weight 0, so the host knows the row count (T*K) and the forward has no host sync.
+token mask then keeps padding out of dispatch, capacity and the balance statistics.
 """
 
 from __future__ import annotations
@@ -193,14 +190,13 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, token_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., D] -> (y [..., D], aux_loss []); also sets ``self.stats``.
 
-        ``token_mask`` (bool, x.shape[:-1], True = real token) keeps padding out of the experts'
-        results: masked tokens take no capacity, do not count in the balance statistics and get a
-        zero output (they are dispatched with weight 0 only where that spares a host sync; see the
-        module docstring).
+        ``token_mask`` (bool, x.shape[:-1], True = real token) keeps padding out of the experts:
+        masked tokens are not dispatched, take no capacity, do not count in the balance statistics
+        and get a zero output.
         """
         x_TD, token_mask_T = self._flatten(x, token_mask)
         routing = self.router(x_TD, self.expert_bias)
-        plan = self.dispatch_plan(routing, token_mask_T, self._group_size(x), self._dispatch_padding(x_TD))
+        plan = self.dispatch_plan(routing, token_mask_T, self._group_size(x))
         # dispatch -> experts -> combine (one call: an overlapping dispatcher interleaves them by chunk)
         y_TD = self.dispatcher.dispatch_compute_combine(x_TD, plan, self.experts, x.dtype)
         if self.routed_scaling_factor != 1.0:
@@ -252,18 +248,9 @@ class MoELayer(nn.Module):
             return x.shape[-2]
         return max(x.numel() // self.d_model, 1)
 
-    def _dispatch_padding(self, x_TD: torch.Tensor) -> bool:
-        """Whether to dispatch the padding rows (weight 0) so that the dispatcher needs no host sync:
-        dropless, a dispatcher that takes such plans (experts in this process), and experts that run
-        from device counts on the T*K rows."""
-        return (self.capacity_factor is None and getattr(self.dispatcher, "dispatches_padding", False)
-                and self.experts.takes_device_counts(x_TD, x_TD.shape[0] * self.router.num_assignments))
-
-    def dispatch_plan(self, routing: Routing, token_mask_T: Optional[torch.Tensor], group_size: int,
-                      dispatch_padding: bool = False) -> DispatchPlan:
+    def dispatch_plan(self, routing: Routing, token_mask_T: Optional[torch.Tensor], group_size: int) -> DispatchPlan:
         """Dispatch phase, first half: which rows go to which expert, each routing group of
-        ``group_size`` rows with the capacity of its own real tokens (the dispatcher then moves them);
-        ``dispatch_padding``: see ``plan_dispatch``."""
+        ``group_size`` rows with the capacity of its own real tokens (the dispatcher then moves them)."""
         T = routing.expert_ids_TK.shape[0]
         capacity_G = None
         if self.capacity_factor is not None and T > 0:
@@ -274,7 +261,7 @@ class MoELayer(nn.Module):
                 capacity_G = group_capacity(tokens_G, self.router.num_assignments, self.num_experts,
                                             self.capacity_factor, self.min_capacity)
         return plan_dispatch(routing.expert_ids_TK, routing.weights_TK, self.num_experts, capacity_G,
-                             routed_T=token_mask_T, group_size=group_size, dispatch_padding=dispatch_padding)
+                             routed_T=token_mask_T, group_size=group_size)
 
     def aux_loss_and_stats(self, routing: Routing, plan: DispatchPlan, token_mask_T: Optional[torch.Tensor]
                            ) -> tuple[torch.Tensor, MoEStats]:
