@@ -273,7 +273,8 @@ class Dispatcher(Protocol):
                                  out_dtype: torch.dtype) -> torch.Tensor:
         """The layer's three middle phases: dispatch, ``experts(x_ND, splits)``, combine. A
         dispatcher that overlaps its exchanges with the expert compute (chunked all-to-all)
-        overrides this; the result must equal these three calls."""
+        overrides this; the result must equal these three calls. (An override may hand the experts
+        their rows per expert as a device tensor where they take one: ``LocalDispatcher``.)"""
         x_ND, splits, handle = self.dispatch(x_TD, plan)
         return self.combine(experts(x_ND, splits), handle, out_dtype)
 
