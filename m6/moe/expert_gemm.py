@@ -15,6 +15,8 @@ every operand, so a group starts at row ``s`` of a row-major tensor: its address
 whenever the row length is, and the CUDA kernel's per-group alignment assert (which applies only to
 the other layouts) is not reached. So groups need no padding; only K and M (d_model, ffn_dim) must
 be 16-byte multiples (8 bf16 / 4 fp32 elements) and the base pointers 16-byte aligned.
+``offs`` may end before the last row (torch ignores the rows past ``offs[-1]``): a dropless local
+layer passes the kept counts on the device and a padding tail after them (``zero_tail``).
 """
 
 from __future__ import annotations
