@@ -5,7 +5,12 @@ No one-hot [tokens, experts, capacity] tensors: everything is argsort + gather +
 cost grows with the number of assignments, not with the number of experts.
 
 Host syncs: planning is all on the device; the only copy to the host is the split sizes
-(``host_ints``, once per layer forward), which the experts' GEMMs and the all-to-all need as ints.
+(``host_ints``, at most once per layer forward), which the loop of expert GEMMs, the capacity
+limit's kept count and the all-to-all need as ints. A dropless plan has a row count the host knows,
+T*K: the kept assignments, then those of padding tokens with combine weight 0. The local dispatcher
+moves all of them, and the grouped_mm and fused kernels take the rows per expert as a device tensor
+and compute only the kept rows (the padding tail costs a gather and a zero, no GEMM work): that
+layer forward has no host sync at all.
 
 Shape legend: T tokens, D d_model, E experts, K assignments per token, A = T*K assignments, G routing
 groups, N kept assignments (in the Dispatcher protocol: the rows handed to this process's experts); for a
@@ -84,6 +89,9 @@ class DispatchPlan:
     routed_counts_E:   int64 [E] assignments of routed tokens per expert before capacity.
     num_tokens:        T, the number of rows of the input and of the combined output.
     num_assignments:   K, assignments per token.
+    num_rows:          A when the host may dispatch every assignment without reading the counts
+                       (dropless): the kept ones grouped by expert, then the unrouted ones, whose
+                       weights_A entries are 0; None where the kept count must be read (capacity).
     """
 
     order_A: torch.Tensor
@@ -92,6 +100,7 @@ class DispatchPlan:
     routed_counts_E: torch.Tensor
     num_tokens: int
     num_assignments: int
+    num_rows: Optional[int] = None
 
     @property
     def num_dropped(self) -> torch.Tensor:
@@ -126,10 +135,14 @@ def plan_dispatch(
     T, K = expert_ids_TK.shape
     E, A = num_experts, T * K
     flat_ids = expert_ids_TK.reshape(-1)
+    weights_A = weights_TK.reshape(-1)
     if routed_T is not None:
-        # Unrouted tokens' assignments get key E: past every expert, they sort to the end.
+        # Unrouted tokens' assignments get key E: past every expert, they sort to the end. Their
+        # combine weight is an exact 0 (where, not a multiply: whatever the router gave), so a
+        # dispatcher may move them too (num_rows) and their rows add nothing.
         routed_A = routed_T.reshape(T, 1).expand(T, K).reshape(-1)
         flat_ids = torch.where(routed_A, flat_ids, torch.full_like(flat_ids, E))
+        weights_A = torch.where(routed_A, weights_A, 0.0)
     routed_counts_E = _count(flat_ids, E + 1)[:E]
     if capacity is None:
         order_A = torch.argsort(flat_ids, stable=True)
@@ -157,8 +170,8 @@ def plan_dispatch(
         rest_rank = torch.cumsum(~kept, 0) - 1 + kept.sum()
         order_A = torch.empty_like(by_segment).scatter_(0, torch.where(kept, kept_rank, rest_rank), by_segment)
         counts_E = _count(torch.where(kept, flat_ids[by_segment], torch.full_like(flat_ids, E)), E + 1)[:E]
-    return DispatchPlan(order_A=order_A, weights_A=weights_TK.reshape(-1), counts_E=counts_E,
-                        routed_counts_E=routed_counts_E, num_tokens=T, num_assignments=K)
+    return DispatchPlan(order_A=order_A, weights_A=weights_A, counts_E=counts_E, routed_counts_E=routed_counts_E,
+                        num_tokens=T, num_assignments=K, num_rows=A if capacity is None else None)
 
 
 class _GatherRowsCast(torch.autograd.Function):
@@ -260,7 +273,8 @@ class Dispatcher(Protocol):
                                  out_dtype: torch.dtype) -> torch.Tensor:
         """The layer's three middle phases: dispatch, ``experts(x_ND, splits)``, combine. A
         dispatcher that overlaps its exchanges with the expert compute (chunked all-to-all)
-        overrides this; the result must equal these three calls."""
+        overrides this; the result must equal these three calls. (An override may hand the experts
+        their rows per expert as a device tensor where they take one: ``LocalDispatcher``.)"""
         x_ND, splits, handle = self.dispatch(x_TD, plan)
         return self.combine(experts(x_ND, splits), handle, out_dtype)
 
@@ -280,10 +294,7 @@ class LocalDispatcher(Dispatcher):
         (the layer's one host sync)."""
         (splits,) = host_ints(plan.counts_E)
         kept = plan.kept(sum(splits))
-        # Under autocast the experts compute in its dtype: the rows are gathered in it already.
-        device_type = x_TD.device.type
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-        return permute_tokens(x_TD, kept, dtype), splits, kept
+        return permute_tokens(x_TD, kept, _autocast_dtype(x_TD)), splits, kept
 
     def combine(self, y_ND: torch.Tensor, handle: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
         """Expert outputs back to token order, weighted by the router."""
@@ -294,10 +305,32 @@ class LocalDispatcher(Dispatcher):
                                  out_dtype: torch.dtype) -> torch.Tensor:
         """As the protocol's three calls; experts that fuse the gather and the weighted combine into
         their kernels (``fuses_dispatch``/``forward_routed``, m6.moe.experts with expert_kernel
-        fused) get the routing instead of a permuted copy, and return the combined [T, D]."""
+        fused) get the routing instead of a permuted copy, and return the combined [T, D].
+
+        Where the host knows the row count (``plan.num_rows``: dropless) and the experts take the
+        rows per expert on the device (``takes_device_counts``: grouped_mm, fused), nothing is read
+        back: no host sync in this layer forward. All A assignments are then moved; the padding
+        tokens' ones (after the kept, past the experts' segments, weight 0) are computed by no
+        GEMM and come back as zeros."""
+        if on_device_counts(plan, experts, x_TD):
+            splits, kept = plan.counts_E, plan.kept(plan.num_rows)
+        else:
+            (host_splits,) = host_ints(plan.counts_E)
+            splits, kept = host_splits, plan.kept(sum(host_splits))
         fuses = getattr(experts, "fuses_dispatch", None)
-        if fuses is None or not fuses(x_TD):
-            return super().dispatch_compute_combine(x_TD, plan, experts, out_dtype)
-        (splits,) = host_ints(plan.counts_E)
-        kept = plan.kept(sum(splits))
-        return experts.forward_routed(x_TD, kept.token_idx_N, kept.weights_N, splits, out_dtype)
+        if fuses is not None and fuses(x_TD):
+            return experts.forward_routed(x_TD, kept.token_idx_N, kept.weights_N, splits, out_dtype)
+        return combine_tokens(experts(permute_tokens(x_TD, kept, _autocast_dtype(x_TD)), splits), kept, out_dtype)
+
+
+def on_device_counts(plan: DispatchPlan, experts: Any, x_TD: torch.Tensor) -> bool:
+    """Whether a local dispatch of ``plan`` to ``experts`` can skip the host sync: the host knows
+    the row count, and the experts' kernel takes the rows per expert as a device tensor."""
+    takes = getattr(experts, "takes_device_counts", None)
+    return plan.num_rows is not None and takes is not None and takes(x_TD, plan.num_rows)
+
+
+def _autocast_dtype(x_TD: torch.Tensor) -> Optional[torch.dtype]:
+    """Under autocast the experts compute in its dtype: the rows are gathered in it already."""
+    device_type = x_TD.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

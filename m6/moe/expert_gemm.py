@@ -15,6 +15,8 @@ every operand, so a group starts at row ``s`` of a row-major tensor: its address
 whenever the row length is, and the CUDA kernel's per-group alignment assert (which applies only to
 the other layouts) is not reached. So groups need no padding; only K and M (d_model, ffn_dim) must
 be 16-byte multiples (8 bf16 / 4 fp32 elements) and the base pointers 16-byte aligned.
+``offs`` may end before the last row (torch ignores the rows past ``offs[-1]``): a dropless local
+layer passes the kept counts on the device and a padding tail after them (``zero_tail``).
 """
 
 from __future__ import annotations
@@ -40,14 +42,11 @@ def grouped_mm_op() -> Optional[Callable[..., torch.Tensor]]:
     return getattr(torch, "_grouped_mm", None)
 
 
-def grouped_mm_fits(x_NK: torch.Tensor, weights: Sequence[Optional[torch.Tensor]], compute_dtype: torch.dtype) -> bool:
-    """Whether the grouped kernel accepts these operands: every stride a 16-byte multiple and the
-    base pointers 16-byte aligned (TMA loads on Hopper; the CPU op checks the same strides)."""
+def _strides_fit(weights: Sequence[Optional[torch.Tensor]], compute_dtype: torch.dtype) -> bool:
+    """Every row length (d_model, ffn_dim: the weights' inner dims) a 16-byte multiple in ``compute_dtype``."""
     elem = torch.empty((), dtype=compute_dtype).element_size()
-    dims = {x_NK.shape[1]} | {d for w in weights if w is not None for d in w.shape[1:]}
-    if any((d * elem) % 16 for d in dims):
-        return False
-    return x_NK.data_ptr() % 16 == 0
+    dims = {d for w in weights if w is not None for d in w.shape[1:]}
+    return not any((d * elem) % 16 for d in dims)
 
 
 # Compute capabilities (major) with torch's fused grouped GEMM (CUTLASS, bf16): Hopper sm90 and
@@ -128,32 +127,41 @@ def choose_kernel(kernel: ExpertKernel, x_NK: torch.Tensor, weights: Sequence[Op
     (on CPU, grouped_mm runs in fp32 and bf16). An explicit ``fused`` without Triton, or on CPU
     outside Triton's interpreter, is a ConfigError naming the key.
     """
+    return kernel_for(kernel, x_NK.device, x_NK.dtype, weights, x_NK.shape[0], x_NK.data_ptr() % 16 == 0)
+
+
+def kernel_for(kernel: ExpertKernel, device: torch.device, dtype: torch.dtype,
+               weights: Sequence[Optional[torch.Tensor]], num_rows: int, aligned: bool = True) -> str:
+    """``choose_kernel`` from the tokens' device, dtype, row count and base-pointer alignment alone:
+    what a layer call will run, known before its rows are gathered (a freshly gathered buffer is
+    aligned). Raises what choose_kernel raises."""
     if kernel == "loop":
         return "loop"
     if kernel == "fused":
-        require_fused(x_NK.device)
+        require_fused(device)
         _check_fused_determinism()
         return "fused"
     if kernel == "grouped_mm":
         if grouped_mm_op() is None:
             raise ValueError(f"model.moe.expert_kernel=grouped_mm but torch {torch.__version__} has no grouped_mm")
-        if x_NK.device.type == "cuda":
-            _check_fused_grouped_mm(x_NK)
-        if not grouped_mm_fits(x_NK, weights, x_NK.dtype):
-            dims = [x_NK.shape[1]] + [d for w in weights if w is not None for d in w.shape[1:]]
+        if device.type == "cuda":
+            _check_fused_grouped_mm(device, dtype)
+        if not (_strides_fit(weights, dtype) and aligned):
+            dims = [d for w in weights if w is not None for d in w.shape[1:]]
+            elem = torch.empty((), dtype=dtype).element_size()
             raise ValueError(f"model.moe.expert_kernel=grouped_mm: torch's grouped GEMM needs 16-byte strides, but "
-                             f"d_model/ffn_dim {sorted(set(dims))} in {x_NK.dtype} are not all multiples of "
-                             f"{16 // x_NK.element_size()} (or the tokens are not 16-byte aligned); use 'auto' or 'loop'")
+                             f"d_model/ffn_dim {sorted(set(dims))} in {dtype} are not all multiples of "
+                             f"{16 // elem} (or the tokens are not 16-byte aligned); use 'auto' or 'loop'")
         return "grouped_mm"
     if kernel != "auto":
         raise ValueError(f"model.moe.expert_kernel must be one of {EXPERT_KERNELS}, got {kernel!r}")
-    if auto_picks_fused(x_NK.device, x_NK.dtype, weights):
+    if auto_picks_fused(device, dtype, weights):
         return "fused"
-    if grouped_mm_op() is None or x_NK.device.type != "cuda" or x_NK.dtype != torch.bfloat16 or x_NK.shape[0] == 0:
+    if grouped_mm_op() is None or device.type != "cuda" or dtype != torch.bfloat16 or num_rows == 0:
         return "loop"
-    if not fused_grouped_mm_on(x_NK.device):
+    if not fused_grouped_mm_on(device):
         return "loop"
-    return "grouped_mm" if grouped_mm_fits(x_NK, weights, x_NK.dtype) else "loop"
+    return "grouped_mm" if _strides_fit(weights, dtype) and aligned else "loop"
 
 
 def _check_fused_determinism() -> None:
@@ -163,15 +171,15 @@ def _check_fused_determinism() -> None:
                           "model.moe.expert_kernel=auto, grouped_mm or loop")
 
 
-def _check_fused_grouped_mm(x_NK: torch.Tensor) -> None:
+def _check_fused_grouped_mm(device: torch.device, dtype: torch.dtype) -> None:
     """Refuse an explicit grouped_mm on CUDA where torch would run its per-group fallback."""
-    if x_NK.dtype != torch.bfloat16:
+    if dtype != torch.bfloat16:
         raise ConfigError(f"model.moe.expert_kernel=grouped_mm needs bf16 expert inputs on CUDA (train.precision "
-                          f"bf16 or bf16-autocast), got {x_NK.dtype}: torch fuses the grouped GEMM only in bf16 and "
+                          f"bf16 or bf16-autocast), got {dtype}: torch fuses the grouped GEMM only in bf16 and "
                           f"otherwise loops over experts with a host sync per GEMM; use model.moe.expert_kernel=auto "
                           f"or loop")
-    if not fused_grouped_mm_on(x_NK.device):
-        major, minor = torch.cuda.get_device_capability(x_NK.device)
+    if not fused_grouped_mm_on(device):
+        major, minor = torch.cuda.get_device_capability(device)
         raise ConfigError(f"model.moe.expert_kernel=grouped_mm: torch has a fused grouped GEMM only for compute "
                           f"capability 9.x and 10.x (Hopper, datacenter Blackwell); this GPU is {major}.{minor}, where "
                           f"it loops over experts with a host sync per GEMM; use model.moe.expert_kernel=auto or loop")
@@ -212,6 +220,10 @@ class LoopGemms:
                 torch.mm(a_NK[s:t], w, out=out[s:t])
         return out
 
+    def zero_tail(self, out_NM: torch.Tensor) -> torch.Tensor:
+        """Host splits cover every row: nothing to do."""
+        return out_NM
+
     def weight_grad(self, a_NK: torch.Tensor, g_NM: torch.Tensor) -> torch.Tensor:
         """[E, K, M] grad_w[e] = a[s:t].T @ g[s:t] in a's dtype; idle experts get exact zeros."""
         grad = a_NK.new_empty(self.num_experts, a_NK.shape[1], g_NM.shape[1])
@@ -235,16 +247,25 @@ class GroupedGemms:
 
     name = "grouped_mm"
 
-    def __init__(self, splits: Sequence[int], device: torch.device) -> None:
-        self.num_experts = len(splits)
-        self.num_rows = int(sum(splits))
-        self.idle = [e for e, n in enumerate(splits) if n == 0]
-        # Row ends written on the host from the splits the host already holds, into a (pinned, on
-        # CUDA) buffer that is copied to the device asynchronously: no device read and no blocking
-        # copy, so dispatch's host_ints stays the one host sync per layer forward.
-        offs = torch.empty(self.num_experts, dtype=torch.int32, pin_memory=device.type == "cuda")
-        offs.numpy()[:] = np.cumsum(np.asarray(splits, dtype=np.int64))
-        self.offs = offs.to(device, non_blocking=True) if device.type == "cuda" else offs
+    def __init__(self, splits: Sequence[int] | torch.Tensor, device: torch.device) -> None:
+        if isinstance(splits, torch.Tensor):
+            # Rows per expert on the device (int64 [E]): the row ends and the idle experts are
+            # computed there, and nothing is read back (a dropless single-GPU layer, no host sync).
+            # Rows past the last end (padding) are in no group: see zero_tail.
+            self.num_experts = splits.numel()
+            self.offs = torch.cumsum(splits, 0).to(torch.int32)
+            self.idle_E: Optional[torch.Tensor] = (splits == 0).view(-1, 1, 1)
+            self.idle: list[int] = []
+        else:
+            self.num_experts = len(splits)
+            self.idle_E = None
+            self.idle = [e for e, n in enumerate(splits) if n == 0]
+            # Row ends written on the host from the splits the host already holds, into a (pinned, on
+            # CUDA) buffer that is copied to the device asynchronously: no device read and no blocking
+            # copy, so dispatch's host_ints stays the one host sync per layer forward.
+            offs = torch.empty(self.num_experts, dtype=torch.int32, pin_memory=device.type == "cuda")
+            offs.numpy()[:] = np.cumsum(np.asarray(splits, dtype=np.int64))
+            self.offs = offs.to(device, non_blocking=True) if device.type == "cuda" else offs
         self._op = grouped_mm_op()
 
     def mm(self, a_NK: torch.Tensor, w_EKM: torch.Tensor, transpose_w: bool = False,
@@ -253,7 +274,7 @@ class GroupedGemms:
         w = w_EKM.to(a_NK.dtype)  # cast on use: the whole stack once, freed after this GEMM
         if transpose_w:
             w = w.transpose(1, 2)
-        if self.num_rows == 0:
+        if a_NK.shape[0] == 0:
             y = a_NK.new_zeros(0, w.shape[2])
         else:
             y = self._op(a_NK, w, offs=self.offs)
@@ -263,19 +284,32 @@ class GroupedGemms:
             return out.add_(y)
         return out.copy_(y)
 
+    def zero_tail(self, out_NM: torch.Tensor) -> torch.Tensor:
+        """With device counts the rows may outnumber the experts' segments (a dropless plan's padding
+        tail, weight 0): no group covers them, so the GEMMs leave them unwritten; zero them in place
+        (a fill: whatever they held cannot turn into NaN)."""
+        if self.idle_E is not None and out_NM.shape[0]:
+            tail_N = torch.arange(out_NM.shape[0], device=out_NM.device) >= self.offs[-1]
+            out_NM.masked_fill_(tail_N.unsqueeze(1), 0)
+        return out_NM
+
     def weight_grad(self, a_NK: torch.Tensor, g_NM: torch.Tensor) -> torch.Tensor:
         """[E, K, M] grad_w[e] = a[s:t].T @ g[s:t] in a's dtype; idle experts get exact zeros."""
-        if self.num_rows == 0:
+        if a_NK.shape[0] == 0:
             # torch's stride check rejects a zero-length contraction; nothing to contract anyway.
             return a_NK.new_zeros(self.num_experts, a_NK.shape[1], g_NM.shape[1])
         grad = self._op(a_NK.t(), g_NM, offs=self.offs)
         # An empty group's output block is not written by every kernel version: zero it here,
-        # from the host-side splits (no device read).
+        # from the host-side splits, or with a device mask (no device read either way; a fill, not
+        # a multiply, so whatever the unwritten block held cannot turn into NaN).
         for e in self.idle:
             grad[e].zero_()
+        if self.idle_E is not None:
+            grad.masked_fill_(self.idle_E, 0)
         return grad
 
 
-def build_gemms(name: str, splits: Sequence[int], device: torch.device) -> LoopGemms | GroupedGemms:
-    """The backend object for one layer call (``name`` from choose_kernel)."""
+def build_gemms(name: str, splits: Sequence[int] | torch.Tensor, device: torch.device) -> LoopGemms | GroupedGemms:
+    """The backend object for one layer call (``name`` from choose_kernel); ``splits`` host ints,
+    or for grouped_mm the rows per expert as a device tensor (int64 [E])."""
     return GroupedGemms(splits, device) if name == "grouped_mm" else LoopGemms(splits, device)

@@ -32,7 +32,9 @@ from torch import nn
 
 from m6.config import ConfigError
 
-from m6.moe.expert_gemm import EXPERT_KERNELS, ExpertKernel, build_gemms, choose_kernel, grouped_mm_op, uses_fused
+from m6.moe import dispatch
+from m6.moe.expert_gemm import (EXPERT_KERNELS, ExpertKernel, build_gemms, choose_kernel, grouped_mm_op, kernel_for,
+                                uses_fused)
 from m6.moe.fused_experts import fused_expert_ffn, triton_available
 
 Activation = Literal["gelu", "swiglu"]
@@ -41,7 +43,8 @@ Activation = Literal["gelu", "swiglu"]
 class _GroupedFFN(torch.autograd.Function):
     """y = act(x @ w_in [, x @ w_gate]) @ w_out, per expert segment, with an explicit backward.
 
-    Computes in x's dtype; weight gradients are returned in the weights' own dtype.
+    Computes in x's dtype; weight gradients are returned in the weights' own dtype. With splits on
+    the device (grouped_mm), rows past the last segment (padding) get zero output and gradient.
     """
 
     @staticmethod
@@ -54,7 +57,7 @@ class _GroupedFFN(torch.autograd.Function):
         else:
             g_NF = None
             a_NF = F.gelu(h_NF)
-        y_ND = gemms.mm(a_NF, w_out_EFD)
+        y_ND = gemms.zero_tail(gemms.mm(a_NF, w_out_EFD))
         ctx.gemms, ctx.activation = gemms, activation
         ctx.save_for_backward(x_ND, h_NF, g_NF, a_NF, w_in_EDF, w_out_EFD, w_gate_EDF)
         return y_ND
@@ -84,6 +87,7 @@ class _GroupedFFN(torch.autograd.Function):
             dx_ND = gemms.mm(dh_NF, w_in, transpose_w=True)
             if ctx.activation == "swiglu":
                 gemms.mm(dg_NF, w_gate, transpose_w=True, out=dx_ND, accumulate=True)
+            gemms.zero_tail(dx_ND)
         return dx_ND, None, None, None, grad_w_in, grad_w_out, grad_w_gate
 
 
@@ -91,7 +95,9 @@ class GroupedExperts(nn.Module):
     """E expert FFNs with weights stacked as [E, D, F] and [E, F, D] (plus [E, D, F] gate for SwiGLU).
 
     ``forward(x_ND, splits)`` takes tokens already grouped by expert and the number of rows per
-    expert (host ints; they must sum to N). No biases: as in most large MoE models, and it keeps
+    expert (host ints summing to N; or, for the grouped_mm and fused kernels, an int64 [E] device
+    tensor, which spares the dispatcher its host sync: it may then sum to less than N, and the rows
+    past the experts' segments are computed by no GEMM and come out as zeros). No biases: as in most large MoE models, and it keeps
     every expert's work a pure GEMM.
     """
 
@@ -142,19 +148,43 @@ class GroupedExperts(nn.Module):
                     with torch.no_grad():
                         w[e].copy_(sample)
 
-    def forward(self, x_ND: torch.Tensor, splits: Sequence[int]) -> torch.Tensor:
-        """[N, D] tokens grouped by expert -> [N, D] expert outputs."""
-        if len(splits) != self.num_experts:
-            raise AssertionError(f"got {len(splits)} splits for {self.num_experts} experts")
-        if sum(splits) != x_ND.shape[0]:
-            # Uncovered rows would be left uninitialised by the out= GEMMs.
-            raise AssertionError(f"splits sum to {sum(splits)} but {x_ND.shape[0]} rows were dispatched")
+    def forward(self, x_ND: torch.Tensor, splits: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """[N, D] tokens grouped by expert -> [N, D] expert outputs. ``splits``: rows per expert as
+        host ints, or as a device tensor (int64 [E]) when ``takes_device_counts`` said so (at most
+        N; checking would read them back)."""
+        splits = self._checked_splits(splits, x_ND.shape[0])
         x_ND, weights, kernel = self._inputs(x_ND)
         self.last_kernel = kernel
+        if kernel == "loop" and isinstance(splits, torch.Tensor):
+            (splits,) = dispatch.host_ints(splits)  # the loop slices on the host (not reached when takes_device_counts held)
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
             if kernel == "fused":
                 return fused_expert_ffn(x_ND, None, None, splits, self.activation, *weights)
-            return _GroupedFFN.apply(x_ND, tuple(int(n) for n in splits), self.activation, kernel, *weights)
+            if not isinstance(splits, torch.Tensor):
+                splits = tuple(int(n) for n in splits)
+            return _GroupedFFN.apply(x_ND, splits, self.activation, kernel, *weights)
+
+    def _checked_splits(self, splits: Sequence[int] | torch.Tensor, num_rows: int) -> Sequence[int] | torch.Tensor:
+        if isinstance(splits, torch.Tensor):
+            if splits.shape != (self.num_experts,) or splits.dtype != torch.int64:
+                raise AssertionError(f"device splits must be int64 [{self.num_experts}], got {splits.dtype} "
+                                     f"{tuple(splits.shape)}")
+            return splits
+        if len(splits) != self.num_experts:
+            raise AssertionError(f"got {len(splits)} splits for {self.num_experts} experts")
+        if sum(splits) != num_rows:
+            # Uncovered rows would be left uninitialised by the out= GEMMs.
+            raise AssertionError(f"splits sum to {sum(splits)} but {num_rows} rows were dispatched")
+        return splits
+
+    def takes_device_counts(self, x_TD: torch.Tensor, num_rows: int) -> bool:
+        """Whether a call on ``num_rows`` rows gathered from ``x_TD`` runs a kernel that takes the rows
+        per expert as a device tensor (grouped_mm: device offsets; fused: tile tables built on the
+        device), so the dispatcher need not read them back. The loop slices on the host."""
+        device_type = x_TD.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x_TD.dtype
+        kernel = kernel_for(self.expert_kernel, x_TD.device, dtype, [self.w_in, self.w_out, self.w_gate], num_rows)
+        return kernel in ("grouped_mm", "fused") and num_rows > 0
 
     def fuses_dispatch(self, x_TD: torch.Tensor) -> bool:
         """Whether this call will run the fused kernels, which then also take the token gather and
@@ -164,21 +194,20 @@ class GroupedExperts(nn.Module):
         return uses_fused(self.expert_kernel, x_TD.device, dtype, [self.w_in, self.w_out, self.w_gate])
 
     def forward_routed(self, x_TD: torch.Tensor, token_idx_N: torch.Tensor, weights_N: torch.Tensor,
-                       splits: Sequence[int], out_dtype: torch.dtype) -> torch.Tensor:
+                       splits: Sequence[int] | torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Dispatch, experts and combine in the fused kernels: [T, D] tokens, the token of each kept
-        assignment grouped by expert (int64 [N]), its router weight [N] and the rows per expert ->
-        [T, D] router-weighted sum of each token's expert outputs in ``out_dtype`` (what
+        assignment grouped by expert (int64 [N]), its router weight [N] and the rows per expert
+        (host ints or an int64 [E] device tensor, as in ``forward``) -> [T, D] router-weighted sum
+        of each token's expert outputs in ``out_dtype`` (what
         ``combine_tokens(experts(permute_tokens(x)))`` gives, without the [N, D] copies)."""
-        if len(splits) != self.num_experts or sum(splits) != token_idx_N.shape[0]:
-            raise AssertionError(f"got {len(splits)} splits summing to {sum(splits)} for {self.num_experts} experts "
-                                 f"and {token_idx_N.shape[0]} routed rows")
+        splits = self._checked_splits(splits, token_idx_N.shape[0])
         x_TD, weights, kernel = self._inputs(x_TD)
         if kernel != "fused":
             raise AssertionError(f"forward_routed runs the fused kernels, but this call chose {kernel!r}")
         self.last_kernel = kernel
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             return fused_expert_ffn(x_TD, token_idx_N, weights_N, splits, self.activation, *weights,
-                                    num_out_rows=x_TD.shape[0], out_dtype=out_dtype)
+                                    num_out_rows=x_TD.shape[0], out_dtype=out_dtype, num_rows=token_idx_N.shape[0])
 
     def _inputs(self, x_ND: torch.Tensor) -> tuple[torch.Tensor, list, str]:
         """Tokens and weights in the dtypes the kernel computes in (autocast), and the kernel for them."""

@@ -160,6 +160,34 @@ class RowTiles:
         self.segs = _to_device(np.stack([starts, ends]), device)
         self.num_experts = len(counts)
         self.num_rows = int(counts.sum())
+        self.device_built = False
+
+    @classmethod
+    def from_device_counts(cls, counts_E: torch.Tensor, num_rows: int, block_m: int) -> "RowTiles":
+        """The same tables built on the device from int64 [E] rows per expert (nothing is read
+        back), for ``num_rows`` rows, which may be more than the counts' sum (a dropless plan's
+        padding tail: those rows are in no tile). The host cannot know how many tiles there are,
+        so the table has the most there can be, cdiv(num_rows, block_m) + E (each expert adds at
+        most one partial tile), and the tiles past the real ones are empty (first row = end =
+        num_rows): each kernel program of an empty tile returns at once."""
+        self = cls.__new__(cls)
+        E, device = counts_E.numel(), counts_E.device
+        self.num_experts, self.num_rows, self.device_built = E, num_rows, True
+        self.num_tiles = -(-num_rows // block_m) + E
+        ends = torch.cumsum(counts_E, 0)
+        starts = ends - counts_E
+        per_expert = (counts_E + block_m - 1) // block_m
+        tile_ends = torch.cumsum(per_expert, 0)
+        t = torch.arange(self.num_tiles, device=device)
+        expert = torch.searchsorted(tile_ends, t, right=True)  # E for the tiles past the real ones
+        real = expert < E
+        e = expert.clamp_max(E - 1)
+        first = starts[e] + block_m * (t - (tile_ends - per_expert)[e])
+        empty = torch.full_like(t, num_rows)
+        self.tiles = torch.stack([torch.where(real, e, 0), torch.where(real, first, empty),
+                                  torch.where(real, ends[e], empty)]).to(torch.int32)
+        self.segs = torch.stack([starts, ends]).to(torch.int32)
+        return self
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,7 +245,8 @@ def _gemm_act_backward(dy, src_N, w_out, h, g, probs_N, tiles: RowTiles, act: in
     N, Fd = h.shape
     n_tiles = _cdiv(Fd, blocks.n)
     aw = torch.empty_like(h)
-    dprobs = torch.empty(N, n_tiles, dtype=torch.float32, device=h.device) if probs_N is not None else None
+    # zeros: rows in no tile (a dropless plan's padding tail) get no partials written.
+    dprobs = torch.zeros(N, n_tiles, dtype=torch.float32, device=h.device) if probs_N is not None else None
     s0, s1, s2 = w_out.stride()  # w_out [E, F, D] read as [E, D, F]
     tk.gather_gemm_act_backward_kernel[(n_tiles * tiles.num_tiles,)](
         dy, src_N if src_N is not None else dy, w_out, h, g if g is not None else h,
@@ -249,16 +278,18 @@ def _weight_grad(a, a_src, b1, b2, b_src, out_dtype, tiles: RowTiles, blocks: Bl
 # ----------------------------------------------------------------------------------------------
 class FusedExpertFFN(torch.autograd.Function):
     """The fused forward and backward (see the module docstring for what is fused, saved and
-    recomputed). Inputs: x_SD, src_N (int64 or None), probs_N (or None), splits (host ints),
-    activation, num_out_rows, out_dtype, w_in, w_out, w_gate."""
+    recomputed). Inputs: x_SD, src_N (int64 or None), probs_N (or None), splits (host ints, or
+    int64 [E] on the device), num_rows (their sum, known on the host), activation, num_out_rows,
+    out_dtype, w_in, w_out, w_gate."""
 
     @staticmethod
-    def forward(ctx, x_SD, src_N, probs_N, splits, activation, num_out_rows, out_dtype, w_in, w_out, w_gate):
+    def forward(ctx, x_SD, src_N, probs_N, splits, num_rows, activation, num_out_rows, out_dtype, w_in, w_out, w_gate):
         from m6.moe import triton_expert_kernels as tk
 
         act = tk.SWIGLU if activation == "swiglu" else tk.GELU
         blocks = blocks_for(x_SD.device)
-        tiles = RowTiles(splits, blocks.m, x_SD.device)
+        tiles = (RowTiles.from_device_counts(splits, num_rows, blocks.m) if isinstance(splits, torch.Tensor)
+                 else RowTiles(splits, blocks.m, x_SD.device))
         D = w_out.shape[2]
         routed = probs_N is not None
         if tiles.num_rows == 0:
@@ -271,7 +302,7 @@ class FusedExpertFFN(torch.autograd.Function):
                 _gemm_scatter(a, w_out, None, None, False, probs_N, src_N, acc, tiles, blocks)
                 y = acc.to(out_dtype)
             else:
-                y = x_SD.new_empty(tiles.num_rows, D)
+                y = (x_SD.new_zeros if tiles.device_built else x_SD.new_empty)(tiles.num_rows, D)
                 _gemm_scatter(a, w_out, None, None, False, None, None, y, tiles, blocks)
             del a
         ctx.act, ctx.blocks, ctx.tiles, ctx.routed, ctx.consumed = act, blocks, tiles, routed, False
@@ -291,15 +322,15 @@ class FusedExpertFFN(torch.autograd.Function):
             zeros = [torch.zeros_like(w) if w is not None else None for w in (w_in, w_out, w_gate)]
             dx = torch.zeros_like(x_SD) if need[0] else None
             dp = torch.zeros_like(probs_N) if probs_N is not None and need[2] else None
-            return dx, None, dp, None, None, None, None, *zeros
+            return dx, None, dp, None, None, None, None, None, *zeros
         dy = dy.contiguous()
         aw, dprobs = _gemm_act_backward(dy, src_N, w_out, h, g, probs_N, tiles, act, blocks)
         dh, dg = h, g  # overwritten in place by the kernel above
         dp = dprobs.sum(dim=1).to(probs_N.dtype) if probs_N is not None and need[2] else None
-        dw_out = _weight_grad(aw, None, dy, None, src_N, w_out.dtype, tiles, blocks)[0] if need[8] else None
+        dw_out = _weight_grad(aw, None, dy, None, src_N, w_out.dtype, tiles, blocks)[0] if need[9] else None
         del aw
         dw_in = dw_gate = None
-        if need[7] or (w_gate is not None and need[9]):
+        if need[8] or (w_gate is not None and need[10]):
             dw_in, dw_gate = _weight_grad(x_SD, src_N, dh, dg, None, w_in.dtype, tiles, blocks)
             if dw_gate is not None:
                 dw_gate = dw_gate.to(w_gate.dtype)
@@ -310,19 +341,21 @@ class FusedExpertFFN(torch.autograd.Function):
                 _gemm_scatter(dh, w_in, dg, w_gate, True, None, src_N, acc, tiles, blocks)
                 dx = acc.to(x_SD.dtype)
             else:
-                dx = torch.empty_like(x_SD)
+                dx = (torch.zeros_like if tiles.device_built else torch.empty_like)(x_SD)
                 _gemm_scatter(dh, w_in, dg, w_gate, True, None, None, dx, tiles, blocks)
-        return dx, None, dp, None, None, None, None, dw_in, dw_out, dw_gate
+        return dx, None, dp, None, None, None, None, None, dw_in, dw_out, dw_gate
 
 
 def fused_expert_ffn(x_SD: torch.Tensor, src_N: Optional[torch.Tensor], probs_N: Optional[torch.Tensor],
                      splits: Sequence[int], activation: str, w_in_EDF: torch.Tensor, w_out_EFD: torch.Tensor,
                      w_gate_EDF: Optional[torch.Tensor], num_out_rows: Optional[int] = None,
-                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                     out_dtype: Optional[torch.dtype] = None, num_rows: Optional[int] = None) -> torch.Tensor:
     """The fused expert FFN: routed (``src_N`` int64 [N] token of each routed row, ``probs_N`` [N]
     router weights -> [num_out_rows, D] in ``out_dtype``) or grouped (both None: x_SD is [N, D]
     already grouped by expert -> [N, D] in x's dtype). Rows of expert e are the e-th ``splits``
-    segment. Needs Triton (see ``require_fused``)."""
+    segment: ``splits`` host ints, or int64 [E] on the device with ``num_rows`` their sum (the
+    routed rows, or x's rows in the grouped form; the tile tables are then built on the device,
+    with no host sync). Needs Triton (see ``require_fused``)."""
     if (src_N is None) != (probs_N is None):
         raise ValueError("fused_expert_ffn: give both src_N and probs_N (routed) or neither (grouped)")
     if probs_N is not None and num_out_rows is None:
@@ -332,6 +365,10 @@ def fused_expert_ffn(x_SD: torch.Tensor, src_N: Optional[torch.Tensor], probs_N:
     for t in (*w, src_N, probs_N):
         if t is not None and t.device != x_SD.device:
             raise ValueError(f"fused_expert_ffn: tokens on {x_SD.device} but an operand on {t.device}")
+    if isinstance(splits, torch.Tensor):
+        num_rows = (src_N if src_N is not None else x_SD).shape[0] if num_rows is None else num_rows
+    else:
+        splits, num_rows = tuple(int(n) for n in splits), sum(int(n) for n in splits)
     return FusedExpertFFN.apply(x_SD.contiguous(), src_N, probs_N.contiguous() if probs_N is not None else None,
-                                tuple(int(n) for n in splits), activation, num_out_rows, out_dtype, *w)
+                                splits, num_rows, activation, num_out_rows, out_dtype, *w)
 

@@ -4,7 +4,7 @@ Shape legend: T tokens (all leading dims flattened), D d_model, E experts, K ass
 G routing groups (capacity is decided per group), S tokens per group.
 
 The router scores every row (padding too: picking the real rows out would be a host sync); the
-token mask then keeps padding out of dispatch, capacity and the balance statistics.
+token mask then keeps padding out of the experts' work, capacity and the balance statistics.
 """
 
 from __future__ import annotations

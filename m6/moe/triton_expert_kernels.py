@@ -56,6 +56,13 @@ def _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M: tl.constexpr):
     return e, rows.to(tl.int64), rows < end
 
 
+@triton.jit
+def _tile_is_empty(tiles_ptr, num_tiles, tile):
+    """Whether a tile has no rows: the padding entries of a table built on the device
+    (m6.moe.fused_experts.RowTiles.from_device_counts), whose programs return at once."""
+    return tl.load(tiles_ptr + num_tiles + tile) >= tl.load(tiles_ptr + 2 * num_tiles + tile)
+
+
 @triton.jit(do_not_specialize=["num_tiles"])  # one compile whatever the routing
 def gather_gemm_act_kernel(
     x_ptr, src_ptr, w1_ptr, w2_ptr, h_ptr, g_ptr, a_ptr, tiles_ptr, num_tiles, K, N,
@@ -69,6 +76,8 @@ def gather_gemm_act_kernel(
     The routed rows are gathered in the operand load (``x[src[r]]``), never copied to a permuted
     buffer. a is computed from the rounded h and g, exactly as backward recomputes it."""
     pid_n, tile = _tile_and_column(N, BLOCK_N)
+    if _tile_is_empty(tiles_ptr, num_tiles, tile):
+        return
     e, rows, row_ok = _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M)
     if GATHER:
         src = tl.load(src_ptr + rows, mask=row_ok, other=0).to(tl.int64)
@@ -127,6 +136,8 @@ def grouped_gemm_scatter_kernel(
     and dx's sum over a token's assignments in backward); else stored to out[r]. ``w`` strides give
     either w[e] [K, N] or a transposed view of it."""
     pid_n, tile = _tile_and_column(N, BLOCK_N)
+    if _tile_is_empty(tiles_ptr, num_tiles, tile):
+        return
     e, rows, row_ok = _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -177,6 +188,8 @@ def gather_gemm_act_backward_kernel(
     da  = scale[r] * da';  dh, dg = act'(da)  -> written IN PLACE over h and g
     aw  = scale[r] * a      (the operand of dW_out = aw.T @ dy[src])."""
     pid_n, tile = _tile_and_column(N, BLOCK_N)
+    if _tile_is_empty(tiles_ptr, num_tiles, tile):
+        return
     e, rows, row_ok = _tile_rows(tiles_ptr, num_tiles, tile, BLOCK_M)
     if GATHER:
         src = tl.load(src_ptr + rows, mask=row_ok, other=0).to(tl.int64)

@@ -227,6 +227,10 @@ PRECISION_VARIANTS = {
     "fp32": ["train.precision=fp32"],
     "bf16-accumulate": ["train.precision=bf16", "train.micro_batch_size=4"],
     "bf16-autocast": ["train.precision=bf16-autocast"],
+    # Dropless on torch's grouped GEMM (simulated H100): the MoE layers read nothing back (host
+    # syncs checked against DROPLESS_SINGLE_GPU_ALLOW_LIST).
+    "dropless-grouped_mm": ["train.precision=bf16", "model.moe.capacity_factor=null",
+                            "model.moe.expert_kernel=grouped_mm"],
 }
 MEMORY_VARIANTS = {
     # Accumulation 2: the experts' and every gradient's second micro-batch goes through the host

@@ -202,22 +202,64 @@ def test_auto_keeps_the_loop_on_cpu_and_config_key_reaches_the_layer():
         GroupedExperts(2, D, F, expert_kernel="cublas")
 
 
-def test_grouped_forward_keeps_one_host_copy_and_backward_none(monkeypatch):
+@pytest.mark.parametrize("masked", [False, True])
+def test_dropless_grouped_forward_and_backward_copy_nothing_to_the_host(monkeypatch, masked):
+    """Dropless, experts in this process, grouped_mm: the rows per expert stay on the device (the
+    host knows there are T*K of them, padding dispatched with weight 0), so neither pass syncs; the
+    result equals the loop's, which reads the counts back and leaves the padding out."""
     import m6.moe.dispatch as dispatch_module
 
     copies = []
     real = dispatch_module.host_ints
     monkeypatch.setattr(dispatch_module, "host_ints", lambda *t: copies.append(len(t)) or real(*t))
-    _, layer = _layer_pair(8, "swiglu", 2)
-    x = torch.randn(3, 10, D, requires_grad=True)
+    loop, layer = _layer_pair(8, "swiglu", 2)
+    x = torch.randn(3, 10, D)
+    mask = torch.rand(3, 10, generator=torch.Generator().manual_seed(1)) > 0.3 if masked else None
+    g_y = torch.randn(3, 10, D)
     recorder = SyncRecorder()
-    with recorder:
-        y, aux = layer(x)
-    assert layer.experts.last_kernel == "grouped_mm"
-    assert recorder.syncing == [] and len(copies) == 1
-    with recorder:
-        (y.square().sum() + aux).backward()
-    assert recorder.syncing == [] and len(copies) == 1
+    results = {}
+    for name, lay in (("grouped", layer), ("loop", loop)):
+        copies.clear()
+        xx = x.clone().requires_grad_(True)
+        with recorder:
+            y, aux = lay(xx, mask)
+            ((y * g_y).sum() + aux).backward()
+        results[name] = (copies[:], [y, xx.grad] + [p.grad for p in lay.parameters()], lay.stats)
+    assert layer.experts.last_kernel == "grouped_mm" and loop.experts.last_kernel == "loop"
+    assert recorder.syncing == []
+    assert results["grouped"][0] == [] and results["loop"][0] == [1]
+    for ours, ref in zip(results["grouped"][1], results["loop"][1]):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    if masked:
+        assert float(results["grouped"][1][0][~mask].abs().max()) == 0.0  # padding rows get exact zeros
+    for field in ("tokens_per_expert", "kept", "dropped", "routed_local"):
+        assert torch.equal(getattr(results["grouped"][2], field), getattr(results["loop"][2], field)), field
+
+
+def test_capacity_keeps_its_host_copy(monkeypatch):
+    """With a capacity the kept row count is data-dependent: one host copy per forward remains."""
+    import m6.moe.dispatch as dispatch_module
+
+    copies = []
+    real = dispatch_module.host_ints
+    monkeypatch.setattr(dispatch_module, "host_ints", lambda *t: copies.append(len(t)) or real(*t))
+    torch.manual_seed(0)
+    layer = MoELayer(D, F, 8, top_k=2, capacity_factor=1.0, expert_kernel="grouped_mm")
+    y, aux = layer(torch.randn(3, 10, D, requires_grad=True))
+    (y.square().sum() + aux).backward()
+    assert layer.experts.last_kernel == "grouped_mm" and len(copies) == 1
+
+
+def test_grouped_gemms_from_device_counts_zero_idle_experts():
+    """The weight gradient of an expert with no rows is an exact zero (masked on the device, as the
+    host splits zero it), even where the kernel left its block unwritten."""
+    from m6.moe.expert_gemm import GroupedGemms
+
+    splits = [0, 5, 0, 3]
+    a, g = torch.randn(8, D), torch.randn(8, F)
+    host = GroupedGemms(splits, torch.device("cpu")).weight_grad(a, g)
+    dev = GroupedGemms(torch.tensor(splits), torch.device("cpu")).weight_grad(a, g)
+    assert torch.equal(host, dev) and float(dev[0].abs().max()) == 0.0 and float(dev[2].abs().max()) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,13 +303,18 @@ def test_cuda_bf16_grouped_matches_loop(E, activation):
 
 
 @needs_fused_grouped_mm
-def test_cuda_grouped_forward_syncs_once():
+@pytest.mark.parametrize("capacity_factor, masked, forward_syncs", [(None, False, 0), (None, True, 0), (1.25, True, 1)])
+def test_cuda_grouped_forward_syncs(capacity_factor, masked, forward_syncs):
+    """Counted by torch itself: a dropless layer on grouped_mm syncs neither in forward nor in
+    backward, padding mask or not; with a capacity the forward reads the kept counts once."""
     import warnings
 
     _, layer = _layer_pair(16, "swiglu", 2, device="cuda")
+    layer.capacity_factor = capacity_factor
     x = torch.randn(4, 64, D, device="cuda", requires_grad=True)
+    mask = torch.rand(4, 64, device="cuda") > 0.2 if masked else None
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        y, aux = layer(x)
+        y, aux = layer(x, mask)
     (y.float().sum() + aux).backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
@@ -275,12 +322,12 @@ def test_cuda_grouped_forward_syncs_once():
         with warnings.catch_warnings(record=True) as fwd:
             warnings.simplefilter("always")
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                y, aux = layer(x)
+                y, aux = layer(x, mask)
         with warnings.catch_warnings(record=True) as bwd:
             warnings.simplefilter("always")
             (y.float().sum() + aux).backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert layer.experts.last_kernel == "grouped_mm"
-    assert len([w for w in fwd if "synchroniz" in str(w.message)]) == 1
+    assert len([w for w in fwd if "synchroniz" in str(w.message)]) == forward_syncs
     assert not [w for w in bwd if "synchroniz" in str(w.message)]

@@ -58,7 +58,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.detach().double() - b.detach()).norm() / b.detach().norm().clamp_min(1e-30))
 
 
-def _check(device, T, D, Fd, E, activation, src, splits, routed=True, seed=0):
+def _check(device, T, D, Fd, E, activation, src, splits, routed=True, seed=0, device_counts=False):
     from m6.moe.fused_experts import fused_expert_ffn, reference_expert_ffn
 
     gen = torch.Generator().manual_seed(seed)
@@ -80,8 +80,9 @@ def _check(device, T, D, Fd, E, activation, src, splits, routed=True, seed=0):
     ours = {k: (v.detach().to(device, dtype if k == "x" else torch.float32)).requires_grad_(True)
             for k, v in leaves.items()}
     src_d = src.to(device) if routed else None
-    y = fused_expert_ffn(ours["x"], src_d, ours.get("probs"), splits, activation, ours["w_in"], ours["w_out"],
-                         ours.get("w_gate"), T, torch.float32)
+    counts = torch.tensor(splits, dtype=torch.int64, device=device) if device_counts else splits
+    y = fused_expert_ffn(ours["x"], src_d, ours.get("probs"), counts, activation, ours["w_in"], ours["w_out"],
+                         ours.get("w_gate"), T, torch.float32, num_rows=N if device_counts else None)
     grads = torch.autograd.grad(y, list(ours.values()), dy.to(device, y.dtype))
     errors = {"y": _rel(y.cpu(), ref)} | {f"d{k}": _rel(g.cpu(), r) for k, g, r in zip(ours, grads, ref_grads)}
     assert y.dtype == torch.float32 and y.shape == ref.shape
@@ -126,6 +127,29 @@ def test_grouped_form_and_uneven_dims(fused_device):
     _check(fused_device, sum(splits), 20, 12, 4, "swiglu", None, splits, routed=False)
 
 
+@pytest.mark.parametrize("case", ["empty-expert", "uneven", "grouped"])
+def test_tile_tables_built_on_the_device(fused_device, case):
+    """Rows per expert as a device tensor (the dropless local path, no host sync): the tile tables
+    are built on the device, padded to the most tiles there can be; the results equal the reference."""
+    from m6.moe.fused_experts import RowTiles
+
+    gen = torch.Generator().manual_seed(6)
+    if case == "empty-expert":
+        src, splits = _routing(24, 5, 2, gen, allowed=[0, 1, 3, 4])
+        _check(fused_device, 24, 16, 32, 5, "swiglu", src, splits, device_counts=True)
+    elif case == "uneven":
+        src, splits = _routing(40, 6, 2, gen, skew=True)
+        _check(fused_device, 40, 32, 16, 6, "gelu", src, splits, device_counts=True)
+    else:
+        splits = [0, 13, 2, 0]
+        _check(fused_device, sum(splits), 20, 12, 4, "swiglu", None, splits, routed=False, device_counts=True)
+    host = RowTiles(splits, 16, torch.device("cpu"))
+    dev = RowTiles.from_device_counts(torch.tensor(splits), sum(splits), 16)
+    assert dev.num_tiles == -(-sum(splits) // 16) + len(splits) >= host.num_tiles
+    assert torch.equal(dev.tiles[:, :host.num_tiles], host.tiles) and torch.equal(dev.segs, host.segs)
+    assert (dev.tiles[1:, host.num_tiles:] == sum(splits)).all()  # the padding tiles are empty
+
+
 def test_no_rows_at_all(fused_device):
     _check(fused_device, 5, 16, 16, 3, "gelu", torch.zeros(0, dtype=torch.int64), [0, 0, 0])
 
@@ -162,6 +186,56 @@ def test_moe_layer_fused_equals_loop(fused_device, dispatcher):
         results[name] = [y, xx.grad] + [p.grad for p in layer.parameters()]
         assert layer.experts.last_kernel == name
     assert float(layers["loop"].stats.dropped) > 0  # capacity dropped some assignments
+    tol = 1e-5 if device.type == "cpu" else 3e-2
+    for ours, ref in zip(results["fused"], results["loop"]):
+        assert _rel(ours.float(), ref.double()) < tol
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_dropless_fused_layer_reads_nothing_back(fused_device, monkeypatch, masked):
+    """Dropless, local experts, fused kernels: the rows per expert stay on the device (padding rows
+    dispatched with weight 0), so no host copy is made, forward or backward (on CUDA torch counts
+    the syncs); output and gradients equal the loop's, which reads the counts and skips padding."""
+    import warnings
+
+    import m6.moe.dispatch as dispatch_module
+    from m6.moe import MoELayer
+
+    copies = []
+    real = dispatch_module.host_ints
+    monkeypatch.setattr(dispatch_module, "host_ints", lambda *t: copies.append(len(t)) or real(*t))
+    device = fused_device
+    D, Fd, E = 16, 32, 4
+    layers = {k: MoELayer(D, Fd, E, top_k=2, capacity_factor=None, activation="swiglu", expert_kernel=k,
+                          init_seed=7).to(device) for k in ("loop", "fused")}
+    layers["fused"].load_state_dict(layers["loop"].state_dict())
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 12, D, generator=gen).to(device)
+    mask = (torch.rand(2, 12, generator=gen) > 0.3).to(device) if masked else None
+    dtype = torch.bfloat16 if device.type == "cuda" else None
+    results, syncs = {}, {}
+    for name, layer in layers.items():
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            layer(x, mask)[0].float().sum().backward()  # warm-up: compiles, lazy inits
+        layer.zero_grad(set_to_none=True)
+        copies.clear()
+        xx = x.clone().requires_grad_(True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+                    y, aux = layer(xx, mask)
+                (y.float().square().sum() + aux).backward()
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs[name] = (len(copies), len([w for w in caught if "synchroniz" in str(w.message)]))
+        results[name] = [y, xx.grad] + [p.grad for p in layer.parameters()]
+        assert layer.experts.last_kernel == name
+    assert syncs["fused"] == (0, 0) and syncs["loop"][0] == 1, syncs
     tol = 1e-5 if device.type == "cpu" else 3e-2
     for ours, ref in zip(results["fused"], results["loop"]):
         assert _rel(ours.float(), ref.double()) < tol
