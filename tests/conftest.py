@@ -19,6 +19,13 @@ other at every op (20 steps of tests/smoke/test_train.py's model: 41-47 s with 2
 with 1, under a load average of 12). Unless OMP_NUM_THREADS is set already, the test process and
 every process it starts (they inherit the environment) take one thread; a test about threads sets
 its own count.
+
+Triton on the CPU: Triton kernels run on CPU tensors only under its interpreter, which triton
+chooses per @triton.jit function when the function is defined, triton.language's own helpers
+(tl.cdiv, tl.sum, ...) included. So on ``--device cpu`` TRITON_INTERPRET=1 is set before any test
+imports triton (unless set already); set later, an interpreted kernel would call a compiled
+helper ("Cannot call @triton.jit'd outside of the scope of a kernel") whichever test imported
+triton first.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--device") == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("--device cuda: this machine has no usable CUDA device")
+    if config.getoption("--device") == "cpu" and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
