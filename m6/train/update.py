@@ -7,6 +7,10 @@ CPU offload, clipping to the global norm, the (group-wise) optimizer update and 
     norm = update.clip(max_norm)                # fp16: unscaled here, in the clip's multiply
     update.step(apply=finite)                   # update (unless skipped), zero grads, next lr (and loss scale)
 
+With optim.delayed_update, ``step`` launches the host update in the background
+(m6.memory.delayed_update) and the next step's ``finish`` waits for it and copies its weights to
+the device: the forward/backward in between runs on the weights from before that update.
+
 The collaborators are wired here once, not per step: the sync hands each bucket's final gradients
 to offload, and clipping and the update run on whichever tensors hold them (device params, or
 their host masters when offloaded).
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from m6.config import Config, ConfigError, accumulation_steps
 from m6.memory import GroupedApply, build_offload
+from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.live_bytes import grad_bytes
 from m6.memory.offload_blocks import resolve_offload_blocks
@@ -94,6 +99,10 @@ class ParameterUpdate:
             if t.precision == "fp16" else None
         self.apply = GroupedApply(self.optimizer, replicated, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        # optim.delayed_update (config.py allows it with memory.offload=optimizer only): step t's host
+        # update runs in the background during step t+1's forward/backward.
+        self.delayed = DelayedUpdate(self.offload, cfg.optim.delayed_update_after) \
+            if cfg.optim.delayed_update else None
 
     @property
     def lr(self) -> float:
@@ -128,6 +137,9 @@ class ParameterUpdate:
         self.sync.finish()
         if self.offload:
             self.offload.finish_backward()
+        if self.delayed is not None:  # the last step's update is done and on the device; now this step's
+            self.delayed.catch_up()
+            self.offload.attach_grads()
 
     def clip(self, max_norm: float) -> float:
         """Clip to the norm of the global gradient (every expert counted once); returns it.
@@ -158,6 +170,12 @@ class ParameterUpdate:
         fp16, the loss scale (a skipped step backs it off: the same on every rank, as ``apply`` is)."""
         if self.loss_scale is not None:
             self.loss_scale.update(overflow=not apply)
+        step = self.scheduler.last_epoch + 1  # this step, counted from 1 (the schedule's position travels in checkpoints)
+        if apply and self.delayed is not None and self.delayed.is_delayed(step):
+            # The thread advances the schedule after its update: the rate it reads is this step's.
+            self.grad_bytes_after_backward = 0
+            self.delayed.launch(step, lambda: (self.apply.step(), self.scheduler.step()))
+            return
         if apply:
             if self.offload:
                 self.offload.step(self.apply)
@@ -165,6 +183,12 @@ class ParameterUpdate:
                 self.apply.step()
         self.zero_grad()
         self.scheduler.step()
+
+    def wait(self) -> None:
+        """Delayed update: wait for the update in flight (the device keeps its weights); before a
+        checkpoint reads the optimizer state and the masters, and at the run's end."""
+        if self.delayed is not None:
+            self.delayed.wait()
 
     def zero_grad(self) -> None:
         self.grad_bytes_after_backward = 0
