@@ -60,6 +60,7 @@ def main() -> None:
               f"train.max_steps={args.steps}", f"train.global_batch_size={args.batch}", "memory.offload=optimizer",
               "memory.host_optimizer=torch", *MODEL]
     runs = settings(args.after)
+    args.commit = code_version()  # the code this process runs (HEAD may move while it does)
     trainers, rows = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in runs.items():
@@ -100,7 +101,7 @@ def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[st
                f"--batch {args.batch} --after {args.after}")
     device = torch.device("cpu")
     machine = machine_info(device)
-    result = {"command": command, "commit": code_version(), "steps_done": done, "overrides": common, "runs": runs,
+    result = {"command": command, "commit": args.commit, "steps_done": done, "overrides": common, "runs": runs,
               "machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
               "summary": s, "noise_sync": noise, "noise_delayed": noise_delayed, "delayed_minus_sync": diff,
               "within_noise": within, "mean_abs_windowed_diff": window_diff, "windowed_noise_sync": window_noise,
