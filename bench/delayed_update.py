@@ -36,7 +36,8 @@ from m6.train.loop import Trainer
 
 MODEL = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64", "model.moe.every=2",
          "model.moe.num_experts=4", "model.image_size=16", "data.kind=synthetic", "data.num_samples=4096",
-         "data.seq_len=32", "model.max_text_len=32", "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=30"]
+         "data.seq_len=48", "model.max_text_len=48", "optim.warmup_steps=30"]
+LR = 3e-3  # the peak learning rate (configs/tiny.yaml's); optim.min_lr is a tenth of it
 WINDOW = 10
 FINAL = 10  # the final loss: the mean of the last FINAL steps (one step's loss is mostly its batch)
 
@@ -53,12 +54,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--after", type=int, default=OptimConfig.delayed_update_after, help="optim.delayed_update_after")
+    ap.add_argument("--lr", type=float, default=LR, help="optim.lr (optim.min_lr: a tenth); other than the default, "
+                    "the results' names end in -lr<value>")
     ap.add_argument("--out", default="bench/results")
     args = ap.parse_args()
     common = ["train.device=cpu", "train.precision=fp32", "data.num_workers=0", "checkpoint.every=0",
               "checkpoint.enabled=false", "checkpoint.resume=none", "train.eval_every=0", "logging.console=false",
               f"train.max_steps={args.steps}", f"train.global_batch_size={args.batch}", "memory.offload=optimizer",
-              "memory.host_optimizer=torch", *MODEL]
+              "memory.host_optimizer=torch", *MODEL, f"optim.lr={args.lr}", f"optim.min_lr={args.lr / 10}"]
     runs = settings(args.after)
     args.commit = code_version()  # the code this process runs (HEAD may move while it does)
     trainers, rows = {}, {}
@@ -98,7 +101,7 @@ def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[st
                    for seed in ("seed0", "seed1")}
     window_noise = statistics.fmean(abs(a - b) for a, b in zip(s["sync-seed0"]["windowed"], s["sync-seed1"]["windowed"]))
     command = (f"python -m bench.delayed_update{f' --config {args.config}' if args.config else ''} --steps {args.steps} "
-               f"--batch {args.batch} --after {args.after}")
+               f"--batch {args.batch} --after {args.after}" + (f" --lr {args.lr:g}" if args.lr != LR else ""))
     device = torch.device("cpu")
     machine = machine_info(device)
     result = {"command": command, "commit": args.commit, "steps_done": done, "overrides": common, "runs": runs,
@@ -108,12 +111,12 @@ def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[st
               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"delayed_update-{machine_tag(device)}"
+    stem = out / (f"delayed_update-{machine_tag(device)}" + (f"-lr{args.lr:g}" if args.lr != LR else ""))
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     lines = [
         "# Delayed parameter update vs synchronous offloaded update, loss curves on CPU", "",
         f"Command: `{command}` at commit {result['commit']} ({done} of {args.steps} steps done; model overrides "
-        f"{' '.join(MODEL)}; batch {args.batch}, fp32, memory.offload=optimizer, torch's AdamW on the host, "
+        f"{' '.join(MODEL)}; peak lr {args.lr:g}; batch {args.batch}, fp32, memory.offload=optimizer, torch's AdamW on the host, "
         f"delayed from step {args.after + 1}) on CPU (torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"OMP_PROC_BIND={os.environ.get('OMP_PROC_BIND')}); machine: {machine['cpu_model']}, {os.cpu_count()} cores, "
         "shared with other jobs.", "",
