@@ -83,6 +83,12 @@ def main() -> None:
             tr.update.wait()
 
 
+def lr_tag(lr: float) -> str:
+    """1e-3 -> '1e-3' (no dot in a file name)."""
+    mantissa, exponent = f"{lr:.0e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
 def summary(losses: list[float]) -> dict:
     return {"mean": statistics.fmean(losses), "final": statistics.fmean(losses[-FINAL:]), "last": losses[-1],
             "windowed": [statistics.fmean(losses[i:i + WINDOW]) for i in range(0, len(losses), WINDOW)]}
@@ -111,8 +117,8 @@ def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[st
               "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / (f"delayed_update-{machine_tag(device)}" + (f"-lr{args.lr:g}" if args.lr != LR else ""))
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem = out / (f"delayed_update-{machine_tag(device)}" + (f"-lr{lr_tag(args.lr)}" if args.lr != LR else ""))
+    stem.with_name(stem.name + ".json").write_text(json.dumps(result, indent=1))
     lines = [
         "# Delayed parameter update vs synchronous offloaded update, loss curves on CPU", "",
         f"Command: `{command}` at commit {result['commit']} ({done} of {args.steps} steps done; model overrides "
@@ -142,7 +148,7 @@ def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[st
     lines += ["", "Step times: the four trainers share the same 2 cores, and a delayed trainer's host update runs "
               "on in the background while the next trainer steps, so these wall times say nothing about the "
               "overlap a GPU run gets; they are here to show the runs' cost on this machine."]
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_name(stem.name + ".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 
