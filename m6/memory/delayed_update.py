@@ -93,10 +93,3 @@ class DelayedUpdate:
         if self.stale:
             self.offload.push_weights()
             self.stale = False
-
-    def close(self) -> None:
-        """Join what is in flight and stop the worker thread."""
-        try:
-            self.wait()
-        finally:
-            self._worker.shutdown(wait=True)

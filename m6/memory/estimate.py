@@ -260,8 +260,10 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
             device_params = 4.0 * numel
         device = {"params": device_params, "grads": device_grads, **transients}
         half_grads = cfg.memory.host_grad_dtype == "compute"
+        # optim.delayed_update: the next step's gradients stream into a second fp32 set (double buffer).
         host = {"params": states["params"],
-                "grads": compute_bytes(cfg, device_type) * numel if half_grads else states["grads"],
+                "grads": compute_bytes(cfg, device_type) * numel if half_grads
+                else states["grads"] * (2 if cfg.optim.delayed_update else 1),
                 "optimizer state": states["optimizer state"],
                 # 16-bit host gradients are read back in fp32 one apply group at a time.
                 "optimizer step temporaries": (0.0 if cfg.memory.host_optimizer == "deepspeed"

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from m6.config import ConfigError, load
+from m6.memory.estimate import estimate_memory
 from m6.train.loop import Trainer
+from m6.train.optim import no_decay_ids
 
 SMALL = [
     "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64", "model.max_text_len=32",
@@ -149,6 +151,20 @@ def test_a_skipped_step_launches_nothing_and_the_next_catches_up(tmp_path):
     tr.update.finish = finish
     tr.train_step()
     assert tr.update.delayed.in_flight
+
+
+def test_the_memory_estimate_counts_both_host_gradient_sets(tmp_path):
+    """Double buffering: the estimate's host gradients are the bytes of both buffer sets, twice
+    a synchronous run's."""
+    reports = {}
+    for name, extra in (("sync", []), ("delayed", ["optim.delayed_update=true", "optim.delayed_update_after=0"])):
+        tr = trainer(tmp_path / name, *extra)
+        tr.train_step()
+        reports[name] = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model)).host["grads"]
+        off = tr.update.offload
+        sets = [off._grad_buffers, *([off._spare_grad_buffers] if off._spare_grad_buffers is not None else [])]
+        assert reports[name] == sum(b.nbytes for buffers in sets for b in buffers.values()), name
+    assert reports["delayed"] == 2 * reports["sync"]
 
 
 @pytest.mark.parametrize("extra, needle", [
