@@ -1,6 +1,6 @@
 """Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
 evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
-and of optimizer+params, full recompute, and expert parallelism at world 2 and 4 in a mirror world.
+(also with the delayed update) and of optimizer+params, full recompute, and expert parallelism at world 2 and 4 in a mirror world.
 Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
 rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
 
@@ -14,7 +14,8 @@ from host_sync_allow_list import per_event_table, sync_totals, unused, violation
 from preload import scenario_result
 
 GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast"],
-          "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full"],
+          "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full",
+                             "offload-optimizer-delayed"],
           "expert_parallel": ["ep-world2", "ep-world4"]}
 RUNS = [(group, name) for group, names in GROUPS.items() for name in names]
 pytestmark = [pytest.mark.simcuda_group(group) for group in GROUPS]
