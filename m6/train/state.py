@@ -267,7 +267,8 @@ class RNGState:
 
 
 class TrainingState:
-    """What one checkpoint holds: the model and optimizer tensors (sharded), the rank-independent
+    """What one checkpoint holds: the model and optimizer tensors (sharded; with the delayed update
+    also the next forward's device weights, ``delayed_update/next_forward/``), the rank-independent
     Stateful pieces (``values``, identical on every rank: written once), this rank's RNG streams
     (``rng/rank{r}``) and fixed metadata (config, layout). A piece named in ``optional`` that a
     checkpoint lacks (the fp16 loss scale, resuming a bf16 or fp32 run) keeps its fresh state;

@@ -1,7 +1,7 @@
 """The delayed parameter update (optim.delayed_update) at world size 2, real gloo: with the experts
 split (EP 2) and replicated (EP 1) the ranks agree (replicated masters bitwise equal after every
-step) and give the losses of a 1-rank delayed run; a non-finite gradient on one rank only makes
-both skip the step together, with the update of the step before still in flight."""
+step) and give the losses of a 1-rank delayed run; an fp16 overflow on one rank only makes both
+skip the step and back the loss scale off together, with the update of the step before in flight."""
 
 from __future__ import annotations
 
@@ -59,22 +59,26 @@ def _ranks(rank: int, world: int, root: str, reference: list[float]) -> None:
         gathered = [None, None]
         dist.all_gather_object(gathered, losses)
         assert gathered[0] == gathered[1]
-    # A non-finite gradient on rank 1 only: both ranks skip the step (agreed before any launch),
-    # and the update of the step before, in flight until then, still reaches both.
-    tr = trainer(f"{root}/skip", "parallel.expert_parallel_size=2", "optim.delayed_update_after=0")
+    # fp16: an overflow in an expert gradient on rank 1 only (no other rank holds it): both ranks
+    # skip the step and back the scale off together (agreed before any launch), and the update of
+    # the step before, in flight until then, still reaches both.
+    tr = trainer(f"{root}/skip", "parallel.expert_parallel_size=2", "optim.delayed_update_after=0",
+                 "train.precision=fp16")
     tr.train_step()
     assert tr.update.delayed.in_flight
+    scale = tr.update.loss_scale.scale
     finish = tr.update.finish
 
     def finish_then_poison() -> None:
         finish()
         if rank == 1:
             off = tr.update.offload
-            off.master(next(iter(tr.sharded.expert_params.values()))).grad.view(-1)[0] = float("nan")
+            off.master(next(iter(tr.sharded.expert_params.values()))).grad.view(-1)[0] = float("inf")
 
     tr.update.finish = finish_then_poison
     tr.train_step()
     assert tr.counters.skipped_steps == 1 and not tr.update.delayed.in_flight
+    assert tr.update.loss_scale.scale == scale / 2 and tr.update.loss_scale.overflow_steps == 1
     replicated_masters_agree(tr)
     tr.update.finish = finish
     tr.train_step()
