@@ -22,6 +22,7 @@ SMALL = [
     "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "train.precision=fp32",
     "train.device=cpu", "logging.console=false", "checkpoint.every=0", "memory.offload=optimizer",
     "memory.host_optimizer=torch", "optim.warmup_steps=2",
+    "optim.apply_groups=2",  # the background update steps group by group (the optimizer's groups narrowed)
 ]
 AFTER = 2
 STEPS = 6
@@ -103,17 +104,20 @@ def test_step_t_plus_1_sees_the_weights_from_before_step_ts_update(tmp_path):
     assert threading.main_thread().name in threads  # the synchronous first steps
 
 
-def test_resume_is_exact_with_an_update_in_flight_at_the_save(tmp_path):
+@pytest.mark.parametrize("host_optimizer", ["torch", "deepspeed"])
+def test_resume_is_exact_with_an_update_in_flight_at_the_save(tmp_path, host_optimizer):
     """Saved at step 4 (two delayed steps in: the device one update behind the masters), resumed:
-    the same losses and final masters as the uninterrupted run, bitwise; the checkpoint's weights
-    are the masters (a synchronous resume continues from them) and the next forward's are kept apart."""
-    straight = delayed(tmp_path / "straight", f"train.max_steps={STEPS}")
+    the same losses and final masters as the uninterrupted run, bitwise, with torch's AdamW and
+    DeepSpeed's CPU Adam on the worker thread; the checkpoint's weights are the masters (a
+    synchronous resume continues from them) and the next forward's are kept apart."""
+    opt = f"memory.host_optimizer={host_optimizer}"
+    straight = delayed(tmp_path / "straight", f"train.max_steps={STEPS}", opt)
     want = [h["loss"] for h in straight.fit()]
-    first = delayed(tmp_path / "b", f"train.max_steps={STEPS}")
+    first = delayed(tmp_path / "b", f"train.max_steps={STEPS}", opt)
     head = [h["loss"] for h in first.fit(stop_at=4)]
     behind = device_weights(first)
     assert not all(torch.equal(a, b) for a, b in zip(behind, masters(first)))
-    resumed = delayed(tmp_path / "b", f"train.max_steps={STEPS}", "checkpoint.resume=auto")
+    resumed = delayed(tmp_path / "b", f"train.max_steps={STEPS}", "checkpoint.resume=auto", opt)
     assert resumed.step == 4
     assert all(torch.equal(a, b) for a, b in zip(device_weights(resumed), behind))
     assert all(torch.equal(a, b) for a, b in zip(masters(resumed), masters(first)))
@@ -121,7 +125,7 @@ def test_resume_is_exact_with_an_update_in_flight_at_the_save(tmp_path):
     assert head + tail == want
     assert all(torch.equal(a, b) for a, b in zip(masters(resumed), masters(straight)))
     # A synchronous resume of the delayed checkpoint starts from its weights, the masters after step 4.
-    sync = trainer(tmp_path / "sync", f"train.max_steps={STEPS}",
+    sync = trainer(tmp_path / "sync", f"train.max_steps={STEPS}", opt,
                    f"checkpoint.resume={tmp_path / 'b' / 'checkpoints' / 'step_00000004'}")
     assert sync.step == 4
     assert all(torch.equal(a, b) for a, b in zip(device_weights(sync), masters(first)))
