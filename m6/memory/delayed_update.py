@@ -32,8 +32,9 @@ from m6.memory.offload import HostOffload
 
 
 class DelayedUpdate:
-    """Runs the offloaded host update of one step in a background thread; ``wait`` joins it and
-    copies the new weights to the device. Steps up to ``after`` (counted from 1) are synchronous."""
+    """Runs the offloaded host update of one step in a background thread; ``wait`` joins it,
+    ``catch_up`` (after the next step's backward) also copies its weights to the device. Steps up
+    to ``after`` (counted from 1) are synchronous."""
 
     def __init__(self, offload: HostOffload, after: int) -> None:
         if after < 0:

@@ -191,6 +191,7 @@ class ParameterUpdate:
             self.delayed.wait()
 
     def zero_grad(self) -> None:
+        self.wait()  # an update in flight reads the masters' gradients: never drop them under it
         self.grad_bytes_after_backward = 0
         self.optimizer.zero_grad(set_to_none=True)
         if self.offload:
