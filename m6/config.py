@@ -499,7 +499,7 @@ class OptimConfig:
     # no temporaries); foreach = torch's multi-tensor ops (a pass per op, temporaries of the largest
     # call); auto = fused where the update runs on CUDA, foreach elsewhere (the host update included).
     implementation: Literal["auto", "foreach", "fused"] = "auto"
-    # With memory.offload=optimizer: step t's host update runs in the background while step t+1's
+    # With memory.offload (unsharded): step t's host update runs in the background while step t+1's
     # forward/backward runs (one step stale, ZeRO-Offload's delayed parameter update); the first
     # delayed_update_after steps update synchronously (the early steps, where the weights move most).
     delayed_update: bool = False
@@ -739,22 +739,18 @@ def check_shard_offload(cfg: Config) -> None:
 
 
 def check_delayed_update(cfg: Config) -> None:
-    """optim.delayed_update runs m6's offloaded host update in the background: it needs
-    memory.offload=optimizer (fp32 host gradients, unsharded), the layout it is built for."""
+    """optim.delayed_update runs m6's offloaded host update in the background: it needs m6's own
+    offload (memory.offload optimizer or optimizer+params, unsharded) with fp32 host gradients."""
     if not cfg.optim.delayed_update:
         return
     mem = cfg.memory
     if mem.offload == "none":
         raise ConfigError("optim.delayed_update=true with memory.offload=none: the delayed update overlaps the host "
-                          "optimizer with the device's next step; set memory.offload=optimizer")
+                          "optimizer with the device's next step; set memory.offload=optimizer (or optimizer+params)")
     if cfg.parallel.shard != "none":
         raise ConfigError(f"optim.delayed_update=true with parallel.shard={cfg.parallel.shard}: FSDP2's CPU offload "
                           "steps its shards in place; the delayed update is built for m6's unsharded offload "
                           "(parallel.shard=none)")
-    if mem.offload == "optimizer+params":
-        raise ConfigError("optim.delayed_update=true with memory.offload=optimizer+params: the streamed blocks' "
-                          "weights are their host masters, which the background update would change under the next "
-                          "forward; not built yet, use memory.offload=optimizer")
     if mem.host_grad_dtype != "fp32":
         raise ConfigError(f"optim.delayed_update=true with memory.host_grad_dtype={mem.host_grad_dtype}: the delayed "
                           "update double-buffers fp32 host gradients only; use memory.host_grad_dtype=fp32")

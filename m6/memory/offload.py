@@ -186,10 +186,14 @@ class HostOffload:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
-                 streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32) -> None:
+                 streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32,
+                 separate_homes: bool = False) -> None:
         """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
         masters' ``.grad``. 16-bit: they stay in their own buffers (one micro-batch per step, nothing
-        added on the host) and the update reads them group by group (``materialize_grads``)."""
+        added on the host) and the update reads them group by group (``materialize_grads``).
+        ``separate_homes`` (the delayed update): a streamed parameter's master is a copy of its host
+        home, not the home itself, so an update running beside the next forward never changes the
+        weights that forward fetches; the masters are copied to the homes as to the device."""
         self.device = device
         self.grad_dtype = grad_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -198,9 +202,14 @@ class HostOffload:
         homes = self.streamer.homes() if self.streamer else {}
         self.params = list(params)
         self.masters: dict[int, torch.Tensor] = {}
-        self.resident: list[tuple[nn.Parameter, torch.Tensor]] = []  # device params copied back each step
+        # Params copied back from their masters each step (to the device; a streamed one's, with
+        # separate_homes, to its host home).
+        self.resident: list[tuple[nn.Parameter, torch.Tensor]] = []
         for p in self.params:
-            if id(p) in homes:
+            if id(p) in homes and separate_homes:  # copied back into the home, where p.data points while idle
+                self.masters[id(p)] = _host_copy(homes[id(p)], pin)
+                self.resident.append((p, self.masters[id(p)]))
+            elif id(p) in homes:
                 self.masters[id(p)] = homes[id(p)]
             else:
                 if p.device != device:  # materialised on the host for optimizer+params
@@ -401,11 +410,13 @@ class HostOffload:
 
 
 def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,
-                  streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32) -> HostOffload | None:
-    """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients'."""
+                  streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32,
+                  separate_homes: bool = False) -> HostOffload | None:
+    """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients';
+    ``separate_homes``: streamed weights apart from their masters (the delayed update)."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"memory.offload must be one of {OFFLOAD_MODES}, got {mode!r}")
     if mode == "none":
         return None
     layers = list(streamed_layers) if mode == "optimizer+params" else []
-    return HostOffload(params, device, layers, grad_dtype)
+    return HostOffload(params, device, layers, grad_dtype, separate_homes)

@@ -70,7 +70,7 @@ class ParameterUpdate:
                               "step or memory.host_grad_dtype=fp32")
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
-            grad_dtype=host_grad_dtype)
+            grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update)
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None)
@@ -99,8 +99,8 @@ class ParameterUpdate:
             if t.precision == "fp16" else None
         self.apply = GroupedApply(self.optimizer, replicated, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
-        # optim.delayed_update (config.py allows it with memory.offload=optimizer only): step t's host
-        # update runs in the background during step t+1's forward/backward.
+        # optim.delayed_update (config.py allows it with m6's unsharded fp32-gradient offload): step t's
+        # host update runs in the background during step t+1's forward/backward.
         self.delayed = DelayedUpdate(self.offload, cfg.optim.delayed_update_after) \
             if cfg.optim.delayed_update else None
 

@@ -131,6 +131,34 @@ def test_resume_is_exact_with_an_update_in_flight_at_the_save(tmp_path, host_opt
     assert all(torch.equal(a, b) for a, b in zip(device_weights(sync), masters(first)))
 
 
+def test_streamed_blocks_train_like_resident_ones(tmp_path):
+    """memory.offload=optimizer+params: the blocks' host homes (what the next forward fetches) are
+    apart from their masters (what the background update writes), so the run is bitwise the
+    optimizer-only delayed run; the estimate counts the homes; resume is exact."""
+    steps = 5
+    want = delayed(tmp_path / "optimizer", f"train.max_steps={steps}")
+    want_losses = [want.train_step()["loss"] for _ in range(steps)]
+    want.update.wait()
+    tr = delayed(tmp_path / "params", "memory.offload=optimizer+params", f"train.max_steps={steps}")
+    off = tr.update.offload
+    streamed = [p for layer in off.streamer.layers for p in layer.params]
+    assert streamed and all(off.master(p) is not home for layer in off.streamer.layers
+                            for p, home in zip(layer.params, layer.homes))
+    losses = [tr.train_step()["loss"] for _ in range(3)]
+    tr.save_checkpoint(wait=True)
+    losses += [tr.train_step()["loss"] for _ in range(steps - 3)]
+    assert losses == want_losses
+    tr.update.wait()
+    assert all(torch.equal(a, b) for a, b in zip(masters(tr), masters(want)))
+    homes = sum(h.nbytes for layer in off.streamer.layers for h in layer.homes)
+    report = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model))
+    assert report.host["params"] == sum(off.master(p).nbytes for p in off.params) + homes
+    resumed = delayed(tmp_path / "params", "memory.offload=optimizer+params", f"train.max_steps={steps}",
+                      "checkpoint.resume=auto")
+    assert resumed.step == 3
+    assert [resumed.train_step()["loss"] for _ in range(steps - 3)] == want_losses[3:]
+
+
 def test_a_skipped_step_launches_nothing_and_the_next_catches_up(tmp_path):
     """A non-finite step (agreed before the launch) updates nothing; the pending update of the step
     before it still reaches the device before the step after."""
@@ -173,7 +201,6 @@ def test_the_memory_estimate_counts_both_host_gradient_sets(tmp_path):
 
 @pytest.mark.parametrize("extra, needle", [
     (["memory.offload=none"], "memory.offload=none"),
-    (["memory.offload=optimizer+params"], "memory.offload=optimizer+params"),
     (["memory.host_grad_dtype=compute", "train.micro_batch_size=null", "train.precision=bf16"],
      "memory.host_grad_dtype=compute"),
     (["memory.offload=optimizer+params", "parallel.shard=full"], "parallel.shard=full"),
