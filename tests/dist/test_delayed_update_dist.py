@@ -1,7 +1,8 @@
 """The delayed parameter update (optim.delayed_update) at world size 2, real gloo: with the experts
-split (EP 2) and replicated (EP 1) the ranks agree (replicated masters bitwise equal after every
-step) and give the losses of a 1-rank delayed run; an fp16 overflow on one rank only makes both
-skip the step and back the loss scale off together, with the update of the step before in flight."""
+split (EP 2, also with the blocks streamed: optimizer+params) and replicated (EP 1) the ranks agree
+(replicated masters bitwise equal after every step) and give the losses of a 1-rank delayed run;
+an fp16 overflow on one rank only makes both skip the step and back the loss scale off together,
+with the update of the step before in flight."""
 
 from __future__ import annotations
 
@@ -47,15 +48,15 @@ def replicated_masters_agree(tr: Trainer) -> None:
 
 def _ranks(rank: int, world: int, root: str, reference: list[float]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    for ep in (2, 1):
-        tr = trainer(f"{root}/ep{ep}", f"parallel.expert_parallel_size={ep}")
+    for ep, offload in ((2, "optimizer"), (1, "optimizer"), (2, "optimizer+params")):
+        tr = trainer(f"{root}/ep{ep}-{offload}", f"parallel.expert_parallel_size={ep}", f"memory.offload={offload}")
         assert tr.world_size == 2 and tr.update.delayed is not None
         losses = []
         for _ in range(STEPS):
             losses.append(tr.train_step()["loss"])
             replicated_masters_agree(tr)
         # World 2 == world 1 up to the sums' order (5e-6 apart at step 1, before any update).
-        assert losses == pytest.approx(reference, rel=TOLERANCE), (ep, losses, reference)
+        assert losses == pytest.approx(reference, rel=TOLERANCE), (ep, offload, losses, reference)
         gathered = [None, None]
         dist.all_gather_object(gathered, losses)
         assert gathered[0] == gathered[1]

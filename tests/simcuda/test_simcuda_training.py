@@ -1,6 +1,7 @@
 """Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
 evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
-and of optimizer+params (each also with the delayed update), full recompute, and expert parallelism at world 2 and 4 in a mirror world.
+and of optimizer+params (each also with the delayed update), full recompute, and expert parallelism
+at world 2 and 4 in a mirror world.
 Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
 rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
 
