@@ -511,6 +511,11 @@ class OptimConfig:
     # no temporaries); foreach = torch's multi-tensor ops (a pass per op, temporaries of the largest
     # call); auto = fused where the update runs on CUDA, foreach elsewhere (the host update included).
     implementation: Literal["auto", "foreach", "fused"] = "auto"
+    # With memory.offload (unsharded): step t's host update runs in the background while step t+1's
+    # forward/backward runs (one step stale, ZeRO-Offload's delayed parameter update); the first
+    # delayed_update_after steps update synchronously (the early steps, where the weights move most).
+    delayed_update: bool = False
+    delayed_update_after: int = 40
 
     def adamw_kernel(self, on_cuda: bool) -> str:
         """'fused' or 'foreach': the AdamW kernels of an update whose tensors are on CUDA or not.
@@ -538,6 +543,11 @@ class OptimConfig:
             raise ConfigError(f"optim.eps must be > 0, got {self.eps}")
         if self.apply_groups <= 0:
             raise ConfigError(f"optim.apply_groups must be >= 1, got {self.apply_groups}")
+        if self.delayed_update_after < 0:
+            raise ConfigError(f"optim.delayed_update_after must be >= 0, got {self.delayed_update_after}")
+        if not self.delayed_update and self.delayed_update_after != OptimConfig.delayed_update_after:
+            raise ConfigError(f"optim.delayed_update_after={self.delayed_update_after} only applies with "
+                              "optim.delayed_update=true")
         if self.name == "adafactor" and self.implementation == "fused":
             raise ConfigError("optim.implementation=fused is AdamW's (torch.optim.Adafactor has no fused kernel): "
                               "use auto or foreach with optim.name=adafactor")
@@ -704,6 +714,7 @@ def _check_cross_section(cfg: Config) -> None:
                           f"model.image_channels ({m.image_channels}) values each, std > 0")
     check_shard_offload(cfg)
     check_tensor_parallel(cfg)
+    check_delayed_update(cfg)
     if cfg.parallel.shard != "none" and m.share_layers > 1:
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with model.share_layers={m.share_layers}: FSDP2 shards "
                           "each block's parameters on their own and a shared weight belongs to several blocks; not "
@@ -777,6 +788,24 @@ def check_shard_offload(cfg: Config) -> None:
     if mem.offload_blocks != "all":
         raise ConfigError(f"parallel.shard={shard} with memory.offload_blocks={mem.offload_blocks}: FSDP2 offloads "
                           "every unit's shards; granular offload is m6's unsharded offload (parallel.shard=none)")
+
+
+def check_delayed_update(cfg: Config) -> None:
+    """optim.delayed_update runs m6's offloaded host update in the background: it needs m6's own
+    offload (memory.offload optimizer or optimizer+params, unsharded) with fp32 host gradients."""
+    if not cfg.optim.delayed_update:
+        return
+    mem = cfg.memory
+    if mem.offload == "none":
+        raise ConfigError("optim.delayed_update=true with memory.offload=none: the delayed update overlaps the host "
+                          "optimizer with the device's next step; set memory.offload=optimizer (or optimizer+params)")
+    if cfg.parallel.shard != "none":
+        raise ConfigError(f"optim.delayed_update=true with parallel.shard={cfg.parallel.shard}: FSDP2's CPU offload "
+                          "steps its shards in place; the delayed update is built for m6's unsharded offload "
+                          "(parallel.shard=none)")
+    if mem.host_grad_dtype != "fp32":
+        raise ConfigError(f"optim.delayed_update=true with memory.host_grad_dtype={mem.host_grad_dtype}: the delayed "
+                          "update double-buffers fp32 host gradients only; use memory.host_grad_dtype=fp32")
 
 
 def expert_ffn_dim(model: ModelConfig) -> int:

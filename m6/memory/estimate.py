@@ -260,11 +260,15 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
             if isinstance(chosen, list):
                 sizes = [sizes[i] for i in sorted(chosen)]
             device_params = 4.0 * (numel - sum(sizes) + _streamed_window_of(sizes))
+            # optim.delayed_update: the streamed weights' host homes apart from their masters.
+            host_homes = 4.0 * sum(sizes) if cfg.optim.delayed_update else 0.0
         else:
-            device_params = 4.0 * numel
+            device_params, host_homes = 4.0 * numel, 0.0
         device = {"params": device_params, "grads": device_grads, **transients}
-        host = {"params": states["params"],
-                "grads": compute_bytes(cfg, device_type) * numel if half_grads else states["grads"],
+        # optim.delayed_update: the next step's gradients stream into a second fp32 set (double buffer).
+        host = {"params": states["params"] + host_homes,
+                "grads": compute_bytes(cfg, device_type) * numel if half_grads
+                else states["grads"] * (2 if cfg.optim.delayed_update else 1),
                 "optimizer state": states["optimizer state"],
                 # 16-bit host gradients are read back in fp32 one apply group at a time.
                 "optimizer step temporaries": (0.0 if cfg.memory.host_optimizer == "deepspeed"

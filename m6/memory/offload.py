@@ -187,11 +187,15 @@ class HostOffload:
     """
 
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
-                 streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32) -> None:
+                 streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32,
+                 separate_homes: bool = False) -> None:
         """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
         masters' ``.grad``. 16-bit: they stay in their own buffers, each written once per step
         (nothing is added on the host: with accumulation they arrive final from the last backward)
-        and the update reads them group by group (``materialize_grads``)."""
+        and the update reads them group by group (``materialize_grads``).
+        ``separate_homes`` (the delayed update): a streamed parameter's master is a copy of its host
+        home, not the home itself, so an update running beside the next forward never changes the
+        weights that forward fetches; the masters are copied to the homes as to the device."""
         self.device = device
         self.grad_dtype = grad_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -200,9 +204,14 @@ class HostOffload:
         homes = self.streamer.homes() if self.streamer else {}
         self.params = list(params)
         self.masters: dict[int, torch.Tensor] = {}
-        self.resident: list[tuple[nn.Parameter, torch.Tensor]] = []  # device params copied back each step
+        # Params copied back from their masters each step (to the device; a streamed one's, with
+        # separate_homes, to its host home).
+        self.resident: list[tuple[nn.Parameter, torch.Tensor]] = []
         for p in self.params:
-            if id(p) in homes:
+            if id(p) in homes and separate_homes:  # copied back into the home, where p.data points while idle
+                self.masters[id(p)] = _host_copy(homes[id(p)], pin)
+                self.resident.append((p, self.masters[id(p)]))
+            elif id(p) in homes:
                 self.masters[id(p)] = homes[id(p)]
             else:
                 if p.device != device:  # materialised on the host for optimizer+params
@@ -218,6 +227,14 @@ class HostOffload:
         # _fit_fp16's docstring), written by the device next to the gradient's copy.
         self._fp16_divisors = {id(self.masters[id(p)]): torch.ones((), pin_memory=pin) for p in self.params} \
             if grad_dtype == torch.float16 else None
+        # id(p) of the params whose host buffer holds this step's sum so far (the next micro-batch adds to it).
+        self._summed: set[int] = set()
+        # Delayed update (m6.memory.delayed_update): the masters' .grad may still feed the update in
+        # flight while the next backward streams, so the stream does not attach them (attach_grads does),
+        # and the next step's gradients go to a second buffer set (hand_over_grads).
+        self.defer_grads = False
+        self._spare_grad_buffers: dict[int, torch.Tensor] | None = None
+        self._pushed: torch.cuda.Event | None = None  # recorded after push_weights' copies (CUDA)
         # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
         # this one is done all are, and the step waits once, not once per parameter.
         self._grads_copied: torch.cuda.Event | None = None
@@ -247,7 +264,7 @@ class HostOffload:
             # ParameterUpdate.backward keeps these on the device until the step's last backward.
             raise RuntimeError("memory.host_grad_dtype=compute: a second gradient for one parameter in a step "
                                "(16-bit host gradients are not summed on the host)")
-        if master.grad is not None:  # this step's sum is on the host already: add to it
+        if id(p) in self._summed:  # this step's sum is on the host already: add to it
             self._accumulator.add(grad, buf)
             p.grad = None
             return
@@ -262,9 +279,10 @@ class HostOffload:
                 self._grads_copied.record()
         else:
             buf.copy_(grad)  # 16-bit host gradients: cast in the copy (on the device, before it crosses)
+        self._summed.add(id(p))
         if self.half_grads:
             self._filled[id(master)] = buf
-        else:
+        elif not self.defer_grads:
             master.grad = buf
         p.grad = None  # the device copy is no longer needed: this is the memory offload saves
 
@@ -356,7 +374,50 @@ class HostOffload:
             p.grad = None
         self._grads_copied = None
         self._filled.clear()
+        self._summed.clear()
         self.grad_multiplier = 1.0
+
+    # ---- the delayed update (m6.memory.delayed_update) ----------------------------------------
+    def hand_over_grads(self) -> None:
+        """The attached gradients now belong to an update running in the background: the next
+        backward streams into the other buffer set (allocated here the first time: one more fp32
+        gradient per parameter on the host). The masters' .grad are left to the update."""
+        self._accumulator.flush()
+        if self._spare_grad_buffers is None:
+            pin = self.copy_stream is not None
+            self._spare_grad_buffers = {k: torch.empty(b.shape, dtype=b.dtype, pin_memory=pin)
+                                        for k, b in self._grad_buffers.items()}
+        self._grad_buffers, self._spare_grad_buffers = self._spare_grad_buffers, self._grad_buffers
+        for p in self.params:
+            p.grad = None
+        self._grads_copied = None
+        self._summed.clear()
+
+    def release_update_grads(self) -> None:
+        """After the background update: drop the gradients it read (their buffers are kept)."""
+        for p in self.params:
+            self.masters[id(p)].grad = None
+
+    def attach_grads(self) -> None:
+        """After the step's backward (and any update in flight): the masters' .grad are this step's sums."""
+        for p in self.params:
+            if id(p) in self._summed:
+                self.masters[id(p)].grad = self._grad_buffers[id(p)]
+
+    def push_weights(self) -> None:
+        """Copy every resident master to its device parameter (after an update that did not copy
+        back); on CUDA asynchronous, the next forward's kernels wait for it."""
+        self._copy_back([m for _, m in self.resident])
+        if self.copy_stream is not None:
+            self._pushed = torch.cuda.Event()
+            self._pushed.record(self.copy_stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def weights_pushed_event(self) -> torch.cuda.Event | None:
+        """The event after the last ``push_weights`` copies (None on CPU): an update must not
+        change the masters before it has completed."""
+        pushed, self._pushed = self._pushed, None
+        return pushed
 
     def pull_masters(self) -> None:
         """After loading weights into the model (resume): refresh the host masters from them."""
@@ -390,11 +451,13 @@ def _fit_fp16(grad: torch.Tensor, divisor_out: torch.Tensor) -> torch.Tensor:
 
 
 def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,
-                  streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32) -> HostOffload | None:
-    """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients'."""
+                  streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32,
+                  separate_homes: bool = False) -> HostOffload | None:
+    """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients';
+    ``separate_homes``: streamed weights apart from their masters (the delayed update)."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"memory.offload must be one of {OFFLOAD_MODES}, got {mode!r}")
     if mode == "none":
         return None
     layers = list(streamed_layers) if mode == "optimizer+params" else []
-    return HostOffload(params, device, layers, grad_dtype)
+    return HostOffload(params, device, layers, grad_dtype, separate_homes)

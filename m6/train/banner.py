@@ -181,7 +181,7 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
         *([facts.balance] if facts.balance else []),
         f"memory   offload {mem.offload}"
         f"{', host gradients in the compute dtype' if mem.offload != 'none' and mem.host_grad_dtype == 'compute' else ''}"
-        f", recompute {mem.activation_checkpointing}",
+        f"{delayed_update_words(cfg)}, recompute {mem.activation_checkpointing}",
         *([_compile_line(cfg, facts.moe_blocks)] if t.compile else []),
         *_data_lines(cfg, facts),
         f"run      {facts.run_dir} | {facts.start} | {t.max_steps} steps | metrics.jsonl"
@@ -191,6 +191,15 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
            if cfg.checkpoint.enabled else "checkpoints OFF (checkpoint.enabled=false)"),
     ]
     return "\n".join(lines)
+
+
+def delayed_update_words(cfg: Config) -> str:
+    """The memory line's words for optim.delayed_update ('' when off)."""
+    if not cfg.optim.delayed_update:
+        return ""
+    after = cfg.optim.delayed_update_after
+    return (f", delayed update from step {after + 1} (the host update of step t runs during step t+1, whose "
+            f"forward uses the weights from before it: one step stale)")
 
 
 def checkpoint_line(step: int, path: Path, nbytes: int, seconds: float, background: bool) -> str:

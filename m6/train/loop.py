@@ -176,7 +176,7 @@ class Trainer:
                                         self.step_reduction.has_expert_exchange)
         layout = self.sharded.groups.layout
         self.state = TrainingState(
-            ModelState(self.sharded, self.update.offload),
+            ModelState(self.sharded, self.update.offload, self.update.delayed),
             OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
             {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips,
              **({"loss_scale": self.update.loss_scale} if self.update.loss_scale is not None else {})},
@@ -426,6 +426,7 @@ class Trainer:
         """Every rank writes its own share of the checkpoint of this step, in parallel (a
         collective). With checkpoint.async_save the files are written in the background unless
         ``wait``; a save still running is finished first. Returns the step directory."""
+        self.update.wait()  # delayed update: the state after this step's update, the device weights unchanged
         state, shards = self.state.state_dict()  # collectives inside: every rank
         path = self.checkpoints.save(self.step, state, shards, asynchronous=self.cfg.checkpoint.async_save)
         self.last_saved_step = self.step
@@ -500,6 +501,7 @@ class Trainer:
                 if stop.requested():
                     self._stop_with_checkpoint(stop.signal_name)
                     break
+            self.update.wait()  # delayed update: nothing runs on after fit returns
             self.checkpoints.close()
             final = self.history[-1] if self.history else {}
             self.logger.summary({"final_loss": final.get("loss"), "steps": self.step,

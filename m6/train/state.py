@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from m6.data.record_dataset import RUNTIME_SKIP_REASONS
 from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
+from m6.memory.delayed_update import DelayedUpdate
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part, shard_rows
 from m6.parallel.sharded_adafactor import ShardedAdafactor
@@ -101,25 +102,38 @@ class SkipLedger:
 
 class ModelState:
     """The model's weights, layout-free: each expert tensor is this rank's rows of the global one,
-    keyed by its global expert ids (so any layout reads it); offload's host masters follow a load."""
+    keyed by its global expert ids (so any layout reads it); offload's host masters follow a load.
 
-    def __init__(self, sharded: ShardedModel, offload: HostOffload | None) -> None:
-        self.sharded, self.offload = sharded, offload
+    With the delayed update (``delayed``) the device weights are one update behind the host
+    masters between steps: the weights are the masters (what a synchronous run holds at this step:
+    init_from, export and a synchronous resume read them), and ``next_forward_tensors`` are the
+    device weights the next step's forward uses, which an exact delayed resume restores too."""
 
-    def _state(self) -> dict[str, torch.Tensor]:
+    def __init__(self, sharded: ShardedModel, offload: HostOffload | None,
+                 delayed: DelayedUpdate | None = None) -> None:
+        self.sharded, self.offload, self.delayed = sharded, offload, delayed
+
+    def _state(self, masters: bool = False) -> dict[str, torch.Tensor]:
         """name -> tensor; a tensor that several blocks share (model.share_layers) appears once,
-        under its first name."""
+        under its first name. ``masters``: a parameter with a host master gives the master."""
         out, seen = {}, set()
         for name, t in self.sharded.model.state_dict(keep_vars=True).items():
             if id(t) not in seen:
                 seen.add(id(t))
-                out[name] = t.detach()
+                out[name] = self.offload.masters[id(t)] if masters and id(t) in self.offload.masters else t.detach()
         return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """name -> tensor (shares the model's storage: a load writes straight into the weights);
         a sharded (FSDP2) parameter gives this rank's shard."""
-        return {name: local_part(t) for name, t in self._state().items()}
+        return {name: local_part(t) for name, t in self._state(masters=self.delayed is not None).items()}
+
+    def next_forward_tensors(self) -> dict[str, torch.Tensor]:
+        """Delayed update: name -> the device weight the next forward uses, for each parameter
+        with a host master (sharing its storage)."""
+        with_master = {name for name, t in self.sharded.model.state_dict(keep_vars=True).items()
+                       if id(t) in self.offload.masters}
+        return {name: t for name, t in self._state().items() if name in with_master}
 
     def global_shapes(self) -> dict[str, torch.Size]:
         return {name: global_shape(self.sharded, name, t) for name, t in self._state().items()}
@@ -128,9 +142,16 @@ class ModelState:
         return {f"{prefix}{name}": (global_shape(self.sharded, name, t), placement(self.sharded, name, t))
                 for name, t in self._state().items() if is_row_shard(self.sharded, name, t)}
 
-    def after_load(self) -> None:
-        if self.offload:
-            self.offload.pull_masters()
+    def after_load(self, next_forward_loaded: bool = False) -> None:
+        """After a load wrote ``tensors()`` (and, when ``next_forward_loaded``, the
+        ``next_forward_tensors()``): bring the other copy of the weights in line."""
+        if self.delayed is None:
+            if self.offload:
+                self.offload.pull_masters()
+        elif not next_forward_loaded:  # the weights are the masters: the device starts from them
+            self.offload.push_weights()
+        else:  # the device holds the saved next-step weights; the masters' copy follows the next backward
+            self.delayed.stale = True
 
 
 def is_row_shard(sharded: ShardedModel, name: str, t: torch.Tensor) -> bool:
@@ -266,7 +287,8 @@ class RNGState:
 
 
 class TrainingState:
-    """What one checkpoint holds: the model and optimizer tensors (sharded), the rank-independent
+    """What one checkpoint holds: the model and optimizer tensors (sharded; with the delayed update
+    also the next forward's device weights, ``delayed_update/next_forward/``), the rank-independent
     Stateful pieces (``values``, identical on every rank: written once), this rank's RNG streams
     (``rng/rank{r}``) and fixed metadata (config, layout). A piece named in ``optional`` that a
     checkpoint lacks (the fp16 loss scale, resuming a bf16 or fp32 run) keeps its fresh state;
@@ -282,11 +304,22 @@ class TrainingState:
     def state_dict(self) -> tuple[dict, Shards]:
         """(nested state, expert shards): collected in the same order on every rank (collectives)."""
         state = {"model": self.model.tensors(),
+                 **({"delayed_update": {"next_forward": self.model.next_forward_tensors()}}
+                    if self.model.delayed is not None else {}),
                  "optimizer": {"state": self.optimizer.tensors(), "param_groups": self.optimizer.hyperparameters()},
                  **{name: piece.state_dict() for name, piece in self.values.items()},
                  "rng": {f"rank{self.rank}": self.rng.state_dict()},
                  "meta": self.metadata}
-        return state, {**self.model.shards("model/"), **self.optimizer.shards("optimizer/state/")}
+        return state, {**self.model.shards("model/"), **self._next_forward_shards(),
+                       **self.optimizer.shards("optimizer/state/")}
+
+    def _next_forward_shards(self) -> Shards:
+        """The expert rows among the delayed update's next-step weights (none without it)."""
+        if self.model.delayed is None:
+            return {}
+        prefix = f"{NEXT_FORWARD}/"
+        names = {prefix + name for name in self.model.next_forward_tensors()}
+        return {k: v for k, v in self.model.shards(prefix).items() if k in names}
 
     def load(self, manager: CheckpointManager, path: Path) -> dict:
         """Restore everything from the checkpoint ``path`` (a collective); returns its metadata.
@@ -315,14 +348,20 @@ class TrainingState:
                    "meta": None}
         if any(k.startswith(f"rng/{rng_key}/") for k in saved):
             targets["rng"] = {rng_key: None}
-        shards = {**self.model.shards("model/"), **self.optimizer.shards("optimizer/state/")}
+        # Delayed update: the device weights the next forward uses, when the checkpoint has them (a
+        # synchronous run's has not: the device then starts from the weights).
+        next_forward = self.model.delayed is not None and any(k.startswith(f"{NEXT_FORWARD}/") for k in saved)
+        if next_forward:
+            targets["delayed_update"] = {"next_forward": self.model.next_forward_tensors()}
+        shards = {**self.model.shards("model/"), **(self._next_forward_shards() if next_forward else {}),
+                  **self.optimizer.shards("optimizer/state/")}
         loaded = manager.load(path, targets, shards)
         data_changes = changed_keys(loaded["meta"].get("config", {}), self.metadata.get("config", {}), DATA_IDENTITY)
         if data_changes:
             raise CheckpointMismatch(
                 f"checkpoint {path} was saved with other training data, so its data position would point into "
                 f"different samples: " + "; ".join(data_changes) + ". " + _WEIGHTS_ONLY)
-        self.model.after_load()
+        self.model.after_load(next_forward_loaded=next_forward)
         self.optimizer.load_hyperparameters(loaded["optimizer"]["param_groups"])
         for name, piece in self.values.items():
             if name in self.missing:
@@ -336,6 +375,10 @@ class TrainingState:
         if "rng" in loaded:
             self.rng.load_state_dict(loaded["rng"][rng_key])
         return loaded["meta"]
+
+
+# Where a delayed-update checkpoint keeps the device weights of the next forward (one update behind "model/").
+NEXT_FORWARD = "delayed_update/next_forward"
 
 
 # Config sections that decide each restored piece: where to look when it does not fit.

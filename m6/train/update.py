@@ -7,6 +7,10 @@ CPU offload, clipping to the global norm, the (group-wise) optimizer update and 
     norm = update.clip(max_norm)                # fp16: unscaled here, in the clip's multiply
     update.step(apply=finite)                   # update (unless skipped), zero grads, next lr (and loss scale)
 
+With optim.delayed_update, ``step`` launches the host update in the background
+(m6.memory.delayed_update) and the next step's ``finish`` waits for it and copies its weights to
+the device: the forward/backward in between runs on the weights from before that update.
+
 The collaborators are wired here once, not per step: the sync hands each bucket's final gradients
 to offload, and clipping and the update run on whichever tensors hold them (device params, or
 their host masters when offloaded).
@@ -23,6 +27,7 @@ import torch.distributed as dist
 
 from m6.config import Config
 from m6.memory import GroupedApply, build_offload
+from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.live_bytes import grad_bytes
 from m6.memory.offload_blocks import resolve_offload_blocks
@@ -59,7 +64,7 @@ class ParameterUpdate:
         host_grad_dtype = compute_dtype if cfg.memory.host_grad_dtype == "compute" else torch.float32
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
-            grad_dtype=host_grad_dtype)
+            grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update)
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None)
@@ -91,6 +96,10 @@ class ParameterUpdate:
             if t.precision == "fp16" else None
         self.apply = GroupedApply(self.optimizer, replicated + split, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
+        # optim.delayed_update (config.py allows it with m6's unsharded fp32-gradient offload): step t's
+        # host update runs in the background during step t+1's forward/backward.
+        self.delayed = DelayedUpdate(self.offload, cfg.optim.delayed_update_after) \
+            if cfg.optim.delayed_update else None
 
     @property
     def lr(self) -> float:
@@ -128,6 +137,9 @@ class ParameterUpdate:
         self.sync.finish()
         if self.offload:
             self.offload.finish_backward()
+        if self.delayed is not None:  # the last step's update is done and on the device; now this step's
+            self.delayed.catch_up()
+            self.offload.attach_grads()
 
     def clip(self, max_norm: float) -> float:
         """Clip to the norm of the global gradient (every expert counted once); returns it.
@@ -162,6 +174,12 @@ class ParameterUpdate:
         fp16, the loss scale (a skipped step backs it off: the same on every rank, as ``apply`` is)."""
         if self.loss_scale is not None:
             self.loss_scale.update(overflow=not apply)
+        step = self.scheduler.last_epoch + 1  # this step, counted from 1 (the schedule's position travels in checkpoints)
+        if apply and self.delayed is not None and self.delayed.is_delayed(step):
+            # The thread advances the schedule after its update: the rate it reads is this step's.
+            self.grad_bytes_after_backward = 0
+            self.delayed.launch(step, lambda: (self.apply.step(), self.scheduler.step()))
+            return
         if apply:
             if self.offload:
                 self.offload.step(self.apply)
@@ -170,7 +188,14 @@ class ParameterUpdate:
         self.zero_grad()
         self.scheduler.step()
 
+    def wait(self) -> None:
+        """Delayed update: wait for the update in flight (the device keeps its weights); before a
+        checkpoint reads the optimizer state and the masters, and at the run's end."""
+        if self.delayed is not None:
+            self.delayed.wait()
+
     def zero_grad(self) -> None:
+        self.wait()  # an update in flight reads the masters' gradients: never drop them under it
         self.grad_bytes_after_backward = 0
         self.optimizer.zero_grad(set_to_none=True)
         if self.offload:

@@ -45,6 +45,10 @@ ALLOW_LIST = (
     Allowed("m6/memory/offload.py:finish_backward", "step", 1,
             "memory.offload: the host update needs every gradient on the host; one wait for the last copy "
             "(the copy stream runs them in order)"),
+    Allowed("m6/memory/delayed_update.py:run", "step", 1,
+            "optim.delayed_update: the background update waits, on its own thread (the training thread "
+            "goes on), for the copy of the masters to the device that the step before started, before it "
+            "changes them"),
     Allowed("m6/parallel/grad_sync.py:prepare", "step", 2,
             "world > 1: whether every rank's graph reaches the same parameters (a small all-reduce, its "
             "input copied in and its result read)"),
@@ -135,7 +139,7 @@ def per_event_table(runs: dict[str, dict]) -> str:
         totals: Counter = Counter()
         for (_, phase), n in sync_totals(run["findings"]).items():
             totals[phase] += n
-        writer: Counter = Counter()  # syncs on the checkpoint writer thread, not the training thread
+        writer: Counter = Counter()  # syncs off the training thread (the delayed update's worker)
         for sync in run["findings"]["syncs"]:
             if "[thread " in sync["what"]:
                 writer[sync["phase"]] += sync["count"]
@@ -146,7 +150,7 @@ def per_event_table(runs: dict[str, dict]) -> str:
                 continue
             cell = f"{(totals[phase] - writer[phase]) / events[phase]:g}"
             if writer[phase]:
-                cell += f" (+{writer[phase] / events[phase]:g} writer thread)"
+                cell += f" (+{writer[phase] / events[phase]:g} off the training thread)"
             cells.append(cell)
         moe_per_step = events.get("moe_forward in step", 0) / max(events.get("step", 1), 1)
         lines.append(f"| {name} | {moe_per_step:g} | " + " | ".join(cells) + " |")

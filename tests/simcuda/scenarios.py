@@ -240,6 +240,16 @@ MEMORY_VARIANTS = {
     "offload-optimizer+params": ["train.precision=bf16", "memory.offload=optimizer+params",
                                  "memory.host_optimizer=torch"],
     "recompute-full": ["train.precision=bf16", "memory.activation_checkpointing=full"],
+    # The delayed update from step 1: step 1's host update runs on the worker thread during step 2,
+    # whose end copies its weights back on the copy stream (the worker waits for that copy before
+    # it changes the masters again); the save and the run's end wait for the last one.
+    "offload-optimizer-delayed": ["train.precision=bf16", "memory.offload=optimizer", "memory.host_optimizer=torch",
+                                  "train.micro_batch_size=4", "optim.delayed_update=true",
+                                  "optim.delayed_update_after=0"],
+    # The same with the blocks streamed: their host homes apart from the masters, refreshed at each copy-back.
+    "offload-optimizer+params-delayed": ["train.precision=bf16", "memory.offload=optimizer+params",
+                                         "memory.host_optimizer=torch", "optim.delayed_update=true",
+                                         "optim.delayed_update_after=0"],
 }
 EXPERT_PARALLEL_VARIANTS = {  # name -> (world size, overrides); a mirror world (mirror_world.py)
     "ep-world2": (2, ["train.precision=bf16", "parallel.expert_parallel_size=2"]),

@@ -1,6 +1,7 @@
 """Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
 evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
-and of optimizer+params, full recompute, and expert parallelism at world 2 and 4 in a mirror world.
+and of optimizer+params (each also with the delayed update), full recompute, and expert parallelism
+at world 2 and 4 in a mirror world.
 Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
 rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
 
@@ -14,7 +15,8 @@ from host_sync_allow_list import ALLOW_LIST, DROPLESS_SINGLE_GPU_ALLOW_LIST, per
 from preload import scenario_result
 
 GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast", "dropless-grouped_mm"],
-          "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full"],
+          "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full",
+                             "offload-optimizer-delayed", "offload-optimizer+params-delayed"],
           "expert_parallel": ["ep-world2", "ep-world4"]}
 RUNS = [(group, name) for group, names in GROUPS.items() for name in names]
 pytestmark = [pytest.mark.simcuda_group(group) for group in GROUPS]
@@ -45,7 +47,7 @@ def test_trainer_run_is_clean_on_simulated_cuda(simcuda, group, name):
         counts = (2, 1, 1, 1, 0, 1)
     assert tuple(events.get(phase, 0) for phase in ("step", "logging_step", "eval", "save", "resume", "run")) == counts
     # optimizer+params keeps the blocks' weights on the host between their uses.
-    assert facts["params_on_device"] == (9 if name == "offload-optimizer+params" else facts["params"]), facts
+    assert facts["params_on_device"] == (9 if name.startswith("offload-optimizer+params") else facts["params"]), facts
 
 
 def test_simulated_run_computes_what_the_cpu_computes(simcuda):
@@ -60,7 +62,8 @@ def test_simulated_run_computes_what_the_cpu_computes(simcuda):
 def test_offload_waits_for_the_gradients_once_per_step(simcuda):
     """The gradient copies to the host run in order on one stream: the step waits for the last one,
     not for each parameter's (55 waits per step before)."""
-    for name in ("offload-optimizer", "offload-optimizer+params"):
+    for name in ("offload-optimizer", "offload-optimizer+params", "offload-optimizer-delayed",
+                 "offload-optimizer+params-delayed"):
         run = _run(simcuda, "trainer_memory", name)
         totals = sync_totals(run["findings"])
         assert totals[("m6/memory/offload.py:finish_backward", "step")] == run["events"]["step"], (name, totals)

@@ -246,7 +246,7 @@ def test_inspect_prints_device_and_host_bytes(capsys):
 
     assert m6inspect.main([str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"), "memory.offload=optimizer", "optim.apply_groups=4"]) == 0
     out = capsys.readouterr().out
-    assert "with memory features (optim.apply_groups=4, memory.offload=optimizer)" in out
+    assert "memory features   optim.apply_groups=4, memory.offload=optimizer," in out
     line = next(l for l in out.splitlines() if l.strip().startswith("optimizer state") and "MiB" in l)
     device, host = line.split()[-4], line.split()[-2]
     assert float(device) == 0.0 and float(host) > 0.0  # moved to the host

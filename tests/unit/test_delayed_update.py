@@ -1,0 +1,218 @@
+"""The delayed parameter update (optim.delayed_update, m6.memory.delayed_update): the forward of
+step t+1 sees exactly the weights from before step t's update, the first delayed_update_after steps
+are synchronous, the update really runs in the background thread, a checkpoint resumes exactly,
+and the config refuses what it is not built for."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from m6.config import ConfigError, load
+from m6.memory.estimate import estimate_memory
+from m6.train.loop import Trainer
+from m6.train.optim import no_decay_ids
+
+SMALL = [
+    "model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64", "model.max_text_len=32",
+    "model.image_size=16", "model.moe.every=2", "model.moe.num_experts=4", "data.kind=synthetic",
+    "data.num_workers=0", "data.num_samples=128", "data.eval_samples=0", "data.seq_len=32",
+    "train.global_batch_size=4", "train.micro_batch_size=2", "train.eval_every=0", "train.precision=fp32",
+    "train.device=cpu", "logging.console=false", "checkpoint.every=0", "memory.offload=optimizer",
+    "memory.host_optimizer=torch", "optim.warmup_steps=2",
+    "optim.apply_groups=2",  # the background update steps group by group (the optimizer's groups narrowed)
+]
+AFTER = 2
+STEPS = 6
+
+
+def trainer(path, *extra: str) -> Trainer:
+    return Trainer(load(None, [*SMALL, f"run.dir={path}", *extra]))
+
+
+def delayed(path, *extra: str) -> Trainer:
+    return trainer(path, "optim.delayed_update=true", f"optim.delayed_update_after={AFTER}", *extra)
+
+
+def masters(tr: Trainer) -> list[torch.Tensor]:
+    off = tr.update.offload
+    return [off.master(p).detach().clone() for p in off.params]
+
+
+def device_weights(tr: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in tr.update.offload.params]
+
+
+def manual_reference(path, steps: int) -> tuple[list[float], list[list[torch.Tensor]], list[torch.Tensor]]:
+    """The delayed update made by hand on a synchronous offloaded run: before step s's forward the
+    device weights are set to the masters after step s-2's update (after step s-1's for the first
+    AFTER + 1 steps, where nothing is pending yet); the host update itself is the synchronous one.
+    Returns the losses, the weights each forward used, and the final masters."""
+    tr = trainer(path)
+    after = [masters(tr)]  # after[s]: the masters once step s's update is done (0: the initial weights)
+    losses, used = [], []
+    for s in range(1, steps + 1):
+        stale = after[s - 2] if s >= AFTER + 2 else after[s - 1]
+        with torch.no_grad():
+            for p, w in zip(tr.update.offload.params, stale):
+                p.copy_(w)
+        used.append(device_weights(tr))
+        losses.append(tr.train_step()["loss"])
+        after.append(masters(tr))
+    return losses, used, after[-1]
+
+
+def watched_run(tr: Trainer, steps: int) -> tuple[list[float], list[list[torch.Tensor]], set[str]]:
+    """Losses, the weights every step's forwards used (all its micro-batches the same), and the
+    threads the optimizer stepped on."""
+    seen: list[list[torch.Tensor]] = []
+    threads: set[str] = set()
+    hook = tr.model.register_forward_pre_hook(lambda module, args: seen.append(device_weights(tr)))
+    tr.update.optimizer.register_step_pre_hook(lambda *a: threads.add(threading.current_thread().name))
+    losses, used = [], []
+    for _ in range(steps):
+        seen.clear()
+        losses.append(tr.train_step()["loss"])
+        assert len(seen) == 2  # two micro-batches
+        for a, b in zip(*seen):
+            assert torch.equal(a, b)
+        used.append(seen[0])
+    hook.remove()
+    return losses, used, threads
+
+
+def test_step_t_plus_1_sees_the_weights_from_before_step_ts_update(tmp_path):
+    """Bitwise against the hand-made reference (CPU fp32, torch's AdamW on the host): every
+    forward's weights, every loss, the final masters; the first AFTER steps equal the synchronous
+    run, the update of a delayed step runs on the background thread."""
+    want_losses, want_used, want_masters = manual_reference(tmp_path / "reference", STEPS)
+    sync_losses = [l for l in (lambda tr: [tr.train_step()["loss"] for _ in range(STEPS)])(trainer(tmp_path / "sync"))]
+    tr = delayed(tmp_path / "delayed")
+    losses, used, threads = watched_run(tr, STEPS)
+    for s, (got, want) in enumerate(zip(used, want_used), start=1):
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), f"step {s}'s forward weights"
+    assert losses == want_losses
+    tr.update.wait()
+    assert all(torch.equal(a, b) for a, b in zip(masters(tr), want_masters))
+    # Synchronous up to step AFTER + 1 (whose forward follows the synchronous update of step AFTER),
+    # one step stale from AFTER + 2 on: the curve departs there.
+    assert losses[:AFTER + 1] == sync_losses[:AFTER + 1]
+    assert losses[AFTER + 1] != sync_losses[AFTER + 1]
+    assert any(name.startswith("m6-delayed-update") for name in threads)
+    assert threading.main_thread().name in threads  # the synchronous first steps
+
+
+@pytest.mark.parametrize("host_optimizer", ["torch", "deepspeed"])
+def test_resume_is_exact_with_an_update_in_flight_at_the_save(tmp_path, host_optimizer):
+    """Saved at step 4 (two delayed steps in: the device one update behind the masters), resumed:
+    the same losses and final masters as the uninterrupted run, bitwise, with torch's AdamW and
+    DeepSpeed's CPU Adam on the worker thread; the checkpoint's weights are the masters (a
+    synchronous resume continues from them) and the next forward's are kept apart."""
+    opt = f"memory.host_optimizer={host_optimizer}"
+    straight = delayed(tmp_path / "straight", f"train.max_steps={STEPS}", opt)
+    want = [h["loss"] for h in straight.fit()]
+    first = delayed(tmp_path / "b", f"train.max_steps={STEPS}", opt)
+    head = [h["loss"] for h in first.fit(stop_at=4)]
+    behind = device_weights(first)
+    assert not all(torch.equal(a, b) for a, b in zip(behind, masters(first)))
+    resumed = delayed(tmp_path / "b", f"train.max_steps={STEPS}", "checkpoint.resume=auto", opt)
+    assert resumed.step == 4
+    assert all(torch.equal(a, b) for a, b in zip(device_weights(resumed), behind))
+    assert all(torch.equal(a, b) for a, b in zip(masters(resumed), masters(first)))
+    tail = [h["loss"] for h in resumed.fit()]
+    assert head + tail == want
+    assert all(torch.equal(a, b) for a, b in zip(masters(resumed), masters(straight)))
+    # A synchronous resume of the delayed checkpoint starts from its weights, the masters after step 4.
+    sync = trainer(tmp_path / "sync", f"train.max_steps={STEPS}", opt,
+                   f"checkpoint.resume={tmp_path / 'b' / 'checkpoints' / 'step_00000004'}")
+    assert sync.step == 4
+    assert all(torch.equal(a, b) for a, b in zip(device_weights(sync), masters(first)))
+
+
+def test_streamed_blocks_train_like_resident_ones(tmp_path):
+    """memory.offload=optimizer+params: the blocks' host homes (what the next forward fetches) are
+    apart from their masters (what the background update writes), so the run is bitwise the
+    optimizer-only delayed run; the estimate counts the homes; resume is exact."""
+    steps = 5
+    want = delayed(tmp_path / "optimizer", f"train.max_steps={steps}")
+    want_losses = [want.train_step()["loss"] for _ in range(steps)]
+    want.update.wait()
+    tr = delayed(tmp_path / "params", "memory.offload=optimizer+params", f"train.max_steps={steps}")
+    off = tr.update.offload
+    streamed = [p for layer in off.streamer.layers for p in layer.params]
+    assert streamed and all(off.master(p) is not home for layer in off.streamer.layers
+                            for p, home in zip(layer.params, layer.homes))
+    losses = [tr.train_step()["loss"] for _ in range(3)]
+    tr.save_checkpoint(wait=True)
+    losses += [tr.train_step()["loss"] for _ in range(steps - 3)]
+    assert losses == want_losses
+    tr.update.wait()
+    assert all(torch.equal(a, b) for a, b in zip(masters(tr), masters(want)))
+    homes = sum(h.nbytes for layer in off.streamer.layers for h in layer.homes)
+    report = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model))
+    assert report.host["params"] == sum(off.master(p).nbytes for p in off.params) + homes
+    resumed = delayed(tmp_path / "params", "memory.offload=optimizer+params", f"train.max_steps={steps}",
+                      "checkpoint.resume=auto")
+    assert resumed.step == 3
+    assert [resumed.train_step()["loss"] for _ in range(steps - 3)] == want_losses[3:]
+
+
+def test_a_skipped_step_launches_nothing_and_the_next_catches_up(tmp_path):
+    """A non-finite step (agreed before the launch) updates nothing; the pending update of the step
+    before it still reaches the device before the step after."""
+    tr = delayed(tmp_path, "optim.delayed_update_after=0")
+    initial = masters(tr)
+    tr.train_step()
+    assert tr.update.delayed.in_flight
+    finish = tr.update.finish
+
+    def finish_then_poison() -> None:
+        finish()
+        g = tr.update.offload.master(tr.update.offload.params[0]).grad
+        g.view(-1)[0] = float("nan")
+
+    tr.update.finish = finish_then_poison
+    metrics = tr.train_step()
+    assert tr.counters.skipped_steps == 1 and not tr.update.delayed.in_flight
+    after_step_1 = masters(tr)  # step 2 changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(initial, after_step_1))
+    assert all(torch.equal(a, b) for a, b in zip(device_weights(tr), after_step_1))
+    assert metrics["grad_norm"] != metrics["grad_norm"]  # nan
+    tr.update.finish = finish
+    tr.train_step()
+    assert tr.update.delayed.in_flight
+
+
+def test_the_memory_estimate_counts_both_host_gradient_sets(tmp_path):
+    """Double buffering: the estimate's host gradients are the bytes of both buffer sets, twice
+    a synchronous run's."""
+    reports = {}
+    for name, extra in (("sync", []), ("delayed", ["optim.delayed_update=true", "optim.delayed_update_after=0"])):
+        tr = trainer(tmp_path / name, *extra)
+        tr.train_step()
+        reports[name] = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model)).host["grads"]
+        off = tr.update.offload
+        sets = [off._grad_buffers, *([off._spare_grad_buffers] if off._spare_grad_buffers is not None else [])]
+        assert reports[name] == sum(b.nbytes for buffers in sets for b in buffers.values()), name
+    assert reports["delayed"] == 2 * reports["sync"]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["memory.offload=none"], "memory.offload=none"),
+    (["memory.host_grad_dtype=compute", "train.micro_batch_size=null", "train.precision=bf16"],
+     "memory.host_grad_dtype=compute"),
+    (["memory.offload=optimizer+params", "parallel.shard=full"], "parallel.shard=full"),
+])
+def test_the_config_refuses_what_the_delayed_update_is_not_built_for(tmp_path, extra, needle):
+    with pytest.raises(ConfigError, match="optim.delayed_update=true") as e:
+        load(None, [*SMALL, f"run.dir={tmp_path}", "optim.delayed_update=true", *extra])
+    assert needle in str(e.value)
+
+
+def test_delayed_update_after_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="optim.delayed_update_after must be >= 0"):
+        load(None, [*SMALL, "optim.delayed_update=true", "optim.delayed_update_after=-1"])
+    with pytest.raises(ConfigError, match="only applies with optim.delayed_update=true"):
+        load(None, [*SMALL, "optim.delayed_update_after=5"])
