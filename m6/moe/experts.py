@@ -32,7 +32,7 @@ from torch import nn
 
 from m6.config import ConfigError
 
-from m6.moe import dispatch
+from m6.moe.dispatch import host_ints
 from m6.moe.expert_gemm import (EXPERT_KERNELS, ExpertKernel, build_gemms, choose_kernel, grouped_mm_op, kernel_for,
                                 uses_fused)
 from m6.moe.fused_experts import fused_expert_ffn, triton_available
@@ -156,7 +156,7 @@ class GroupedExperts(nn.Module):
         x_ND, weights, kernel = self._inputs(x_ND)
         self.last_kernel = kernel
         if kernel == "loop" and isinstance(splits, torch.Tensor):
-            (splits,) = dispatch.host_ints(splits)  # the loop slices on the host (not reached when takes_device_counts held)
+            (splits,) = host_ints(splits)  # the loop slices on the host (not reached when takes_device_counts held)
         with torch.autocast(device_type=x_ND.device.type, enabled=False):
             if kernel == "fused":
                 return fused_expert_ffn(x_ND, None, None, splits, self.activation, *weights)

@@ -54,6 +54,14 @@ import torch.nn.functional as F
 from m6.config import ConfigError
 
 
+def _kernels():
+    """m6.moe.triton_expert_kernels, imported at first use: importing triton takes seconds, and it
+    builds its kernels interpreted or compiled from TRITON_INTERPRET at that moment."""
+    import m6.moe.triton_expert_kernels as tk
+
+    return tk
+
+
 def triton_available() -> bool:
     """Whether Triton can be imported (without importing it: the import is slow and fixes the
     interpreter mode for the process)."""
@@ -202,7 +210,7 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def _gemm_act(x_SD, src_N, w_in, w_gate, tiles: RowTiles, act: int, blocks: Blocks):
-    from m6.moe import triton_expert_kernels as tk
+    tk = _kernels()
 
     D, Fd = w_in.shape[1], w_in.shape[2]
     N = tiles.num_rows
@@ -221,7 +229,7 @@ def _gemm_act(x_SD, src_N, w_in, w_gate, tiles: RowTiles, act: int, blocks: Bloc
 def _gemm_scatter(a1, w1, a2, w2, transpose: bool, scale_N, dst_N, out, tiles: RowTiles, blocks: Blocks) -> None:
     """out (+)= a1 @ w1[e] (+ a2 @ w2[e]) [* scale], over the rows; w [E, K, N] or, transposed,
     [E, N, K] read as its transpose."""
-    from m6.moe import triton_expert_kernels as tk
+    tk = _kernels()
 
     K = a1.shape[1]
     Nout = out.shape[1]
@@ -239,7 +247,7 @@ def _gemm_scatter(a1, w1, a2, w2, transpose: bool, scale_N, dst_N, out, tiles: R
 
 def _gemm_act_backward(dy, src_N, w_out, h, g, probs_N, tiles: RowTiles, act: int, blocks: Blocks):
     """(aw [N, F], dprobs partials [N, F tiles] fp32 or None); dh, dg overwrite h, g."""
-    from m6.moe import triton_expert_kernels as tk
+    tk = _kernels()
 
     D = dy.shape[1]
     N, Fd = h.shape
@@ -260,7 +268,7 @@ def _gemm_act_backward(dy, src_N, w_out, h, g, probs_N, tiles: RowTiles, act: in
 
 def _weight_grad(a, a_src, b1, b2, b_src, out_dtype, tiles: RowTiles, blocks: Blocks):
     """[E, K, M] a[rows_e].T @ b[rows_e] (and for b2), rows optionally gathered."""
-    from m6.moe import triton_expert_kernels as tk
+    tk = _kernels()
 
     E, K, M = tiles.num_experts, a.shape[1], b1.shape[1]
     out1 = torch.empty(E, K, M, dtype=out_dtype, device=a.device)
@@ -284,7 +292,7 @@ class FusedExpertFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_SD, src_N, probs_N, splits, num_rows, activation, num_out_rows, out_dtype, w_in, w_out, w_gate):
-        from m6.moe import triton_expert_kernels as tk
+        tk = _kernels()
 
         act = tk.SWIGLU if activation == "swiglu" else tk.GELU
         blocks = blocks_for(x_SD.device)
