@@ -19,8 +19,10 @@ second MixtureSampler advanced one global batch per step; a restored loader star
 
 from __future__ import annotations
 
+import atexit
 import signal
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -157,6 +159,13 @@ class TrainLoader:
         finally:
             if blocked is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        if self.num_workers and not self._closes_at_exit:
+            # At interpreter exit multiprocessing terminates its daemonic children and joins them;
+            # the workers ignore that SIGTERM, so a process that trained without fit() (which
+            # closes the loader) would wait on them for ever. This handler, registered after
+            # multiprocessing's and torch's, runs before them and stops the workers as close() does.
+            atexit.register(_close_at_exit, weakref.ref(self))
+            self._closes_at_exit = True
 
     def next_step(self) -> tuple[list[LoadedBatch], float]:
         """This rank's micro-batches of the next global batch, and the seconds spent waiting for them."""
@@ -196,6 +205,8 @@ class TrainLoader:
         self.close()
         self.consumed.load_state_dict(state["stream"])
 
+    _closes_at_exit = False
+
     def close(self) -> None:
         """Stop the workers; the next ``next_step`` starts new ones at the consumed position."""
         iterator, self._iterator, self._loader = self._iterator, None, None
@@ -211,3 +222,9 @@ class TrainLoader:
             if worker.is_alive():
                 worker.kill()
                 worker.join(timeout=5)
+
+
+def _close_at_exit(loader_ref: weakref.ref) -> None:
+    loader = loader_ref()
+    if loader is not None:
+        loader.close()

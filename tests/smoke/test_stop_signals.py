@@ -91,3 +91,21 @@ def test_ctrl_c_while_the_run_is_built_is_one_line_and_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "train", interrupted)
     assert cli.main(["--config", TINY, "data.kind=synthetic", "data.sources=[]"]) == 130
     assert capsys.readouterr().err == "SIGINT outside the training steps: stopped without a checkpoint\n"
+
+
+def test_a_process_that_steps_without_fit_exits_with_its_workers(tmp_path):
+    """A script that builds a Trainer and calls train_step (a benchmark, an evaluation) and then
+    simply ends: the interpreter's exit stops the data workers, though they ignore SIGTERM (which is
+    how multiprocessing ends daemonic children at exit: without the loader's exit handler the process
+    waits on them for ever)."""
+    script = (
+        "import sys\n"
+        "from m6.config import load\n"
+        "from m6.train.loop import Trainer\n"
+        f"cfg = load({TINY!r}, {FILES!r} + ['logging.console=false', 'run.dir=' + sys.argv[1]])\n"
+        "Trainer(cfg).train_step()\n"
+        "print('stepped', flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                          text=True, timeout=60, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
+    assert proc.returncode == 0 and "stepped" in proc.stdout, proc.stderr[-2000:]
