@@ -294,12 +294,17 @@ def run(config: str, overrides: list[str], out: Path, steps: int = 2, warmup: in
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     build_s = time.perf_counter() - t0
-    for _ in range(warmup):
-        trainer.train_step()
-    timed = throughput(trainer, timed_steps) if timed_steps else {}
-    result = {**timed, **breakdown(trainer, steps), "trainer_build_s": round(build_s, 1)}
-    if count_syncs and trainer.device.type == "cuda":
-        result["host_syncs"] = host_syncs(trainer)
+    try:
+        for _ in range(warmup):
+            trainer.train_step()
+        timed = throughput(trainer, timed_steps) if timed_steps else {}
+        result = {**timed, **breakdown(trainer, steps), "trainer_build_s": round(build_s, 1)}
+        if count_syncs and trainer.device.type == "cuda":
+            result["host_syncs"] = host_syncs(trainer)
+    finally:
+        # train_step alone never stops the data workers (fit does); they ignore SIGTERM, so the
+        # interpreter's exit would wait on them forever.
+        trainer.loader.close()
     return result
 
 
