@@ -31,7 +31,6 @@ import json
 import os
 import re
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from bench.harness import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
@@ -122,12 +123,6 @@ def exit_on_termination() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_job(run_dir: Path, speeds: list[int], balance: str, steps: int, groups: dict[int, SlowGroup],

@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -50,7 +49,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from bench.checkpoint_anchor import anchor_load, anchor_save
-from bench.harness import current_rss_bytes, machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, write_results
+from bench.harness import current_rss_bytes, free_port, machine_info, machine_tag, peak_rss_bytes, reset_peak_rss, write_results
 from m6 import config as m6config
 from m6.config import load
 from m6.model import build_meta_model
@@ -84,12 +83,6 @@ MiB = 2**20
 # --------------------------------------------------------------------------- rank processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -104,7 +97,7 @@ def _entry(rank: int, fn: Callable, world: int, port: int, args: tuple) -> None:
 
 def spawn(fn: Callable, world: int, *args) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` fresh gloo processes (a rank's failure re-raises)."""
-    mp.spawn(_entry, args=(fn, world, _free_port(), args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(fn, world, free_port(), args), nprocs=world, join=True)
 
 
 def build_trainer(model: list[str], run_dir: str, ep: int, *extra: str) -> Trainer:

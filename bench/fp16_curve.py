@@ -89,6 +89,8 @@ def main() -> None:
             print(f"step {step + 1}: " + ", ".join(f"{n} {rows[n][-1]['loss']:.4f}" for n in rows), flush=True)
             if (step + 1) % WINDOW == 0 or step + 1 == args.steps:
                 write(rows, args, common, device)  # after every window: a stopped run leaves its steps so far
+        for tr in trainers.values():  # train_step never stops the data workers (fit does): exit would wait on them
+            tr.loader.close()
 
 
 def write(rows: dict[str, list[dict]], args: argparse.Namespace, common: list[str], device: torch.device) -> None:

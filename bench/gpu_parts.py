@@ -18,14 +18,12 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
-import warnings
 import xml.etree.ElementTree as ET
-from collections import Counter
 from pathlib import Path
-from typing import Callable
 
 import torch
+
+from bench.harness import free_port, ms_stats, time_ms
 
 # The tests that honour pytest --device (tests/conftest.py), plus the grouped-GEMM and host-sync
 # tests, whose CUDA cases run whenever CUDA is there.
@@ -62,32 +60,6 @@ def device_info(device: torch.device) -> dict:
     else:
         info["name"] = platform.processor() or platform.machine()
     return info
-
-
-def time_ms(fn: Callable[[], None], device: torch.device, warmup: int, reps: int) -> list[float]:
-    """Per-call milliseconds of ``fn`` after ``warmup`` calls: CUDA events on a GPU, else a host clock."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-def _stats(ms: list[float]) -> dict:
-    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "reps": len(ms)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +110,7 @@ def part_gemm_rate(args, device: torch.device, out: Path) -> tuple[dict, list[st
         torch.mm(a, b, out=c)
 
     ms = time_ms(step, device, warmup=3 if args.smoke else 10, reps=5 if args.smoke else 30)
-    s = _stats(ms)
+    s = ms_stats(ms)
     tflops = 2 * n**3 / (s["median_ms"] * 1e-3) / 1e12
     result = {"n": n, "dtype": str(dtype), **s, "tflops_median": tflops,
               "tflops_best": 2 * n**3 / (s["min_ms"] * 1e-3) / 1e12}
@@ -147,7 +119,7 @@ def part_gemm_rate(args, device: torch.device, out: Path) -> tuple[dict, list[st
 
 
 # ---------------------------------------------------------------------------------------------
-# (c) the MoE layer against DeepSpeed-MoE and a dense FFN (bench/moe_layer)
+# (c) the MoE layer against DeepSpeed-MoE and a dense FFN (bench.moe_layer's layer table)
 def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
     sub = out / "moe_layer"
     cmd = [sys.executable, "-m", "bench.moe_layer", "--device", device.type, "--stages", "timing",
@@ -158,28 +130,28 @@ def part_moe_layer(args, device: torch.device, out: Path) -> tuple[dict, list[st
     (out / "moe_layer.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"bench.moe_layer exited {proc.returncode}: {proc.stderr[-2000:]}")
-    files = sorted(sub.glob("moe_layer-*.json"))
-    result = json.loads(files[-1].read_text())
-    md = [f"`{' '.join(cmd[1:])}` -> {files[-1].relative_to(out)}", ""]
-    lines = files[-1].with_suffix(".md").read_text().splitlines()
+    (file,) = sub.glob("moe_layer-*.json")
+    lines = file.with_suffix(".md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| d/ffn/tokens"))
-    md += lines[start:]  # the table (and targets), without the long preamble
-    return {"command": " ".join(cmd[1:]), "file": str(files[-1].relative_to(out)), "rows": result["rows"]}, md
+    md = [f"`{' '.join(cmd[1:])}` -> {file.relative_to(out)}", "", *lines[start:]]  # without the long preamble
+    return {"command": " ".join(cmd[1:]), "file": str(file.relative_to(out)),
+            "rows": json.loads(file.read_text())["rows"]}, md
 
 
 # ---------------------------------------------------------------------------------------------
-# (d) expert kernels at fine-grained shapes: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense
+# (d) expert kernels at fine-grained shapes (bench.moe_layer's kernels table): m6 loop/grouped_mm/fused
+# vs HF grouped_mm vs dense
 def part_moe_kernels(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
     if device.type == "cpu":
         # The fused kernels run on CPU only under Triton's interpreter, chosen before triton is imported.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from bench.moe_kernels import TINY_SHAPES, run
+    from bench.moe_layer import KERNEL_TINY_SHAPES, run_kernels
 
     if args.smoke or device.type == "cpu":
-        return run(device, tiny=True, out=out, warmup=1, reps=3, shapes=TINY_SHAPES[:1])
+        return run_kernels(device, tiny=True, out=out, warmup=1, reps=3, shapes=KERNEL_TINY_SHAPES[:1])
     # No new shape starts after 200 s: the part ends inside a 5-minute call (the first shape pays the
     # Triton compiles, ~1.5 min; the others ~30 s each).
-    return run(device, tiny=False, out=out, budget_s=200.0)
+    return run_kernels(device, tiny=False, out=out, budget_s=200.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,7 +234,7 @@ def e2e_peer(args, out: Path, config: str, micro: int, accum: int) -> dict:
 def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
     """Issue #45's table in one call: m6-gpu-2b and the fine-grained config at several tokens per
     step (each with its step breakdown), and the HF Qwen3-MoE peer of the fine-grained shapes."""
-    from bench.step_breakdown import markdown as breakdown_markdown
+    from bench.step_breakdown import host_sync_markdown, markdown as breakdown_markdown
 
     wanted = lambda tag: not args.only or any(w in tag for w in args.only.split(","))  # noqa: E731
     runs = [e2e_run(args, out, c, m, a) for c, m, a in (E2E_RUNS[:1] if args.smoke else E2E_RUNS)
@@ -287,64 +259,6 @@ def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[st
             if "host_syncs" in r:
                 md += host_sync_markdown(r["host_syncs"])
     return {"runs": runs, "peers": peers}, md
-
-
-def innermost_m6_site(stack: list[traceback.FrameSummary]) -> str:
-    """'m6/file.py:function' of the innermost m6 frame of a stack (the allow-list's key), else the
-    innermost frame's own file:function."""
-    root = Path(__file__).resolve().parents[1]
-    for frame in reversed(stack):
-        path = Path(frame.filename).resolve()
-        if path.is_relative_to(root / "m6"):
-            return f"{path.relative_to(root).as_posix()}:{frame.name}"
-    outside = [f for f in stack if Path(f.filename).name != "warnings.py" and f.filename != __file__]
-    return f"{outside[-1].filename}:{outside[-1].name}" if outside else "?"
-
-
-def count_host_syncs(fn: Callable[[], None]) -> Counter:
-    """Syncs torch.cuda.set_sync_debug_mode('warn') reports while ``fn`` runs, by innermost m6 site.
-    (A sync inside backward is reported when backward returns, at its caller.)"""
-    sites: Counter = Counter()
-
-    def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
-            sites[innermost_m6_site(traceback.extract_stack()[:-1])] += 1
-
-    torch.cuda.synchronize()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sites
-
-
-def allowed_host_syncs(moe_forwards: int, logging: bool, dropless_grouped: bool = False) -> dict[str, int]:
-    """The documented allow-list's budget for one single-GPU, no-offload training step
-    (tests/simcuda/host_sync_allow_list.py, docs/simulated-cuda.md). ``dropless_grouped``: the MoE
-    layers are dropless (model.moe.capacity_factor null) and run grouped_mm or fused experts, so
-    they make no host sync (DROPLESS_SINGLE_GPU_ALLOW_LIST); otherwise one per MoE layer forward."""
-    allowed = {"m6/train/loop.py:train_step": 3, "m6/parallel/grad_sync.py:global_grad_norm": 1}
-    if not dropless_grouped:
-        allowed["m6/moe/dispatch.py:host_ints"] = moe_forwards
-    if logging:
-        allowed["m6/train/metrics.py:expert_load"] = 1
-    return allowed
-
-
-def host_sync_markdown(syncs: dict | None) -> list[str]:
-    if syncs is None:
-        return ["- host syncs: counted on CUDA only (torch.cuda.set_sync_debug_mode)"]
-    lines = [f"- host syncs per step (torch.cuda.set_sync_debug_mode, {syncs['steps']} steps, "
-             f"{syncs['moe_forwards_per_step']} MoE layer forwards per step): "
-             f"{syncs['per_step_total']:.1f} measured vs {syncs['allowed_per_step_total']} allowed; "
-             + ("within the allow-list" if not syncs["over_allow_list"] else f"OVER at {syncs['over_allow_list']}")]
-    lines += [f"  - {site}: {n / syncs['steps']:.1f}/step (allowed {syncs['allowed_per_step'].get(site, 0)})"
-              for site, n in sorted(syncs["sites"].items())]
-    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,19 +403,15 @@ def host_state_bytes(trainer) -> int:
 
 
 def part_offload_layouts(args, device: torch.device, out: Path) -> tuple[dict, list[str]]:
-    import socket
-
     from bench.memory import COMMON, MODEL
     from m6.config import load
     from m6.plan.memory import RankMemory
     from m6.train.loop import Trainer
 
     cuda = device.type == "cuda"
-    with socket.socket() as sock:  # one rank of a torchrun-style job: parallel.shard needs torch.distributed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    # One rank of a torchrun-style job: parallel.shard needs torch.distributed.
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(free_port()))
     model = MODEL["quick" if args.smoke else "cuda"]
     steps = 2 if args.smoke else 4
     # On a CPU (--smoke only) FSDP2's CPU offload is a config error: those layouts are left out.

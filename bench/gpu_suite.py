@@ -7,8 +7,8 @@ Parts (bench/gpu_parts.py), each in its own process under its own time limit, so
 CUDA error or a hang in one is recorded and the rest still run:
   tests            pytest --device cuda on the device-aware tests (tests/conftest.py)
   gemm_rate        the device's measured bf16 matmul rate (8192^3, CUDA events, median)
-  moe_layer        bench/moe_layer on the device: m6 vs DeepSpeed-MoE vs dense, GPU shapes
-  moe_kernels      bench/moe_kernels: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense, fine-grained shapes
+  moe_layer        bench/moe_layer's layer table on the device: m6 vs DeepSpeed-MoE vs dense, GPU shapes
+  moe_kernels      bench/moe_layer --kernels: m6 loop/grouped_mm/fused vs HF grouped_mm vs dense, fine-grained shapes
   train_e2e        m6-gpu-2b and m6-gpu-finegrained at several tokens per step (tokens/s, MFU, peak
                    memory, the step's device time by category, host syncs) and the HF Qwen3-MoE peer
   memory           offload / cast-on-use: device bytes per parameter and step time vs plain

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,39 @@ def time_round_robin(
     if kept == 0:
         raise RuntimeError(f"every one of {max_rounds} rounds was degraded (CPU util {dropped_util}); machine too noisy")
     return Timings(seconds, utils, kept, dropped, dropped_util)
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, reps: int) -> list[float]:
+    """Per-call milliseconds of ``fn`` after ``warmup`` calls: CUDA events (all recorded, then one
+    synchronize, so no host gap sits between calls) on a GPU, else a host clock."""
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+    torch.cuda.synchronize(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def ms_stats(ms: list[float]) -> dict:
+    return {"median_ms": statistics.median(ms), "min_ms": min(ms), "max_ms": max(ms), "reps": len(ms)}
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a rendezvous of ranks started here."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def machine_info(device: torch.device) -> dict:

@@ -90,7 +90,6 @@ def train_rate(model_cfg, seq_len: int, micro_batch: int, accumulation: int, dev
               "step_time_s_median": median, "tokens_per_s": tokens / median, "loss_last": losses[-1]}
     if device.type == "cuda":
         result["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-    del model, optimizer
     return result
 
 
