@@ -24,14 +24,30 @@ Adafactor runs the host update and one line says why.
 
 from __future__ import annotations
 
+import hashlib
+import platform
 from types import ModuleType
 from typing import Callable, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from m6.memory.host_optimizer import error_gist, extensions_dir
 
 OP_NAME = "m6_host_adafactor"
+
+
+def op_name() -> str:
+    """The op's name with a tag of this CPU's instruction set: it is compiled for the CPU it
+    builds on (-march=native), so a cache shared by hosts of different CPUs keeps one build each."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{OP_NAME}_{hashlib.sha1(flags.encode()).hexdigest()[:8]}"
+
 Log = Callable[[str], None]
 
 _SOURCE = r"""
@@ -75,12 +91,14 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
       for (int64_t r = r0; r < r1; ++r) {
         const float* gr = G + r * C; const float* pr = P + r * C;
         double* cs = colsum.data() + ((size_t)t * B + r / R) * C;
-        double rs = 0.0;
+        float rs = 0.0f, prs = 0.0f;  // one row's sums in float lanes, the totals in double
+#pragma omp simd reduction(+:rs, prs)
         for (int64_t c = 0; c < C; ++c) {
-          const double gv = gr[c]; const double pv = pr[c];
-          rs += gv * gv; ps += pv * pv; cs[c] += gv * gv;
+          const float gv = gr[c]; const float pv = pr[c];
+          rs += gv * gv; prs += pv * pv; cs[c] += (double)(gv * gv);
         }
-        RV[r] = lerp_like_torch(RV[r], (float)(rs / C), w);
+        ps += prs;
+        RV[r] = lerp_like_torch(RV[r], (float)((double)rs / C), w);
       }
       psq[t] += ps;
     });
@@ -100,31 +118,49 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
   } else {
     at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
       const int t = at::get_thread_num();
-      double ps = 0.0;
+      float prs = 0.0f;
+#pragma omp simd reduction(+:prs)
       for (int64_t i = i0; i < i1; ++i) {
         const float gv = G[i];
-        ps += (double)P[i] * P[i];
+        prs += P[i] * P[i];
         V[i] = lerp_like_torch(V[i], gv * gv, w);
       }
-      psq[t] += ps;
+      psq[t] += prs;
     });
   }
   double ps = 0.0;
   for (double v : psq) ps += v;
   const double alpha = std::max(eps2, std::sqrt(ps) / std::sqrt((double)n)) * rho;
-  // u = g * rsqrt(max(v, eps1^2)), v as torch forms it
-  auto update_at = [&](int64_t r, int64_t c, int64_t i) -> float {
-    float v;
-    if (factored) v = (RV[r] * CV[(r / R) * C + c]) / rowscale[r];
-    else v = V[i];
-    return G[i] * (1.0f / std::sqrt(std::max(v, floor2)));
+  // u = g * rsqrt(max(v, eps1^2)), v as torch forms it: (row_var * col_var) / mean, or variance
+  auto row_of = [&](int64_t r, float& rv, float& mean, const float*& cv, const float*& vv) {
+    if (factored) { rv = RV[r]; mean = rowscale[r]; cv = CV + (r / R) * C; vv = nullptr; }
+    else { rv = 1.0f; mean = 1.0f; cv = nullptr; vv = V; }
   };
   // pass 2: ||u||^2
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     const int t = at::get_thread_num();
     double s = 0.0;
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t c = 0; c < C; ++c) { const double u = update_at(r, c, r * C + c); s += u * u; }
+    for (int64_t r = r0; r < r1; ++r) {
+      float rv, mean; const float* cv; const float* vv;
+      row_of(r, rv, mean, cv, vv);
+      const float* gr = G + r * C;
+      float rsum = 0.0f;
+      if (factored) {
+#pragma omp simd reduction(+:rsum)
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = std::max((rv * cv[c]) / mean, floor2);
+          const float u = gr[c] * (1.0f / std::sqrt(v));
+          rsum += u * u;
+        }
+      } else {
+#pragma omp simd reduction(+:rsum)
+        for (int64_t c = 0; c < C; ++c) {
+          const float u = gr[c] * (1.0f / std::sqrt(std::max(vv[c], floor2)));
+          rsum += u * u;
+        }
+      }
+      s += rsum;
+    }
     usq[t] += s;
   });
   double us = 0.0;
@@ -133,13 +169,28 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
   const float keep = (float)(1.0 - lr * weight_decay);
   const float scale = (float)(-alpha / denom);
   // pass 3: p = p * (1 - lr wd) + scale * u
+  const bool decay = weight_decay != 0.0;
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t i = r * C + c;
-        float pv = weight_decay != 0.0 ? P[i] * keep : P[i];
-        P[i] = pv + scale * update_at(r, c, i);
+    for (int64_t r = r0; r < r1; ++r) {
+      float rv, mean; const float* cv; const float* vv;
+      row_of(r, rv, mean, cv, vv);
+      const float* gr = G + r * C;
+      float* pr = P + r * C;
+      if (factored) {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          const float v = std::max((rv * cv[c]) / mean, floor2);
+          const float pv = decay ? pr[c] * keep : pr[c];
+          pr[c] = pv + scale * (gr[c] * (1.0f / std::sqrt(v)));
+        }
+      } else {
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          const float pv = decay ? pr[c] * keep : pr[c];
+          pr[c] = pv + scale * (gr[c] * (1.0f / std::sqrt(std::max(vv[c], floor2))));
+        }
       }
+    }
   });
 }
 """
@@ -149,22 +200,23 @@ def load_adafactor_op(log: Log) -> ModuleType:
     whatever the build raises (no compiler, no ninja, ...)."""
     from torch.utils.cpp_extension import load_inline
 
-    root = extensions_dir()
-    if not (root / OP_NAME / f"{OP_NAME}.so").exists():
-        log(f"building m6's C++ host Adafactor ({OP_NAME}) into {root} (once per machine and torch version, ~1 min)")
-    return load_inline(OP_NAME, cpp_sources=_SOURCE, functions=["adafactor_step"],
-                       extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    root, name = extensions_dir(), op_name()
+    if not (root / name / f"{name}.so").exists():
+        log(f"building m6's C++ host Adafactor ({name}) into {root} (once per machine and torch version, ~1 min)")
+    return load_inline(name, cpp_sources=_SOURCE, functions=["adafactor_step"],
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _eligible(p: torch.Tensor) -> bool:
     g = p.grad
-    return (p.device.type == "cpu" and p.dtype == torch.float32 and g is not None and g.dtype == torch.float32
+    return (not isinstance(p, DTensor) and not isinstance(g, DTensor) and p.device.type == "cpu" and p.dtype == torch.float32 and g is not None and g.dtype == torch.float32
             and p.is_contiguous() and g.is_contiguous() and p.numel() > 0 and not g.is_sparse)
 
 
 class HostAdafactor(torch.optim.Adafactor):
     """torch.optim.Adafactor whose step runs m6's C++ op on every fp32 contiguous host tensor (the
-    offloaded masters); any other tensor (another dtype or device, maximize) takes torch's step.
+    offloaded masters); any other tensor (another dtype or device, a DTensor shard, maximize) takes
+    torch's step.
     Hyper-parameters, state and state_dict are torch's."""
 
     def __init__(self, params, op: ModuleType, **kwargs) -> None:
@@ -221,14 +273,34 @@ class HostAdafactor(torch.optim.Adafactor):
         return loss
 
 
-def build_host_adafactor(groups: list[dict], lr: float, log: Log,
-                         load: Optional[Callable[[Log], ModuleType]] = None) -> tuple[torch.optim.Optimizer, str]:
-    """(the host Adafactor, which one runs): m6's C++ op where it builds or loads, else torch's
-    foreach Adafactor, with one line saying why."""
+def probe_adafactor_op(log: Log, load: Optional[Callable[[Log], ModuleType]] = None) -> Optional[str]:
+    """None when the op loads (building it if needed), else the gist of why not."""
     try:
-        op = (load or load_adafactor_op)(log)
+        (load or load_adafactor_op)(log)
     except Exception as e:  # noqa: BLE001 - any failure of the build means: not available
-        log(f"m6's C++ host Adafactor could not be built or loaded ({error_gist(e)}; building it needs a C++ "
-            f"compiler and ninja); the host update runs torch's foreach Adafactor instead")
-        return torch.optim.Adafactor(groups, lr=lr, foreach=True), "torch"
-    return HostAdafactor(groups, op, lr=lr), "cpp"
+        return error_gist(e)
+    return None
+
+
+def choose_host_adafactor(choice: str, failures: dict[int, str], log: Log) -> str:
+    """"cpp" (m6's op) or "torch" for the host Adafactor under ``memory.host_optimizer`` = ``choice``
+    (torch or auto; deepspeed is refused by config.py), given the ranks whose op failed (rank ->
+    gist; every rank passes the same, so every rank chooses the same); the fallback said in one line."""
+    if choice == "torch":
+        return "torch"
+    if not failures:
+        log(f"memory.host_optimizer={choice}: the offloaded update runs m6's C++ Adafactor (m6.memory.host_adafactor)")
+        return "cpp"
+    rank, gist = min(failures.items())
+    where = "" if list(failures) == [0] else f" on {len(failures)} rank(s), rank {rank}:"
+    log(f"memory.host_optimizer={choice}: m6's C++ host Adafactor could not be built or loaded{where} ({gist}; "
+        f"building it needs a C++ compiler and ninja); the offloaded update runs torch's foreach Adafactor instead")
+    return "torch"
+
+
+def build_host_adafactor(groups: list[dict], lr: float, host: str) -> torch.optim.Optimizer:
+    """The host Adafactor ``host`` names: "cpp", m6's op (loaded: built by the probe), else torch's foreach."""
+    if host == "cpp":
+        return HostAdafactor(groups, load_adafactor_op(lambda _: None), lr=lr)
+    assert host == "torch", host
+    return torch.optim.Adafactor(groups, lr=lr, foreach=True)

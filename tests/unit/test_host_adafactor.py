@@ -4,7 +4,8 @@ parameters and state to 1e-6 relative over several steps, on awkward shapes; and
 import pytest
 import torch
 
-from m6.memory.host_adafactor import HostAdafactor, build_host_adafactor, load_adafactor_op
+from m6.memory.host_adafactor import (HostAdafactor, build_host_adafactor, choose_host_adafactor, load_adafactor_op,
+                                      probe_adafactor_op)
 
 SHAPES = [(7,), (1,), (3, 5), (1, 9), (64, 1), (130, 257), (3, 17, 33)]
 
@@ -68,7 +69,11 @@ def test_without_compiler_falls_back_with_one_line():
     def no_compiler(log):
         raise RuntimeError("Error building extension 'm6_host_adafactor': c++: command not found")
 
-    params = [torch.zeros(3, 3, requires_grad=True)]
-    opt, which = build_host_adafactor([{"params": params}], 1e-3, said.append, load=no_compiler)
-    assert which == "torch" and type(opt) is torch.optim.Adafactor
+    gist = probe_adafactor_op(said.append, load=no_compiler)
+    assert "command not found" in gist
+    assert choose_host_adafactor("auto", {0: gist}, said.append) == "torch"
     assert len(said) == 1 and "command not found" in said[0] and "torch's foreach Adafactor" in said[0]
+    assert choose_host_adafactor("auto", {}, said.append) == "cpp" and "m6's C++ Adafactor" in said[1]
+    assert choose_host_adafactor("torch", {}, said.append) == "torch"
+    opt = build_host_adafactor([{"params": [torch.zeros(3, 3, requires_grad=True)]}], 1e-3, "torch")
+    assert type(opt) is torch.optim.Adafactor
