@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--params", type=float, default=25e6)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--util", type=float, default=0.6, help="drop a round where a step got under this share of its threads")
     args = ap.parse_args()
     op = load_adafactor_op(print)
     cpu = torch.device("cpu")
@@ -54,7 +55,7 @@ def main() -> None:
     all_threads = torch.get_num_threads()
     for threads in sorted({all_threads, 1}, reverse=True):
         torch.set_num_threads(threads)
-        t = time_round_robin(steps, cpu, min_rounds=args.rounds)
+        t = time_round_robin(steps, cpu, min_rounds=args.rounds, max_rounds=60, min_cpu_util=args.util * threads)
         ratio = t.paired_ratio("torch foreach", "m6 C++")
         result["threads"][threads] = {
             "median_s": {n: t.median(n) for n in steps}, "spread_s": {n: t.spread(n) for n in steps},
@@ -72,7 +73,8 @@ def main() -> None:
           f"Machine: {result['machine'].get('cpu_model', '')}, {os.cpu_count()} CPUs, torch {torch.__version__}; env {env}.  \n"
           f"{numel / 1e6:.1f}M parameters (matrices, expert stacks, vectors; decay on matrices). Both "
           f"optimizers interleaved round-robin after 2 warm-up rounds; a round is dropped when a step's CPU "
-          f"time / wall time falls under 75% of its threads. Medians over kept rounds [min-max]; the ratio is "
+          f"time / wall time falls under "
+          f"{args.util:.0%} of its threads. Medians over kept rounds [min-max]; the ratio is "
           f"the median of per-round paired ratios [min-max].\n\n"
           f"| threads | optimizer | median s/step [min-max] | ns per parameter x core | time vs m6 C++ | rounds |\n"
           f"|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
