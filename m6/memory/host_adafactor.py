@@ -204,7 +204,7 @@ def load_adafactor_op(log: Log) -> ModuleType:
     if not (root / name / f"{name}.so").exists():
         log(f"building m6's C++ host Adafactor ({name}) into {root} (once per machine and torch version, ~1 min)")
     return load_inline(name, cpp_sources=_SOURCE, functions=["adafactor_step"],
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                       extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _eligible(p: torch.Tensor) -> bool:
