@@ -11,7 +11,9 @@ at step t with lr, weight decay wd, beta2_decay = -0.8, eps1 = fp32 eps, eps2 = 
     u = g * rsqrt(max(v, eps1^2)); p = p * (1 - lr wd) - alpha / max(1, ||u|| / (sqrt(n) d)) * u
 
 pass 1 reads p and g (||p||, the row and column sums of g^2; the vector's variance written), pass 2
-reads g (||u||), pass 3 reads g and rewrites p; u and v are never materialised. State (``step``,
+reads g (||u||), pass 3 reads g and rewrites p; u and v are never materialised. A matrix row where
+no clamp engages (its smallest v >= eps1^2) forms u as g * rsqrt(row_var / mean) * rsqrt(col_var),
+two multiplies an element (torch's order rounds a few ulp apart). State (``step``,
 ``row_var``, ``col_var``, ``variance``) is torch's own, so checkpoints move between the two.
 Equal to torch's foreach Adafactor to float rounding (the sums are accumulated in double; tested to
 1e-6 relative in tests/unit/test_host_adafactor.py).
@@ -81,7 +83,7 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
   float* V = variance.defined() ? variance.data_ptr<float>() : nullptr;
   float* RV = factored ? row_var.data_ptr<float>() : nullptr;
   float* CV = factored ? col_var.data_ptr<float>() : nullptr;
-  std::vector<float> rowscale;
+  std::vector<float> rowscale, rowinv, colinv, colmin;
   if (factored) {
     // pass 1: ||p||^2, row sums of g^2 (into row_var), column sums per thread then reduced
     std::vector<double> colsum((size_t)threads * B * C, 0.0);
@@ -115,6 +117,14 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
       const float mean = std::max((float)(m / R), (float)eps1);
       for (int64_t r = 0; r < R; ++r) rowscale[b * R + r] = mean;
     }
+    // rsqrt(row_var * col_var / mean) = rsqrt(row_var / mean) * rsqrt(col_var) where no clamp
+    // engages: a row whose smallest v is at least eps1^2 takes two multiplies per element
+    rowinv.resize(rows); colinv.resize(B * C); colmin.assign(B, INFINITY);
+    for (int64_t i = 0; i < B * C; ++i) {
+      colinv[i] = CV[i] > 0.0f ? (float)(1.0 / std::sqrt((double)CV[i])) : 0.0f;
+      colmin[i / C] = std::min(colmin[i / C], CV[i]);
+    }
+    for (int64_t r = 0; r < rows; ++r) rowinv[r] = (float)(1.0 / std::sqrt((double)RV[r] / rowscale[r]));
   } else {
     at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
       const int t = at::get_thread_num();
@@ -132,6 +142,7 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
   for (double v : psq) ps += v;
   const double alpha = std::max(eps2, std::sqrt(ps) / std::sqrt((double)n)) * rho;
   // u = g * rsqrt(max(v, eps1^2)), v as torch forms it: (row_var * col_var) / mean, or variance
+  auto fast_row = [&](int64_t r) { return (RV[r] * colmin[r / R]) / rowscale[r] >= floor2; };
   auto row_of = [&](int64_t r, float& rv, float& mean, const float*& cv, const float*& vv) {
     if (factored) { rv = RV[r]; mean = rowscale[r]; cv = CV + (r / R) * C; vv = nullptr; }
     else { rv = 1.0f; mean = 1.0f; cv = nullptr; vv = V; }
@@ -145,7 +156,11 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
       row_of(r, rv, mean, cv, vv);
       const float* gr = G + r * C;
       float rsum = 0.0f;
-      if (factored) {
+      if (factored && fast_row(r)) {
+        const float a = rowinv[r]; const float* bc = colinv.data() + (r / R) * C;
+#pragma omp simd reduction(+:rsum)
+        for (int64_t c = 0; c < C; ++c) { const float u = gr[c] * a * bc[c]; rsum += u * u; }
+      } else if (factored) {
 #pragma omp simd reduction(+:rsum)
         for (int64_t c = 0; c < C; ++c) {
           const float v = std::max((rv * cv[c]) / mean, floor2);
@@ -176,7 +191,14 @@ void adafactor_step(torch::Tensor p, torch::Tensor g, torch::Tensor row_var, tor
       row_of(r, rv, mean, cv, vv);
       const float* gr = G + r * C;
       float* pr = P + r * C;
-      if (factored) {
+      if (factored && fast_row(r)) {
+        const float a = rowinv[r]; const float* bc = colinv.data() + (r / R) * C;
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) {
+          const float pv = decay ? pr[c] * keep : pr[c];
+          pr[c] = pv + scale * (gr[c] * a * bc[c]);
+        }
+      } else if (factored) {
 #pragma omp simd
         for (int64_t c = 0; c < C; ++c) {
           const float v = std::max((rv * cv[c]) / mean, floor2);
