@@ -454,7 +454,8 @@ class HostProfile:
     def host_rates(self) -> dict[str, float]:
         """What the offloaded update was timed on so far: its name -> ns per parameter on one core
         (the per-element cost of the probe)."""
-        return {HOST_UPDATE_NAMES[(k[0], k[1])]: v[1] * 1e9 for k, v in self._step_costs.items() if not k[2]}
+        return {HOST_UPDATE_NAMES[(k[0], k[1])] + (" (16-bit host gradients)" if k[2] else ""): v[1] * 1e9
+                for k, v in self._step_costs.items()}
 
     def host_step_s(self, num_tensors: int, numel: int, optimizer: str = "adamw", half_grads: bool = False,
                     host: str = "torch") -> float:
