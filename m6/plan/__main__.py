@@ -170,8 +170,11 @@ def main(argv: list[str] | None = None) -> int:
           f"forms, {len(result.feasible)} of distinct predictions ({time.perf_counter() - t0:.1f} s)")
     assumed = list(hw.assumed)
     if args.gpu != "cpu":
-        assumed.append(f"offloaded host update: a per-core rate timed on this host (1 thread) x "
-                       f"{args.host_cores_per_gpu} cores per GPU (--host-cores-per-gpu), scaling linearly")
+        rates = ", ".join(f"{name} {ns:.2f} ns/parameter" for name, ns in profile.host_rates().items())
+        assumed.append(f"offloaded host update: a per-core rate timed on this host (1 thread{': ' + rates if rates else ''}) "
+                       f"x {args.host_cores_per_gpu} cores per GPU (--host-cores-per-gpu), scaling linearly")
+    for note in profile.notes:
+        print(f"NOTE: {note}")
     if assumed:
         print("ASSUMED (not measured): " + "; ".join(assumed))
     if changes:

@@ -44,10 +44,11 @@ offload   host<->device bytes / the PCIe figure, counted where the step waits fo
           group's copy, or what exceeds the update, shows.
 update    cpu: MEASURED on the rank's real parameters between the profiled steps. GPUs: on the
           device, 28 B per parameter over the memory bandwidth; offloaded, the host update from a
-          per-core rate MEASURED on this host with one thread (m6's gradient clipping + torch's
-          foreach AdamW, or Adafactor with optim.name=adafactor: a per-tensor and a per-element
-          cost, for the rank's tensor count), divided by the host cores each GPU gets
-          (``--host-cores-per-gpu``; ASSUMED to scale linearly with the cores).
+          per-core rate MEASURED on this host with one thread (m6's gradient clipping + the
+          optimizer the run will choose, m6.plan.host_update: torch's foreach AdamW, DeepSpeed's
+          CPU Adam, torch's foreach Adafactor or m6's C++ Adafactor, its op probed and built as
+          the run does; a per-tensor and a per-element cost, for the rank's tensor count), divided
+          by the host cores each GPU gets (``--host-cores-per-gpu``; ASSUMED to scale linearly).
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ from m6.parallel.fsdp import clip_sharded_grad_norm, shard_units
 from m6.parallel.sharded_adafactor import ShardedAdafactor
 from m6.parallel.grad_sync import clip_coefficient, clip_grad_norm, global_grad_norm
 from m6.moe.loopback import LoopbackDispatcher
+from m6.plan.host_update import HOST_UPDATE_NAMES, probe_optimizer, resolve_host_update
 from m6.plan.memory import rank_model
 
 
@@ -402,7 +404,9 @@ class HostProfile:
         its server, timed here per core (one thread) and divided by it; None: timed with ``threads``."""
         self.threads, self.concurrent, self.host_cores_per_gpu = threads, concurrent, host_cores_per_gpu
         self._cache: dict[tuple, tuple[float, float]] = {}  # shape -> (forward+backward, update) seconds
-        self._step_costs: dict[str, tuple[float, float]] = {}  # optimizer -> (per tensor, per element)
+        self._step_costs: dict[tuple, tuple[float, float]] = {}  # (optimizer, host, ...) -> (per tensor, per element)
+        self._host_updates: dict[tuple[str, str], str] = {}  # (optim.name, memory.host_optimizer) -> resolved
+        self.notes: list[str] = []  # what resolving the host optimizer said (a fallback, a build)
 
     def forward_backward_s(self, cfg: Config, world_size: int, ep: int, micro_batch: int,
                            recompute: frozenset) -> float:
@@ -443,21 +447,37 @@ class HostProfile:
             torch.set_num_threads(previous)
         return self._cache[key]
 
-    def host_step_s(self, num_tensors: int, numel: int, optimizer: str = "adamw", half_grads: bool = False) -> float:
+    def host_update_of(self, cfg: Config) -> str:
+        """The host optimizer ("torch", "deepspeed", "cpp") the run of ``cfg`` will choose on this
+        host (m6.plan.host_update), resolved once per (optim.name, memory.host_optimizer)."""
+        key = (cfg.optim.name, cfg.memory.host_optimizer)
+        if key not in self._host_updates:
+            self._host_updates[key] = resolve_host_update(cfg, self.notes.append)
+        return self._host_updates[key]
+
+    def host_rates(self) -> dict[str, float]:
+        """What the offloaded update was timed on so far: its name -> ns per parameter on one core
+        (the per-element cost of the probe)."""
+        return {HOST_UPDATE_NAMES[(k[0], k[1])] + (" (16-bit host gradients)" if k[2] else ""): v[1] * 1e9
+                for k, v in self._step_costs.items()}
+
+    def host_step_s(self, num_tensors: int, numel: int, optimizer: str = "adamw", half_grads: bool = False,
+                    host: str = "torch") -> float:
         """Seconds of the host's clip + foreach ``optimizer`` step over ``num_tensors`` tensors
         holding ``numel`` elements: a per-element and a per-tensor cost, fitted to two measured
         shapes (8 tensors of 512K elements; 512 of 1K), since a real model's many small tensors
         (norms, biases) cost far more per element than one large buffer. With
         ``host_cores_per_gpu``: timed on one thread, divided by the cores. ``half_grads``: the
         gradients are 16-bit host buffers (memory.host_grad_dtype=compute), their norm taken from
-        them and each read back in fp32 before the step."""
-        key = (optimizer, half_grads)
+        them and each read back in fp32 before the step. ``host``: which implementation runs
+        ``optimizer`` (host_update_of: torch's, DeepSpeed's CPU Adam, m6's C++ Adafactor)."""
+        key = (optimizer, host, half_grads)
         if key not in self._step_costs:
             previous = torch.get_num_threads()
             torch.set_num_threads(1 if self.host_cores_per_gpu else self.threads)
             try:
-                big = self._time_host_update(8, 2**19, optimizer, half_grads)
-                small = self._time_host_update(512, 2**10, optimizer, half_grads)
+                big = self._time_host_update(8, 2**19, optimizer, half_grads, host)
+                small = self._time_host_update(512, 2**10, optimizer, half_grads, host)
             finally:
                 torch.set_num_threads(previous)
             # big = 8 a + 8*2^19 b ; small = 512 a + 512*2^10 b
@@ -469,7 +489,8 @@ class HostProfile:
         return (num_tensors * per_tensor + numel * per_elem) / (self.host_cores_per_gpu or 1)
 
     @staticmethod
-    def _time_host_update(num_tensors: int, size: int, optimizer: str = "adamw", half_grads: bool = False) -> float:
+    def _time_host_update(num_tensors: int, size: int, optimizer: str = "adamw", half_grads: bool = False,
+                          host: str = "torch") -> float:
         """Median of 3 (after one warm-up) host steps as the run makes them: m6's own gradient
         clipping (a norm per tensor) and a foreach AdamW (or Adafactor) step. Adafactor's state is
         factored per matrix: the tensors are timed as 512-row matrices. ``half_grads``: the norm
@@ -479,8 +500,7 @@ class HostProfile:
         halves = [torch.randn(shape).to(torch.bfloat16) for _ in params] if half_grads else []
         for p in params:
             p.grad = torch.randn_like(p)
-        opt = torch.optim.Adafactor(params, lr=1e-3, foreach=True) if optimizer == "adafactor" \
-            else torch.optim.AdamW(params, lr=1e-3, foreach=True)
+        opt = probe_optimizer(params, optimizer, host)
         times = []
         for _ in range(4):
             t0 = time.perf_counter()
@@ -682,7 +702,7 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         update = cpu_update
     elif cfg.memory.offload != "none":
         update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name,
-                                  half_grads=cfg.memory.host_grad_dtype == "compute")
+                                  half_grads=cfg.memory.host_grad_dtype == "compute", host=host.host_update_of(cfg))
     else:
         update = 28.0 * updated / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0

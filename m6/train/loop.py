@@ -56,7 +56,7 @@ from m6.train.tensorboard_writer import require_tensorboard
 from m6.train.update import ParameterUpdate
 
 
-_OPTIMIZER_NAMES = {"torch": "torch's AdamW", "deepspeed": "DeepSpeed's CPU Adam"}
+_OPTIMIZER_NAMES = {"torch": "torch's optimizer", "deepspeed": "DeepSpeed's CPU Adam", "cpp": "m6's C++ Adafactor"}
 
 
 class TrainingDiverged(RuntimeError):

@@ -27,7 +27,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
     host masters with ``host_optimizer="deepspeed"``, DeepSpeed's CPU Adam (same hyper-parameters
     and state layout, m6.memory.deepspeed_adam). ``optim.name=adafactor``: torch.optim.Adafactor
     (foreach), on the device or on the host masters alike, or on FSDP2's shards (parallel.shard) its
-    exact sharded form (m6.parallel.sharded_adafactor); lr and weight_decay as for AdamW.
+    exact sharded form (m6.parallel.sharded_adafactor), or for host masters with
+    ``host_optimizer="cpp"`` m6's C++ Adafactor (the same math and state,
+    m6.memory.host_adafactor); lr and weight_decay as for AdamW.
     """
     skip = no_decay_ids(model)
     target = master if master is not None else (lambda p: p)
@@ -37,9 +39,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
               {"params": no_decay, "weight_decay": 0.0}]
     betas = (cfg.beta1, cfg.beta2)
     if cfg.name == "adafactor":
-        assert host_optimizer == "torch", "DeepSpeed's CPU op is Adam only (config.py refuses the combination)"
+        assert host_optimizer in ("torch", "cpp"), "DeepSpeed's CPU op is Adam only (config.py refuses the combination)"
         if any(isinstance(t, DTensor) for t in decay + no_decay):  # parallel.shard: FSDP2's dim-0 shards
             return ShardedAdafactor(groups, lr=cfg.lr)
+        if host_optimizer == "cpp":  # m6's C++ Adafactor on the host masters (m6.memory.host_adafactor)
+            from m6.memory.host_adafactor import build_host_adafactor
+            return build_host_adafactor(groups, cfg.lr, "cpp")
         return torch.optim.Adafactor(groups, lr=cfg.lr, foreach=True)
     if host_optimizer == "deepspeed":
         assert all(t.device.type == "cpu" for t in decay + no_decay), "DeepSpeed's CPU Adam updates host tensors only"

@@ -29,6 +29,7 @@ from m6.config import Config
 from m6.memory import GroupedApply, build_offload
 from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
+from m6.memory.host_adafactor import choose_host_adafactor, probe_adafactor_op
 from m6.memory.live_bytes import grad_bytes
 from m6.memory.offload_blocks import resolve_offload_blocks
 from m6.model.param_groups import no_decay_ids
@@ -78,7 +79,7 @@ class ParameterUpdate:
         self.replicated, self.experts = replicated, experts
         self.expert_group = sharded.groups.expert
         self.world_group = sharded.groups.world
-        # "deepspeed" or "torch" for the host update when offloaded; None: the device runs torch's AdamW.
+        # "deepspeed", "cpp" (m6's Adafactor) or "torch" for the host update when offloaded; None: on the device.
         self.host_optimizer = agree_on_host_optimizer(cfg.memory.host_optimizer, cfg.optim.name, sharded, log) \
             if self.offload or self.fsdp_offload else None
         if self.fsdp_offload and device.type != "cuda":
@@ -212,10 +213,12 @@ def agree_on_host_optimizer(choice: str, optimizer_name: str, sharded: ShardedMo
     """``memory.host_optimizer`` resolved the same on every rank: replicated weights stay identical
     only if every rank updates them with the same optimizer, so one rank whose DeepSpeed op fails
     sends all of them to torch (auto) or to the config error (deepspeed). One collective.
-    ``optim.name=adafactor``: torch (DeepSpeed's op is Adam only; config.py refuses deepspeed)."""
-    if choice == "torch" or optimizer_name == "adafactor":
+    ``optim.name=adafactor``: m6's C++ Adafactor ("cpp") where its op builds on every rank, else
+    torch's (DeepSpeed's op is Adam only; config.py refuses deepspeed)."""
+    if choice == "torch":
         return "torch"
-    failure = probe_cpu_adam(log)
+    adafactor = optimizer_name == "adafactor"
+    failure = probe_adafactor_op(log) if adafactor else probe_cpu_adam(log)
     groups = sharded.groups
     world = groups.layout.world_size
     if world == 1:
@@ -225,4 +228,6 @@ def agree_on_host_optimizer(choice: str, optimizer_name: str, sharded: ShardedMo
         mine = None if failure is None else f"host {socket.gethostname()}: {failure}"
         dist.all_gather_object(everyone, mine, group=groups.checkpoint)
         failures = {r: f for r, f in enumerate(everyone) if f is not None}
+    if adafactor:
+        return choose_host_adafactor(choice, failures, log)
     return choose_host_optimizer(choice, failures, log)

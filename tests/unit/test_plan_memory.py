@@ -147,9 +147,10 @@ def test_step_time_counts_one_latency_per_scalar_all_reduce():
 def test_offloaded_update_runs_on_the_gpus_host_cores_and_its_copies_overlap():
     from m6.plan.timing import GPUS, HostProfile, step_time
     cfg = m6config.load(CONFIGS / "tiny.yaml", SMALL + ["train.global_batch_size=16", "train.micro_batch_size=2",
-                                                        "memory.offload=optimizer+params", "optim.apply_groups=4"])
+                                                        "memory.offload=optimizer+params", "optim.apply_groups=4",
+                                                        "memory.host_optimizer=torch"])
     host = HostProfile(threads=1, host_cores_per_gpu=12)
-    host._step_costs[("adamw", False)] = (2e-6, 3e-9)  # as if measured on one thread of this host
+    host._step_costs[("adamw", "torch", False)] = (2e-6, 3e-9)  # as if measured on one thread of this host
     assert host.host_step_s(10, 1000) == pytest.approx((10 * 2e-6 + 1000 * 3e-9) / 12)
     t = step_time(cfg, 4, 2, 8, GPUS["v100"], host)
     from m6.plan.memory import rank_model
