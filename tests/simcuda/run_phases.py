@@ -8,7 +8,9 @@ one event and, while it runs, is the *phase* every sync of the training thread i
 the recompute plan's profiling owns everything inside it, its MoE forwards included (they are not
 training forwards, and happen once). Autograd's
 device thread works for the training thread (which waits in ``backward``), so it shares its phase;
-the checkpoint writer thread's syncs belong to ``save``.
+the checkpoint writer thread's syncs belong to ``save``, and the delayed update's worker's to
+``step`` (it runs a step's update beside whatever the training thread does next, an evaluation
+or a save included, so the training thread's phase would be a race).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections import Counter
 
 PHASES = ("run", "step", "moe_forward", "logging_step", "save", "eval", "resume", "recompute_plan")
 _STICKY = {"recompute_plan"}
-THREAD_PHASES = {"m6-checkpoint-writer": "save"}
+# A thread's name, or a ThreadPoolExecutor's prefix (its threads are "<prefix>_<n>"), -> its phase.
+THREAD_PHASES = {"m6-checkpoint-writer": "save", "m6-delayed-update": "step"}
 
 events: Counter = Counter()
 _stack: list[str] = []
@@ -26,9 +29,10 @@ _stack: list[str] = []
 
 def current() -> str:
     """The phase a sync happening now belongs to."""
-    thread = threading.current_thread()
-    if thread.name in THREAD_PHASES:
-        return THREAD_PHASES[thread.name]
+    name = threading.current_thread().name
+    for prefix, phase in THREAD_PHASES.items():
+        if name == prefix or name.startswith(prefix + "_"):
+            return phase
     return _stack[-1] if _stack else "run"
 
 
