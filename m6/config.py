@@ -408,6 +408,11 @@ class TrainConfig:
     # blocks: torch.compile of each block's dense parts (attention sub-block, FFN norm, dense MLP);
     # the MoE layers stay eager (m6.parallel.compile). false: everything eager.
     compile: Literal[False, "blocks"] = False
+    # bf16 weights (train.precision=bf16): per_use casts each fp32 weight on use, in forward and again
+    # in backward, every micro-batch (cast-on-use); per_step keeps a bf16 copy of those weights, made
+    # once per step after the update, with fp32 masters and fp32 gradient accumulation on the device
+    # (m6.memory.master_weights: +2 B per weight, no per-use casts).
+    weight_copy: Literal["per_use", "per_step"] = "per_use"
 
     def validate(self) -> None:
         """Check the train keys on their own."""
@@ -715,6 +720,7 @@ def _check_cross_section(cfg: Config) -> None:
     check_shard_offload(cfg)
     check_tensor_parallel(cfg)
     check_delayed_update(cfg)
+    check_weight_copy(cfg)
     if cfg.parallel.shard != "none" and m.share_layers > 1:
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with model.share_layers={m.share_layers}: FSDP2 shards "
                           "each block's parameters on their own and a shared weight belongs to several blocks; not "
@@ -806,6 +812,25 @@ def check_delayed_update(cfg: Config) -> None:
     if mem.host_grad_dtype != "fp32":
         raise ConfigError(f"optim.delayed_update=true with memory.host_grad_dtype={mem.host_grad_dtype}: the delayed "
                           "update double-buffers fp32 host gradients only; use memory.host_grad_dtype=fp32")
+
+
+def check_weight_copy(cfg: Config) -> None:
+    """train.weight_copy=per_step is built for bf16 on an unsharded model with its optimizer on the
+    device; the rest is refused by name."""
+    if cfg.train.weight_copy == "per_use":
+        return
+    refused = [
+        (cfg.train.precision != "bf16", f"train.precision={cfg.train.precision} (per_step needs bf16)"),
+        (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
+        (cfg.parallel.shard != "none", f"parallel.shard={cfg.parallel.shard}"),
+        (cfg.parallel.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={cfg.parallel.tensor_parallel_size}"),
+        (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
+        (cfg.train.delink_at_step > 0, f"train.delink_at_step={cfg.train.delink_at_step}"),
+    ]
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(f"train.weight_copy=per_step with {what}: not built together; use "
+                              f"train.weight_copy=per_use or change {what.split('=')[0]}")
 
 
 def expert_ffn_dim(model: ModelConfig) -> int:

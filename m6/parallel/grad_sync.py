@@ -122,11 +122,15 @@ class GradientSync:
     buckets: list[_Bucket] = field(default_factory=list)
     enabled: bool = True
     stream_local: bool = False
+    # The tensor whose .grad holds a parameter's gradient for the all-reduce (train.weight_copy=per_step:
+    # the fp32 master, which a hook registered before this one fills); None: the parameter itself.
+    grad_holder: Optional[Callable[[nn.Parameter], torch.Tensor]] = None
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
             raise ValueError(f"GradientSync.max_in_flight must be >= 1, got {self.max_in_flight}")
         self._local: set[int] = set()  # params whose group is this process alone
+        self._holder = self.grad_holder or (lambda p: p)
         self._make_buckets()
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         # The hook reaches this object through a weak reference: a strong one would close a cycle
@@ -165,15 +169,16 @@ class GradientSync:
             if size == 1:
                 self._local.add(id(p))
                 continue
-            key = (group_name, p.dtype)
-            bucket = open_buckets.setdefault(key, _Bucket([], [], group, group_name, size, p.dtype))
+            dtype = self._holder(p).dtype
+            key = (group_name, dtype)
+            bucket = open_buckets.setdefault(key, _Bucket([], [], group, group_name, size, dtype))
             bucket.params.append(p)
             bucket.names.append(name)
             # Expert tensors are cut by their even-layout size: with uneven experts per rank
             # (parallel.balance) every rank then closes its buckets at the same parameters, so all
             # ranks launch the world group's buckets in the same place among the expert ones.
             bucket.nominal_bytes += (p.numel() / p.shape[0] * layout.num_experts / layout.expert_parallel_size
-                                     if id(p) in experts else p.numel()) * p.dtype.itemsize
+                                     if id(p) in experts else p.numel()) * dtype.itemsize
             if bucket.nominal_bytes >= self.bucket_bytes:
                 self.buckets.append(open_buckets.pop(key))
         self.buckets.extend(open_buckets.values())
@@ -251,10 +256,11 @@ class GradientSync:
         self._drain(wait=False)
         while self._may_wait and len(self._in_flight) >= self.max_in_flight:
             self._drain_oldest()
-        for p in bucket.params:
-            if p.grad is None:  # unused in this step: contributes zeros, keeps collectives aligned
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad.reshape(-1) for p in bucket.params]
+        holders = [self._holder(p) for p in bucket.params]
+        for h in holders:
+            if h.grad is None:  # unused in this step: contributes zeros, keeps collectives aligned
+                h.grad = torch.zeros_like(h)
+        grads = [h.grad.reshape(-1) for h in holders]
         if self._device is not None:
             grads = [g.to(self._device) for g in grads]
         bucket.flat = torch.cat(grads)
@@ -271,8 +277,8 @@ class GradientSync:
         bucket.work.wait()
         offset = 0
         for p in bucket.params:
-            n = p.numel()
-            p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+            n, grad = p.numel(), self._holder(p).grad
+            grad.copy_(bucket.flat[offset:offset + n].view_as(grad))
             offset += n
         bucket.flat, bucket.work = None, None  # the flat copy is freed here, not at finish()
         if self.on_grads_final is not None:

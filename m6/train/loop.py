@@ -176,7 +176,7 @@ class Trainer:
                                         self.step_reduction.has_expert_exchange)
         layout = self.sharded.groups.layout
         self.state = TrainingState(
-            ModelState(self.sharded, self.update.offload, self.update.delayed),
+            ModelState(self.sharded, self.update.offload, self.update.delayed, self.update.masters),
             OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
             {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips,
              **({"loss_scale": self.update.loss_scale} if self.update.loss_scale is not None else {})},
@@ -218,6 +218,7 @@ class Trainer:
     def _facts(self) -> RunFacts:
         precision = "fp32" if self.autocast_dtype is None else (
             "bf16 (FSDP2 gathers bf16)" if self.fsdp_bf16 else
+            f"bf16 ({self.update.masters.describe()})" if self.update.masters else
             "bf16 (cast-on-use)" if self.cast_on_use else "bf16 (autocast)")
         if self.update.loss_scale is not None:
             how = "FSDP2 gathers fp16" if self.fsdp_bf16 else "cast-on-use"

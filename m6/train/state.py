@@ -20,6 +20,7 @@ from m6.data.record_dataset import RUNTIME_SKIP_REASONS
 from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
 from m6.memory.delayed_update import DelayedUpdate
+from m6.memory.master_weights import MasterWeights
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part, shard_rows
 from m6.parallel.sharded_adafactor import ShardedAdafactor
@@ -110,23 +111,27 @@ class ModelState:
     device weights the next step's forward uses, which an exact delayed resume restores too."""
 
     def __init__(self, sharded: ShardedModel, offload: HostOffload | None,
-                 delayed: DelayedUpdate | None = None) -> None:
-        self.sharded, self.offload, self.delayed = sharded, offload, delayed
+                 delayed: DelayedUpdate | None = None, device_masters: MasterWeights | None = None) -> None:
+        """``device_masters``: train.weight_copy=per_step's fp32 masters, which a checkpoint holds in
+        place of the module's bf16 copies (a load writes them; the copies follow)."""
+        self.sharded, self.offload, self.delayed, self.device_masters = sharded, offload, delayed, device_masters
 
     def _state(self, masters: bool = False) -> dict[str, torch.Tensor]:
         """name -> tensor; a tensor that several blocks share (model.share_layers) appears once,
-        under its first name. ``masters``: a parameter with a host master gives the master."""
+        under its first name. ``masters``: a parameter with a host (or device) master gives the master."""
         out, seen = {}, set()
+        holder = self.device_masters or self.offload
         for name, t in self.sharded.model.state_dict(keep_vars=True).items():
             if id(t) not in seen:
                 seen.add(id(t))
-                out[name] = self.offload.masters[id(t)] if masters and id(t) in self.offload.masters else t.detach()
+                out[name] = holder.masters[id(t)] if masters and id(t) in holder.masters else t.detach()
         return out
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """name -> tensor (shares the model's storage: a load writes straight into the weights);
-        a sharded (FSDP2) parameter gives this rank's shard."""
-        return {name: local_part(t) for name, t in self._state(masters=self.delayed is not None).items()}
+        """name -> tensor (shares the model's storage, or its masters': a load writes straight into
+        the weights); a sharded (FSDP2) parameter gives this rank's shard."""
+        masters = self.delayed is not None or self.device_masters is not None
+        return {name: local_part(t) for name, t in self._state(masters=masters).items()}
 
     def next_forward_tensors(self) -> dict[str, torch.Tensor]:
         """Delayed update: name -> the device weight the next forward uses, for each parameter
@@ -145,7 +150,9 @@ class ModelState:
     def after_load(self, next_forward_loaded: bool = False) -> None:
         """After a load wrote ``tensors()`` (and, when ``next_forward_loaded``, the
         ``next_forward_tensors()``): bring the other copy of the weights in line."""
-        if self.delayed is None:
+        if self.device_masters is not None:
+            self.device_masters.write_compute_weights()
+        elif self.delayed is None:
             if self.offload:
                 self.offload.pull_masters()
         elif not next_forward_loaded:  # the weights are the masters: the device starts from them

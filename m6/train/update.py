@@ -31,6 +31,7 @@ from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.host_adafactor import choose_host_adafactor, probe_adafactor_op
 from m6.memory.live_bytes import grad_bytes
+from m6.memory.master_weights import MasterWeights
 from m6.memory.offload_blocks import resolve_offload_blocks
 from m6.model.param_groups import no_decay_ids
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
@@ -66,9 +67,13 @@ class ParameterUpdate:
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
             grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update)
+        # train.weight_copy=per_step: bf16 module weights, fp32 masters here (config.py allows it only
+        # unsharded, without offload). Built before the sync: its gradient hooks must run first.
+        self.masters = MasterWeights(model, compute_dtype) if cfg.train.weight_copy == "per_step" else None
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
-            on_grads_final=self.offload.grads_final if self.offload else None)
+            on_grads_final=self.offload.grads_final if self.offload else None,
+            grad_holder=self.masters.grad_holder if self.masters else None)
         # Tensor-parallel shards count once per tp group in the norm (tp 1: none).
         split = [p for n, p in sharded.replicated_params.items() if n in sharded.tensor_split]
         replicated = [p for n, p in sharded.replicated_params.items() if n not in sharded.tensor_split]
@@ -76,6 +81,10 @@ class ParameterUpdate:
         self.split, self.tensor_group = split, sharded.groups.tensor
         if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
+        # Where the gradients are after a backward (the per-step weight copy's masters, or the params).
+        self.grad_holders = self.masters.masters_of(trainable) if self.masters else trainable
+        if self.masters:  # so do the device masters of the per-step weight copy
+            replicated, experts = self.masters.masters_of(replicated), self.masters.masters_of(experts)
         self.replicated, self.experts = replicated, experts
         self.expert_group = sharded.groups.expert
         self.world_group = sharded.groups.world
@@ -90,7 +99,8 @@ class ParameterUpdate:
             note = thread_note(sharded.groups.layout.local_world_size)
             if note:
                 log(note)
-        self.optimizer = build_optimizer(model, cfg.optim, self.offload.master if self.offload else None,
+        masters = self.offload or self.masters
+        self.optimizer = build_optimizer(model, cfg.optim, masters.master if masters else None,
                                          self.host_optimizer or "torch")
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
@@ -130,7 +140,7 @@ class ParameterUpdate:
             loss.backward()
         finally:
             self.sync.stream_local = False
-        self.grad_bytes_after_backward = max(self.grad_bytes_after_backward, grad_bytes(self.trainable))
+        self.grad_bytes_after_backward = max(self.grad_bytes_after_backward, grad_bytes(self.grad_holders))
 
     def finish(self) -> None:
         """After the last backward: gradients reduced, and on the host when offloaded (clipping
@@ -186,6 +196,8 @@ class ParameterUpdate:
                 self.offload.step(self.apply)
             else:
                 self.apply.step()
+            if self.masters:
+                self.masters.write_compute_weights()
         self.zero_grad()
         self.scheduler.step()
 
@@ -203,9 +215,10 @@ class ParameterUpdate:
             self.offload.zero_grad()
 
     def optimizer_names(self, model: torch.nn.Module) -> dict[int, str] | None:
-        """Offload: the optimizer updates host masters, named after their model parameters (so
-        checkpoints index optimizer state by parameter name); None: the model's own params."""
-        return self.offload.master_names(model) if self.offload else None
+        """Offload or the per-step weight copy: the optimizer updates masters, named after their model
+        parameters (so checkpoints index optimizer state by parameter name); None: the model's own params."""
+        masters = self.offload or self.masters
+        return masters.master_names(model) if masters else None
 
 
 def agree_on_host_optimizer(choice: str, optimizer_name: str, sharded: ShardedModel,

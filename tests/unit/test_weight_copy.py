@@ -1,0 +1,141 @@
+"""train.weight_copy=per_step (m6.memory.master_weights): bf16 module weights made once per step
+from fp32 masters on the device. It trains as cast-on-use does, bitwise (the same bf16 values, the
+same kernels, gradients summed in fp32), with and without accumulation; its fp32 accumulation is
+what keeps that (a bf16 sum would not); checkpoints hold the fp32 masters and resume exactly; and
+what is not built with it is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from m6.config import ConfigError, load
+from m6.memory.master_weights import MasterWeights, compute_weight_params
+from m6.train.loop import Trainer
+
+SMALL = [
+    "model.d_model=32", "model.num_layers=3", "model.num_heads=2", "model.ffn_dim=64", "model.max_text_len=48",
+    "model.image_size=16", "model.moe.every=2", "model.moe.num_experts=4", "data.kind=synthetic",
+    "data.num_workers=0", "data.num_samples=256", "data.eval_samples=8", "data.seq_len=48",
+    "train.global_batch_size=8", "train.eval_every=0", "train.max_steps=6", "train.precision=bf16",
+    "logging.console=false", "checkpoint.every=0", "train.grad_clip=0.5",
+]
+
+
+def trainer(path, device: torch.device, *extra: str) -> Trainer:
+    return Trainer(load(None, [*SMALL, f"train.device={device.type}", f"run.dir={path}", *extra]))
+
+
+def curve(history: list[dict]) -> list[tuple[float, float]]:
+    return [(row["loss"], row["grad_norm"]) for row in history]
+
+
+@pytest.mark.parametrize("micro_batch", [8, 2])
+def test_per_step_trains_like_cast_on_use_bitwise(tmp_path, device, micro_batch):
+    """Same bf16 weights, same kernels, fp32 gradient sums: the curves agree bit for bit, with one
+    micro-batch and with four (untied head: every weight kind has a copy)."""
+    extra = [f"train.micro_batch_size={micro_batch}", "checkpoint.enabled=false", "model.tie_embeddings=false"]
+    per_use = trainer(tmp_path / "use", device, *extra)
+    per_step = trainer(tmp_path / "step", device, *extra, "train.weight_copy=per_step")
+    masters = per_step.update.masters
+    assert per_use.update.masters is None and masters is not None
+    copied = {id(p) for p in masters.params}
+    names = {n for n, p in per_step.model.named_parameters() if id(p) in copied}
+    assert "lm_head.weight" in names and any("w_in" in n for n in names) and any("qkv" in n or "q_proj" in n
+                                                                                 or "attn" in n for n in names)
+    assert not any("norm" in n or "router" in n or "text_embed" in n for n in names), names
+    assert {p.dtype for p in masters.params} == {torch.bfloat16}
+    assert {m.dtype for m in masters.masters.values()} == {torch.float32}
+    assert curve(per_use.fit()) == curve(per_step.fit())
+    for p in masters.params:  # the copy is the master rounded, after the last update too
+        assert torch.equal(p.detach(), masters.master(p).to(torch.bfloat16))
+    use_params = dict(per_use.model.named_parameters())
+    for name, p in per_step.model.named_parameters():
+        assert torch.equal(masters.master(p), use_params[name].detach()), name
+
+
+def test_fp32_accumulation_is_what_keeps_the_gradients_exact(tmp_path, device):
+    """Four micro-batches: the masters' gradients equal cast-on-use's fp32 gradients bitwise; the
+    same micro-batch gradients summed in bf16 (what accumulating on the bf16 weights would give)
+    do not, so the equality is the fp32 accumulation's doing."""
+    extra = ["train.micro_batch_size=2", "checkpoint.enabled=false", "train.max_steps=1"]
+    per_use = trainer(tmp_path / "use", device, *extra)
+    per_step = trainer(tmp_path / "step", device, *extra, "train.weight_copy=per_step")
+    masters = per_step.update.masters
+    parts: dict[int, list[torch.Tensor]] = {}
+    fold = masters._fold_grad
+
+    def recording_fold(p):
+        parts.setdefault(id(p), []).append(p.grad.detach().clone())
+        fold(p)
+    for p in masters.params:
+        p._post_accumulate_grad_hooks.clear()
+        p.register_post_accumulate_grad_hook(recording_fold)
+    for tr in (per_use, per_step):  # stop before the update: the step's gradients
+        tr.update.step = lambda apply=True: None
+        tr.update.clip = lambda max_norm: 1.0
+        tr.train_step()
+    use_grads = {n: p.grad for n, p in per_use.model.named_parameters()}
+    bf16_off = 0
+    for name, p in per_step.model.named_parameters():
+        if id(p) not in masters.masters:
+            continue
+        assert len(parts[id(p)]) == 4, name
+        assert torch.equal(masters.master(p).grad, use_grads[name]), name
+        bf16_sum = parts[id(p)][0]
+        for g in parts[id(p)][1:]:
+            bf16_sum = bf16_sum + g
+        bf16_off += int(not torch.equal(bf16_sum.float(), use_grads[name]))
+    assert bf16_off > 0, "bf16 accumulation matched fp32 too: the test could not tell them apart"
+
+
+def test_checkpoint_holds_fp32_masters_and_resumes_exactly(tmp_path, device):
+    straight = trainer(tmp_path / "straight", device, "train.weight_copy=per_step", "checkpoint.enabled=false")
+    want = curve(straight.fit())
+    first = trainer(tmp_path / "run", device, "train.weight_copy=per_step")
+    first.fit(stop_at=3)
+    tensors = first.state.model.tensors()
+    assert {t.dtype for t in tensors.values()} == {torch.float32}
+    second = trainer(tmp_path / "run", device, "train.weight_copy=per_step", "checkpoint.resume=auto")
+    assert second.step == 3
+    masters = second.update.masters
+    for p in masters.params:  # the load wrote the masters; the bf16 copies followed
+        assert torch.equal(p.detach(), masters.master(p).to(torch.bfloat16))
+    assert want[:3] == curve(first.history) and want[3:] == curve(second.fit())
+
+
+def test_per_use_checkpoint_resumes_into_per_step(tmp_path, device):
+    """The checkpoint layout is the same (fp32 weights by name): a cast-on-use run continues with
+    the per-step copy, bitwise."""
+    straight = trainer(tmp_path / "straight", device, "checkpoint.enabled=false")
+    want = curve(straight.fit())
+    trainer(tmp_path / "run", device).fit(stop_at=3)
+    switched = trainer(tmp_path / "run", device, "train.weight_copy=per_step", "checkpoint.resume=auto")
+    assert want[3:] == curve(switched.fit())
+
+
+def test_tied_embedding_keeps_fp32():
+    """A tied embedding is looked up in fp32 by the embedding layer: it gets no bf16 copy."""
+    from m6.model import M6Model
+    cfg = load(None, [*SMALL, "model.tie_embeddings=true"])
+    model = M6Model(cfg.model)
+    names = {n for n, p in model.named_parameters() if id(p) in {id(q) for q in compute_weight_params(model)}}
+    assert "text_embed.tokens.weight" not in names and names
+    MasterWeights(model, torch.bfloat16)
+    assert model.text_embed.tokens.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["train.precision=fp32"], "train.precision"),
+    (["train.precision=auto"], "train.precision"),
+    (["train.precision=fp16"], "train.precision"),
+    (["memory.offload=optimizer"], "memory.offload"),
+    (["parallel.shard=full"], "parallel.shard"),
+    (["parallel.tensor_parallel_size=2"], "parallel.tensor_parallel_size"),
+    (["memory.activation_checkpointing=full", "memory.check_checkpointing=true"], "memory.check_checkpointing"),
+])
+def test_refuses_what_it_is_not_built_with(extra, key):
+    base = [o for o in SMALL if not o.startswith("train.precision")]
+    with pytest.raises(ConfigError, match=rf"train.weight_copy=per_step with {key}"):
+        load(None, [*base, "train.precision=bf16", *extra, "train.weight_copy=per_step"] if "precision" not in key
+             else [*base, *extra, "train.weight_copy=per_step"])
