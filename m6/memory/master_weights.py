@@ -95,6 +95,10 @@ class MasterWeights:
         """The tensor whose ``.grad`` holds ``p``'s gradient once its backward hook ran."""
         return self.master(p)
 
+    def copies(self) -> dict[int, torch.Tensor]:
+        """id(master) -> the module weight it is copied into (what AdamWWithCopy writes)."""
+        return {id(self.masters[id(p)]): p.data for p in self.params}
+
     def master_names(self, model: nn.Module) -> dict[int, str]:
         """id(optimized tensor) -> the model parameter's name, for every trainable parameter
         (checkpoints index optimizer state by name)."""
@@ -107,8 +111,8 @@ class MasterWeights:
         if self.params:
             torch._foreach_copy_([p.data for p in self.params], self._master_list)
 
-    def describe(self) -> str:
-        """The banner's words for it."""
+    def describe(self, update: str) -> str:
+        """The banner's words for it; ``update``: what writes the copy."""
         n = self.num_params
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
-        return f"weight copy per step of {size} params, fp32 masters and gradients on the device"
+        return f"weight copy per step of {size} params, fp32 masters and gradients on the device; {update}"

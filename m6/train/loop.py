@@ -218,7 +218,7 @@ class Trainer:
     def _facts(self) -> RunFacts:
         precision = "fp32" if self.autocast_dtype is None else (
             "bf16 (FSDP2 gathers bf16)" if self.fsdp_bf16 else
-            f"bf16 ({self.update.masters.describe()})" if self.update.masters else
+            f"bf16 ({self.update.weight_copy_line()})" if self.update.masters else
             "bf16 (cast-on-use)" if self.cast_on_use else "bf16 (autocast)")
         if self.update.loss_scale is not None:
             how = "FSDP2 gathers fp16" if self.fsdp_bf16 else "cast-on-use"

@@ -4,20 +4,22 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from m6.config import OptimConfig
+from m6.memory.adamw_copy import AdamWWithCopy
 from m6.model.param_groups import no_decay_ids  # noqa: F401  (re-exported: the optimizer's groups)
 from m6.parallel.sharded_adafactor import ShardedAdafactor
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig,
                     master: Callable[[nn.Parameter], torch.Tensor] | None = None,
-                    host_optimizer: str = "torch") -> torch.optim.Optimizer:
+                    host_optimizer: str = "torch", copies: Mapping[int, torch.Tensor] | None = None,
+                    copy_kernel: str = "torch") -> torch.optim.Optimizer:
     """The optimizer of ``cfg.name`` over two parameter groups: weight-decayed matrices and everything else.
 
     ``master`` maps a model parameter to the tensor the optimizer updates instead (CPU offload's
@@ -30,6 +32,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
     exact sharded form (m6.parallel.sharded_adafactor), or for host masters with
     ``host_optimizer="cpp"`` m6's C++ Adafactor (the same math and state,
     m6.memory.host_adafactor); lr and weight_decay as for AdamW.
+
+    ``copies`` (train.weight_copy=per_step: id(master) -> its bf16 copy): AdamW writes them in its
+    step (m6.memory.adamw_copy; ``copy_kernel`` "triton" or "torch").
     """
     skip = no_decay_ids(model)
     target = master if master is not None else (lambda p: p)
@@ -53,7 +58,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig,
         return DeepSpeedHostAdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps)
     assert host_optimizer == "torch", host_optimizer
     tensors = decay + no_decay
-    if cfg.adamw_kernel(on_cuda=bool(tensors) and all(t.is_cuda for t in tensors)) == "fused":
+    fused = cfg.adamw_kernel(on_cuda=bool(tensors) and all(t.is_cuda for t in tensors)) == "fused"
+    if copies is not None:
+        return AdamWWithCopy(groups, copies, copy_kernel, fused=fused, lr=cfg.lr, betas=betas, eps=cfg.eps)
+    if fused:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, fused=True)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, foreach=True)
 

@@ -31,6 +31,7 @@ from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.host_adafactor import choose_host_adafactor, probe_adafactor_op
 from m6.memory.live_bytes import grad_bytes
+from m6.memory.adamw_copy import AdamWWithCopy, choose_adamw_copy_kernel
 from m6.memory.master_weights import MasterWeights
 from m6.memory.offload_blocks import resolve_offload_blocks
 from m6.model.param_groups import no_decay_ids
@@ -100,8 +101,11 @@ class ParameterUpdate:
             if note:
                 log(note)
         masters = self.offload or self.masters
+        # per_step with AdamW: the update writes the bf16 copies itself (m6.memory.adamw_copy).
+        copies = self.masters.copies() if self.masters and cfg.optim.name == "adamw" else None
         self.optimizer = build_optimizer(model, cfg.optim, masters.master if masters else None,
-                                         self.host_optimizer or "torch")
+                                         self.host_optimizer or "torch", copies=copies,
+                                         copy_kernel=choose_adamw_copy_kernel(device, cfg.optim.implementation))
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
             if t.precision == "fp16" else None
@@ -111,6 +115,14 @@ class ParameterUpdate:
         # host update runs in the background during step t+1's forward/backward.
         self.delayed = DelayedUpdate(self.offload, cfg.optim.delayed_update_after) \
             if cfg.optim.delayed_update else None
+
+    def weight_copy_line(self) -> str | None:
+        """train.weight_copy=per_step: the banner's words (the copy, and which kernel writes it)."""
+        if self.masters is None:
+            return None
+        update = self.optimizer.describe() if isinstance(self.optimizer, AdamWWithCopy) else \
+            "update: then one foreach copy to bf16"
+        return self.masters.describe(update)
 
     @property
     def lr(self) -> float:
@@ -196,7 +208,7 @@ class ParameterUpdate:
                 self.offload.step(self.apply)
             else:
                 self.apply.step()
-            if self.masters:
+            if self.masters and not isinstance(self.optimizer, AdamWWithCopy):  # Adafactor: one copy pass
                 self.masters.write_compute_weights()
         self.zero_grad()
         self.scheduler.step()
