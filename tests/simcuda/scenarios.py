@@ -231,6 +231,12 @@ PRECISION_VARIANTS = {
     # syncs checked against DROPLESS_SINGLE_GPU_ALLOW_LIST).
     "dropless-grouped_mm": ["train.precision=bf16", "model.moe.capacity_factor=null",
                             "model.moe.expert_kernel=grouped_mm"],
+    # train.weight_copy=per_step with accumulation: bf16 weights copied once per step from fp32 masters
+    # on the device, gradients folded into the masters' by a hook. torch's fused AdamW then one foreach
+    # copy (optim.implementation=fused): m6's Triton AdamW, auto's pick on a GPU, cannot run on
+    # simulated tensors (its host side reads only the host step count).
+    "bf16-weight-copy": ["train.precision=bf16", "train.micro_batch_size=4", "train.weight_copy=per_step",
+                         "optim.implementation=fused"],
 }
 MEMORY_VARIANTS = {
     # Accumulation 2: the experts' and every gradient's second micro-batch goes through the host

@@ -14,7 +14,7 @@ import pytest
 from host_sync_allow_list import ALLOW_LIST, DROPLESS_SINGLE_GPU_ALLOW_LIST, per_event_table, sync_totals, unused, violations
 from preload import scenario_result
 
-GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast", "dropless-grouped_mm"],
+GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast", "dropless-grouped_mm", "bf16-weight-copy"],
           "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full",
                              "offload-optimizer-delayed", "offload-optimizer+params-delayed"],
           "expert_parallel": ["ep-world2", "ep-world4"]}
@@ -96,6 +96,14 @@ def test_dropless_single_gpu_moe_layers_make_no_host_sync(simcuda):
     moe = {key: n for key, n in sync_totals(run["findings"]).items()
            if key[0].startswith("m6/moe/") and key[1] in ("moe_forward", "step")}
     assert moe == {}, moe
+
+
+def test_weight_copy_per_step_adds_no_host_sync(simcuda):
+    """train.weight_copy=per_step: the copy after the update, the gradient hook and the masters'
+    all-reduce-free clip make exactly the host syncs of cast-on-use with the same accumulation."""
+    per_step = sync_totals(_run(simcuda, "trainer_precision", "bf16-weight-copy")["findings"])
+    per_use = sync_totals(_run(simcuda, "trainer_precision", "bf16-accumulate")["findings"])
+    assert per_step == per_use
 
 
 def test_allow_list_entries_are_all_needed(simcuda):
