@@ -189,9 +189,20 @@ def train_overrides(args, out: Path) -> list[str]:
 # The end-to-end runs of issue #45's table: (config, micro-batch, accumulation); each one process
 # that times steps and then profiles two (bench.step_breakdown), and the HF peer of the
 # fine-grained config at the same tokens per step.
-E2E_RUNS = [("configs/m6-gpu-2b.yaml", 8, 1), ("configs/m6-gpu-2b.yaml", 32, 1),
-            ("configs/m6-gpu-finegrained.yaml", 8, 1), ("configs/m6-gpu-finegrained.yaml", 16, 4)]
-E2E_PEER = ("configs/m6-gpu-finegrained.yaml", [(8, 1), (16, 4)])
+E2E_RUNS = [("configs/m6-gpu-2b.yaml", 8, 1, ""), ("configs/m6-gpu-2b.yaml", 32, 1, ""),
+            ("configs/m6-gpu-finegrained.yaml", 8, 1, ""), ("configs/m6-gpu-finegrained.yaml", 16, 4, "")]
+E2E_PEER = ("configs/m6-gpu-finegrained.yaml", [(8, 1, ""), (16, 4, "")])
+# Variants of a row, tagged "<row>-<variant>": run only when --only names them (a substring of the
+# tag: "--only m6-gpu-finegrained-mb16x4" runs that row, its variants and its HF peer side by side).
+# per_step: train.weight_copy=per_step (bf16 weights copied once per step from fp32 masters on the
+# device, m6.memory.master_weights). v152k: Qwen3's vocabulary of 151,936 (the embedding and LM head
+# at that size, the loss over it in row chunks: model.loss_chunk_rows=auto); the generated text is
+# still byte-tokenized (ids < 261): the shapes and FLOPs are a real vocabulary's, the token ids not.
+E2E_VARIANTS = {"per_step": ["train.weight_copy=per_step"],
+                "v152k": ["model.vocab_size=151936", "model.loss_chunk_rows=auto"]}
+E2E_EXTRA_RUNS = [("configs/m6-gpu-2b.yaml", 32, 1, "per_step"), ("configs/m6-gpu-finegrained.yaml", 16, 4, "per_step"),
+                  ("configs/m6-gpu-2b.yaml", 8, 1, "v152k"), ("configs/m6-gpu-finegrained.yaml", 16, 4, "v152k")]
+E2E_EXTRA_PEERS = [(16, 4, "v152k")]
 E2E_TIMEOUT_S = 240
 
 
@@ -206,25 +217,32 @@ def _child(cmd: list[str], log: Path) -> str | None:
     return None if proc.returncode == 0 else f"exited {proc.returncode}: {proc.stderr[-1500:]}"
 
 
-def e2e_run(args, out: Path, config: str, micro: int, accum: int) -> dict:
+def e2e_tag(config: str, micro: int, accum: int, variant: str = "", peer: bool = False) -> str:
+    """A train_e2e row's name: ``[hf-]<config stem>-mb<micro>x<accumulation>[-<variant>]``."""
+    return f"{'hf-' if peer else ''}{Path(config).stem}-mb{micro}x{accum}{'-' + variant if variant else ''}"
+
+
+def e2e_run(args, out: Path, config: str, micro: int, accum: int, variant: str = "") -> dict:
     """Throughput (the Trainer's own metrics, median of the timed steps), then a step breakdown by
     category and the host syncs per step, in one process per run."""
-    tag = f"{Path(config).stem}-mb{micro}x{accum}"
+    tag = e2e_tag(config, micro, accum, variant)
     batch = [] if args.smoke else [f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * accum}"]
     cmd = [sys.executable, "-m", "bench.step_breakdown", "--config", config, "--out", str(out / tag),
-           "--timed-steps", str(2 if args.smoke else 8), "--host-syncs", *train_overrides(args, out), *batch]
+           "--timed-steps", str(2 if args.smoke else 8), "--host-syncs", *train_overrides(args, out), *batch,
+           *E2E_VARIANTS.get(variant, [])]
     error = _child(cmd, out / f"{tag}.log")
     if error:
         return {"run": tag, "error": error}
     return {"run": tag, "command": " ".join(cmd[1:]), **json.loads((out / tag / "step_breakdown.json").read_text())}
 
 
-def e2e_peer(args, out: Path, config: str, micro: int, accum: int) -> dict:
-    tag = f"hf-{Path(config).stem}-mb{micro}x{accum}"
+def e2e_peer(args, out: Path, config: str, micro: int, accum: int, variant: str = "") -> dict:
+    tag = e2e_tag(config, micro, accum, variant, peer=True)
     small = ["model.d_model=32", "model.num_heads=2", "model.num_layers=2", "model.moe.num_experts=4",
              "model.moe.top_k=2", "model.moe.ffn_dim=32", "data.seq_len=64", "model.max_text_len=64"] if args.smoke else []
     cmd = [sys.executable, "-m", "bench.hf_peer", "--config", config, "--micro-batch", str(2 if args.smoke else micro),
-           "--accumulation", str(accum), "--device", args.device, "--out", str(out / f"{tag}.json"), *small]
+           "--accumulation", str(accum), "--device", args.device, "--out", str(out / f"{tag}.json"), *small,
+           *[o for o in E2E_VARIANTS.get(variant, []) if o.startswith("model.vocab_size")]]
     error = _child(cmd, out / f"{tag}.log")
     if error:
         return {"run": tag, "error": error}
@@ -236,13 +254,16 @@ def part_train_e2e(args, device: torch.device, out: Path) -> tuple[dict, list[st
     step (each with its step breakdown), and the HF Qwen3-MoE peer of the fine-grained shapes."""
     from bench.step_breakdown import host_sync_markdown, markdown as breakdown_markdown
 
-    wanted = lambda tag: not args.only or any(w in tag for w in args.only.split(","))  # noqa: E731
-    runs = [e2e_run(args, out, c, m, a) for c, m, a in (E2E_RUNS[:1] if args.smoke else E2E_RUNS)
-            if wanted(f"{Path(c).stem}-mb{m}x{a}")]
+    asked = [w for w in args.only.split(",") if w]
+    wanted = lambda tag: not asked or any(w in tag for w in asked)  # noqa: E731
+    # The variants run only when asked for; --smoke without --only runs the first row alone.
+    rows = E2E_RUNS[:1] if args.smoke and not asked else E2E_RUNS + (E2E_EXTRA_RUNS if asked else [])
+    runs = [e2e_run(args, out, c, m, a, v) for c, m, a, v in rows if wanted(e2e_tag(c, m, a, v))]
     peer_config, peer_shapes = E2E_PEER
+    peer_rows = peer_shapes[:1] if args.smoke and not asked else peer_shapes + (E2E_EXTRA_PEERS if asked else [])
     peers = [] if importlib.util.find_spec("transformers") is None else \
-        [e2e_peer(args, out, peer_config, m, a) for m, a in (peer_shapes[:1] if args.smoke else peer_shapes)
-         if wanted(f"hf-{Path(peer_config).stem}-mb{m}x{a}")]
+        [e2e_peer(args, out, peer_config, m, a, v) for m, a, v in peer_rows
+         if wanted(e2e_tag(peer_config, m, a, v, peer=True))]
     md = ["| run | tokens / step | tokens/s | MFU | peak GB | loss first -> last |", "|---|---|---|---|---|---|"]
     for r in runs + peers:
         if "error" in r:
@@ -546,7 +567,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--only", default="", help="train_e2e: only the runs whose tag contains one of these (comma-separated)")
+    p.add_argument("--only", default="", help="train_e2e: only the runs whose tag contains one of these (comma-separated); "
+                   "the variant rows (-per_step, -v152k) run only when named")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     out = Path(args.out)

@@ -66,3 +66,20 @@ def test_a_part_over_its_limit_is_killed_and_the_next_runs(tmp_path, monkeypatch
     assert slow["status"] == "timeout" and "log_tail" in slow and not (tmp_path / "train_e2e.json").exists()
     fast = run_part("gemm_rate", args, tmp_path, limit_s=120)
     assert fast["status"] == "ok" and fast["markdown"]
+
+
+def test_train_e2e_variants_run_when_asked(tmp_path):
+    """The per-step weight copy and the 152k vocabulary rows of train_e2e (smoke shapes on the CPU):
+    named by --only, each runs with its overrides beside nothing else. ~26 s on a shared 2-core
+    machine: two runs, each a process of its own (as on the GPU) paying a Python and torch start."""
+    only = "m6-gpu-2b-mb32x1-per_step,m6-gpu-2b-mb8x1-v152k"
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_parts", "train_e2e", "--out", str(tmp_path), "--device", "cpu",
+                           "--smoke", "--only", only], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    train = json.loads((tmp_path / "train_e2e.json").read_text())["result"]
+    runs = {r["run"]: r for r in train["runs"]}
+    assert set(runs) == set(only.split(",")) and train["peers"] == [], runs
+    for run in runs.values():
+        assert "error" not in run and run["tokens_per_s_median"] > 0, run
+    assert "train.weight_copy=per_step" in runs["m6-gpu-2b-mb32x1-per_step"]["overrides"]
+    assert "model.vocab_size=151936" in runs["m6-gpu-2b-mb8x1-v152k"]["overrides"]
