@@ -79,6 +79,8 @@ class AdamWWithCopy(torch.optim.AdamW):
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 step_t = state["step"]
+                if step_t.device.type != "cpu":  # loaded from a fused AdamW's state: moved once, read without syncs after
+                    step_t = state["step"] = step_t.to("cpu", torch.float32)
                 step_t += 1
                 step = float(step_t)  # a host tensor: no device sync
                 assert p.is_contiguous() and state["exp_avg"].is_contiguous(), "the kernel reads flat tensors"

@@ -46,6 +46,7 @@ from torch import nn
 from m6.config import Config, accumulation_steps, micro_batch_size
 from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes
 from m6.moe import MoELayer
+from m6.memory.master_weights import compute_weight_params
 from m6.memory.grouped_apply import split_apply_groups
 from m6.memory.shard_estimate import fused_update, shard_layout, sharded_backward, sharded_states
 
@@ -224,8 +225,10 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     transients = {"activations (per micro-batch)": kept, "all-to-all buffers": acts.a2a_buffers,
                   "backward transients": max(acts.backward_transient, redo), "gradient-sync buckets": buckets}
 
+    # train.weight_copy=per_step (config.py: unsharded, no offload): the bf16 copies beside the fp32 masters.
+    copies = 2.0 * sum(p.numel() for p in compute_weight_params(model)) if cfg.train.weight_copy == "per_step" else 0.0
     states = {
-        "params": 4.0 * numel,
+        "params": 4.0 * numel + copies,
         "grads": 4.0 * numel,
         "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params)),
         "optimizer step temporaries": 0.0 if fused_update(cfg, device_type) else 4.0 * largest_call,

@@ -54,6 +54,15 @@ def test_per_step_trains_like_cast_on_use_bitwise(tmp_path, device, micro_batch)
         assert torch.equal(masters.master(p), use_params[name].detach()), name
 
 
+def test_per_step_with_full_recompute_trains_like_cast_on_use(tmp_path, device):
+    """Recompute runs the forward again in backward on the same bf16 copies: still bitwise."""
+    extra = ["train.micro_batch_size=4", "checkpoint.enabled=false", "train.max_steps=3",
+             "memory.activation_checkpointing=full"]
+    per_use = trainer(tmp_path / "use", device, *extra)
+    per_step = trainer(tmp_path / "step", device, *extra, "train.weight_copy=per_step")
+    assert curve(per_use.fit()) == curve(per_step.fit())
+
+
 def test_fp32_accumulation_is_what_keeps_the_gradients_exact(tmp_path, device):
     """Four micro-batches: the masters' gradients equal cast-on-use's fp32 gradients bitwise; the
     same micro-batch gradients summed in bf16 (what accumulating on the bf16 weights would give)
@@ -139,3 +148,17 @@ def test_refuses_what_it_is_not_built_with(extra, key):
     with pytest.raises(ConfigError, match=rf"train.weight_copy=per_step with {key}"):
         load(None, [*base, "train.precision=bf16", *extra, "train.weight_copy=per_step"] if "precision" not in key
              else [*base, *extra, "train.weight_copy=per_step"])
+
+
+def test_memory_estimate_counts_the_copies(tmp_path, device):
+    """The estimate's params: the fp32 masters (or parameters) plus the bf16 copies, as the run holds them."""
+    from m6.memory import estimate_memory
+    from m6.model.param_groups import no_decay_ids
+    tr = trainer(tmp_path, device, "train.weight_copy=per_step", "checkpoint.enabled=false",
+                 "model.tie_embeddings=false")
+    held = sum(p.nbytes for p in tr.model.parameters()) + sum(m.nbytes for m in tr.update.masters.masters.values())
+    report = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model), device_type=device.type)
+    plain = estimate_memory(load(None, [*SMALL, "model.tie_embeddings=false", f"train.device={device.type}"]),
+                            tr.model, no_decay_ids(tr.model), device_type=device.type)
+    assert report.device["params"] == held
+    assert report.device["params"] - plain.device["params"] == 2 * tr.update.masters.num_params
