@@ -34,7 +34,7 @@ DEVICE_TESTS = ["tests/unit/test_moe_layer.py", "tests/unit/test_expert_kernel.p
                 "tests/unit/test_model.py", "tests/unit/test_cast_on_use.py", "tests/unit/test_fp16.py",
                 "tests/unit/test_checkpoint_cuda_paths.py", "tests/unit/test_offload.py", "tests/unit/test_checkpoint.py",
                 "tests/unit/test_activation_checkpoint.py", "tests/unit/test_adafactor.py",
-                "tests/unit/test_shard_offload.py", "tests/unit/test_host_grad_dtype.py"]
+                "tests/unit/test_shard_offload.py", "tests/unit/test_host_grad_dtype.py", "tests/unit/test_adamw_copy.py"]
 
 
 def device_info(device: torch.device) -> dict:

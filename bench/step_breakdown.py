@@ -34,7 +34,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 PREFIX = "m6::"
 CATEGORIES = ("attention", "expert GEMMs", "router and permutation", "dense FFN", "norms and elementwise",
               "embeddings/head/loss", "casts", "gradient handling", "optimizer", "data", "other")
-CAST_OPS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_copy_from"}
+CAST_OPS = {"aten::_to_copy", "aten::to", "aten::copy_", "aten::_copy_from", "aten::_foreach_copy_"}
 
 
 def module_labels(model: nn.Module) -> dict[nn.Module, str]:

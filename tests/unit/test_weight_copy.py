@@ -30,10 +30,19 @@ def curve(history: list[dict]) -> list[tuple[float, float]]:
     return [(row["loss"], row["grad_norm"]) for row in history]
 
 
+def bitwise_on_cpu(device: torch.device) -> None:
+    """The bitwise comparisons are the CPU's; on CUDA kernels that add atomically (index_add, scatter
+    in the MoE backward) may make even two runs of one setting differ, and the default update is
+    the Triton kernel, which rounds like torch's within an fp32 ulp (test_adamw_copy.py runs there)."""
+    if device.type != "cpu":
+        pytest.skip("bitwise run-to-run comparisons are CPU-only")
+
+
 @pytest.mark.parametrize("micro_batch", [8, 2])
 def test_per_step_trains_like_cast_on_use_bitwise(tmp_path, device, micro_batch):
     """Same bf16 weights, same kernels, fp32 gradient sums: the curves agree bit for bit, with one
     micro-batch and with four (untied head: every weight kind has a copy)."""
+    bitwise_on_cpu(device)
     extra = [f"train.micro_batch_size={micro_batch}", "checkpoint.enabled=false", "model.tie_embeddings=false"]
     per_use = trainer(tmp_path / "use", device, *extra)
     per_step = trainer(tmp_path / "step", device, *extra, "train.weight_copy=per_step")
@@ -56,6 +65,7 @@ def test_per_step_trains_like_cast_on_use_bitwise(tmp_path, device, micro_batch)
 
 def test_per_step_with_full_recompute_trains_like_cast_on_use(tmp_path, device):
     """Recompute runs the forward again in backward on the same bf16 copies: still bitwise."""
+    bitwise_on_cpu(device)
     extra = ["train.micro_batch_size=4", "checkpoint.enabled=false", "train.max_steps=3",
              "memory.activation_checkpointing=full"]
     per_use = trainer(tmp_path / "use", device, *extra)
@@ -67,6 +77,7 @@ def test_fp32_accumulation_is_what_keeps_the_gradients_exact(tmp_path, device):
     """Four micro-batches: the masters' gradients equal cast-on-use's fp32 gradients bitwise; the
     same micro-batch gradients summed in bf16 (what accumulating on the bf16 weights would give)
     do not, so the equality is the fp32 accumulation's doing."""
+    bitwise_on_cpu(device)
     extra = ["train.micro_batch_size=2", "checkpoint.enabled=false", "train.max_steps=1"]
     per_use = trainer(tmp_path / "use", device, *extra)
     per_step = trainer(tmp_path / "step", device, *extra, "train.weight_copy=per_step")
@@ -99,6 +110,7 @@ def test_fp32_accumulation_is_what_keeps_the_gradients_exact(tmp_path, device):
 
 
 def test_checkpoint_holds_fp32_masters_and_resumes_exactly(tmp_path, device):
+    bitwise_on_cpu(device)
     straight = trainer(tmp_path / "straight", device, "train.weight_copy=per_step", "checkpoint.enabled=false")
     want = curve(straight.fit())
     first = trainer(tmp_path / "run", device, "train.weight_copy=per_step")
@@ -116,6 +128,7 @@ def test_checkpoint_holds_fp32_masters_and_resumes_exactly(tmp_path, device):
 def test_per_use_checkpoint_resumes_into_per_step(tmp_path, device):
     """The checkpoint layout is the same (fp32 weights by name): a cast-on-use run continues with
     the per-step copy, bitwise."""
+    bitwise_on_cpu(device)
     straight = trainer(tmp_path / "straight", device, "checkpoint.enabled=false")
     want = curve(straight.fit())
     trainer(tmp_path / "run", device).fit(stop_at=3)
