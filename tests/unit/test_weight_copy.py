@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from m6.config import ConfigError, load
 from m6.memory.master_weights import MasterWeights, compute_weight_params
@@ -175,3 +176,41 @@ def test_memory_estimate_counts_the_copies(tmp_path, device):
                             tr.model, no_decay_ids(tr.model), device_type=device.type)
     assert report.device["params"] == held
     assert report.device["params"] - plain.device["params"] == 2 * tr.update.masters.num_params
+
+
+class WeightCasts(TorchDispatchMode):
+    """Counts dtype casts (aten._to_copy) that read a weight or a master, and multi-tensor copies."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages, self.casts, self.foreach_copies = storages, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.storages:
+            self.casts += 1
+        if func is torch.ops.aten._foreach_copy_.default:
+            self.foreach_copies += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("micro_batch", [8, 2])
+def test_per_step_casts_no_weight_per_use(tmp_path, device, micro_batch):
+    """The traffic it removes, counted: cast-on-use casts each weight twice per micro-batch (forward
+    and backward); the per-step copy casts none in forward and backward, and the update writes all
+    copies in one multi-tensor copy per step (torch's AdamW path; on CUDA the Triton kernel)."""
+    bitwise_on_cpu(device)  # the CPU update path (one foreach copy)
+    counts = {}
+    for mode in ("per_use", "per_step"):
+        tr = trainer(tmp_path / mode, device, f"train.weight_copy={mode}", f"train.micro_batch_size={micro_batch}",
+                     "checkpoint.enabled=false", "model.tie_embeddings=false")
+        weights = compute_weight_params(tr.model)
+        storages = {p.untyped_storage().data_ptr() for p in weights}
+        if tr.update.masters:
+            storages |= {m.untyped_storage().data_ptr() for m in tr.update.masters.masters.values()}
+        tr.train_step()  # the first step builds the optimizer state
+        with WeightCasts(storages) as seen:
+            tr.train_step()
+        counts[mode] = (len(weights), seen.casts, seen.foreach_copies)
+    num_weights, casts, _ = counts["per_use"]
+    assert casts == 2 * num_weights * (8 // micro_batch), counts
+    assert counts["per_step"][1:] == (0, 1), counts
