@@ -408,7 +408,7 @@ class TrainConfig:
     # blocks: torch.compile of each block's dense parts (attention sub-block, FFN norm, dense MLP);
     # the MoE layers stay eager (m6.parallel.compile). false: everything eager.
     compile: Literal[False, "blocks"] = False
-    # bf16 weights (train.precision=bf16): per_use casts each fp32 weight on use, in forward and again
+    # bf16 (or fp16) weights: per_use casts each fp32 weight on use, in forward and again
     # in backward, every micro-batch (cast-on-use); per_step keeps a bf16 copy of those weights, made
     # once per step after the update, with fp32 masters and fp32 gradient accumulation on the device
     # (m6.memory.master_weights: +2 B per weight, no per-use casts).
@@ -820,7 +820,8 @@ def check_weight_copy(cfg: Config) -> None:
     if cfg.train.weight_copy == "per_use":
         return
     refused = [
-        (cfg.train.precision != "bf16", f"train.precision={cfg.train.precision} (per_step needs bf16)"),
+        (cfg.train.precision not in ("bf16", "fp16"),
+         f"train.precision={cfg.train.precision} (per_step needs bf16 or fp16)"),
         (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
         (cfg.parallel.shard != "none", f"parallel.shard={cfg.parallel.shard}"),
         (cfg.parallel.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={cfg.parallel.tensor_parallel_size}"),

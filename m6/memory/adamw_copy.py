@@ -30,10 +30,13 @@ from m6.moe.fused_experts import triton_available
 AdamWCopyKernel = Literal["triton", "torch"]
 
 
-def choose_adamw_copy_kernel(device: torch.device, implementation: str) -> AdamWCopyKernel:
-    """``triton`` on CUDA with Triton importable and optim.implementation=auto; else ``torch``
-    (an explicit optim.implementation foreach or fused asks for torch's kernels)."""
-    return "triton" if device.type == "cuda" and implementation == "auto" and triton_available() else "torch"
+def choose_adamw_copy_kernel(device: torch.device, implementation: str,
+                             compute_dtype: torch.dtype = torch.bfloat16) -> AdamWCopyKernel:
+    """``triton`` for bf16 copies on CUDA with Triton importable and optim.implementation=auto;
+    else ``torch`` (an explicit optim.implementation foreach or fused asks for torch's kernels;
+    fp16 copies are written by the foreach copy)."""
+    return "triton" if (device.type == "cuda" and implementation == "auto" and compute_dtype == torch.bfloat16
+                        and triton_available()) else "torch"
 
 
 class AdamWWithCopy(torch.optim.AdamW):
@@ -52,7 +55,8 @@ class AdamWWithCopy(torch.optim.AdamW):
         if self.kernel == "triton":
             return "update: m6's Triton AdamW writing the bf16 copy in the same pass"
         how = "fused" if self.defaults.get("fused") else "foreach"
-        return f"update: torch's AdamW ({how}), then one foreach copy to bf16"
+        dtypes = sorted({str(c.dtype).removeprefix("torch.") for c in self.copies.values()}) or ["bf16"]
+        return f"update: torch's AdamW ({how}), then one foreach copy to {'/'.join(dtypes)}"
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -221,7 +221,8 @@ class Trainer:
             f"bf16 ({self.update.weight_copy_line()})" if self.update.masters else
             "bf16 (cast-on-use)" if self.cast_on_use else "bf16 (autocast)")
         if self.update.loss_scale is not None:
-            how = "FSDP2 gathers fp16" if self.fsdp_bf16 else "cast-on-use"
+            how = "FSDP2 gathers fp16" if self.fsdp_bf16 else \
+                self.update.weight_copy_line() if self.update.masters else "cast-on-use"
             precision = f"fp16 ({how}), {self.update.loss_scale.describe()}"
         return RunFacts(
             world_size=self.world_size, expert_parallel_size=self.sharded.groups.layout.expert_parallel_size,

@@ -105,7 +105,7 @@ class ParameterUpdate:
         copies = self.masters.copies() if self.masters and cfg.optim.name == "adamw" else None
         self.optimizer = build_optimizer(model, cfg.optim, masters.master if masters else None,
                                          self.host_optimizer or "torch", copies=copies,
-                                         copy_kernel=choose_adamw_copy_kernel(device, cfg.optim.implementation))
+                                         copy_kernel=choose_adamw_copy_kernel(device, cfg.optim.implementation, compute_dtype))
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
             if t.precision == "fp16" else None
@@ -121,7 +121,7 @@ class ParameterUpdate:
         if self.masters is None:
             return None
         update = self.optimizer.describe() if isinstance(self.optimizer, AdamWWithCopy) else \
-            "update: then one foreach copy to bf16"
+            f"update: then one foreach copy to {str(self.masters.compute_dtype).removeprefix('torch.')}"
         return self.masters.describe(update)
 
     @property
