@@ -87,7 +87,7 @@ def test_kernel_state_loads_into_torch_adamw(kernel_device):
 def test_run_with_the_kernel_trains_like_cast_on_use(tmp_path, kernel_device, monkeypatch):
     """The whole update path (groups, schedule, clip, accumulation) with the kernel writing the copies."""
     import m6.train.update as update
-    monkeypatch.setattr(update, "choose_adamw_copy_kernel", lambda device, implementation: "triton")
+    monkeypatch.setattr(update, "choose_adamw_copy_kernel", lambda device, implementation, dtype=None: "triton")
     base = ["model.d_model=32", "model.num_layers=2", "model.num_heads=2", "model.ffn_dim=64",
             "model.max_text_len=32", "model.image_size=16", "model.moe.every=2", "model.moe.num_experts=4",
             "data.kind=synthetic", "data.num_workers=0", "data.num_samples=64", "data.eval_samples=8",
