@@ -121,7 +121,8 @@ class ParameterUpdate:
         if self.masters is None:
             return None
         update = self.optimizer.describe() if isinstance(self.optimizer, AdamWWithCopy) else \
-            f"update: then one foreach copy to {str(self.masters.compute_dtype).removeprefix('torch.')}"
+            f"update: torch's {type(self.optimizer).__name__}, then one foreach copy to " \
+            f"{str(self.masters.compute_dtype).removeprefix('torch.')}"
         return self.masters.describe(update)
 
     @property

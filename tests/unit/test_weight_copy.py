@@ -64,11 +64,13 @@ def test_per_step_trains_like_cast_on_use_bitwise(tmp_path, device, micro_batch)
         assert torch.equal(masters.master(p), use_params[name].detach()), name
 
 
-def test_per_step_with_full_recompute_trains_like_cast_on_use(tmp_path, device):
-    """Recompute runs the forward again in backward on the same bf16 copies: still bitwise."""
+@pytest.mark.parametrize("extra", [["memory.activation_checkpointing=full"], ["optim.name=adafactor"]],
+                         ids=["full-recompute", "adafactor"])
+def test_per_step_with_recompute_or_adafactor_trains_like_cast_on_use(tmp_path, device, extra):
+    """Recompute runs the forward again in backward on the same bf16 copies; Adafactor updates the
+    masters and one multi-tensor copy follows: still bitwise."""
     bitwise_on_cpu(device)
-    extra = ["train.micro_batch_size=4", "checkpoint.enabled=false", "train.max_steps=3",
-             "memory.activation_checkpointing=full"]
+    extra = ["train.micro_batch_size=4", "checkpoint.enabled=false", "train.max_steps=3", *extra]
     per_use = trainer(tmp_path / "use", device, *extra)
     per_step = trainer(tmp_path / "step", device, *extra, "train.weight_copy=per_step")
     assert curve(per_use.fit()) == curve(per_step.fit())
