@@ -6,10 +6,12 @@ copying the fp32 master and casting on the device, and no fp32 copy of the weigh
 
 Two staging buffers of ``chunk_numel`` elements each, used in turn (double buffering): while the
 copy stream moves chunk k to the device, the host casts chunk k + 1 into the other buffer. A
-buffer is written again only once its last copy has completed (its event: the one place the host
-waits for the device here, and only when the host casts faster than the link moves). Tensors are
-packed into the chunks back to back, a tensor larger than what is left in a chunk in pieces, so the
-pinned memory is bounded (2 x ``chunk_numel`` x 2 bytes) whatever the model's size.
+buffer is written again only once its last copy has completed (its event, queried first: the host
+waits for the device only when it casts faster than the link moves). Tensors are packed into the
+chunks back to back, a tensor larger than what is left in a chunk in pieces, so the pinned memory
+is bounded (2 x ``chunk_numel`` x 2 bytes) whatever the model's size; a push that fits one chunk
+(a model, or an apply group, under ``chunk_numel`` elements) uses one buffer of its size, the
+next push waiting for that buffer's copy (long done by then: a step lies between them).
 
 On a CPU device (``copy_stream`` None) the same path runs synchronously: staging, then the copy.
 """
@@ -58,14 +60,16 @@ class HalfWeightPush:
                 self._pieces.append((out[done:done + count], self._fill, count))
                 self._fill += count
                 done += count
+                total -= count
                 if self._fill == buffer.numel():
-                    self._send()
-        self._send()
+                    self._send(switch=total > 0)  # more to cast: into the other buffer, during this copy
+        self._send(switch=False)
 
     def _buffer(self, wanted: int) -> torch.Tensor:
         """The current staging buffer, ready to be written (its earlier copy completed); sized for
         ``wanted`` elements up to a chunk (a small model's pushes pin no more than they need)."""
         buffer = self._buffers[self._current]
+        # ``wanted``: what is left of this push; an empty buffer too small for it is replaced.
         if buffer is None or (self._fill == 0 and buffer.numel() < min(wanted, self.chunk_numel)):
             numel = min(max(wanted, 1), self.chunk_numel)
             self._wait(self._current)
@@ -78,11 +82,11 @@ class HalfWeightPush:
 
     def _wait(self, index: int) -> None:
         event, self._copied[index] = self._copied[index], None
-        if event is not None:
+        if event is not None and not event.query():
             event.synchronize()  # the copy still reads this pinned buffer: the host may not overwrite it
 
-    def _send(self) -> None:
-        """Copy the current buffer's pieces to the device and switch to the other buffer."""
+    def _send(self, switch: bool) -> None:
+        """Copy the current buffer's pieces to the device; ``switch``: cast the next ones into the other buffer."""
         if not self._pieces:
             return
         buffer = self._buffers[self._current]
@@ -98,7 +102,8 @@ class HalfWeightPush:
                 out.copy_(buffer[offset:offset + count])
         self._pieces = []
         self._fill = 0
-        self._current = 1 - self._current
+        if switch:
+            self._current = 1 - self._current
 
     def staging_bytes(self) -> int:
         """Host bytes the staging buffers hold now."""

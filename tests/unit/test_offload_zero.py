@@ -218,11 +218,18 @@ def test_staging_is_double_buffered_and_bounded_by_the_chunk():
     push = HalfWeightPush(torch.bfloat16, torch.device("cpu"), None, chunk_numel=7)
     masters = [torch.randn(s) for s in ((3, 4), (5,), (2, 2, 2))]
     dsts = [torch.empty(m.shape, dtype=torch.bfloat16) for m in masters]
-    push.push(list(zip(dsts, masters)))
-    for d, m in zip(dsts, masters):
-        assert torch.equal(d, m.to(torch.bfloat16))
+    for _ in range(2):
+        push.push(list(zip(dsts, masters)))
+        for d, m in zip(dsts, masters):
+            assert torch.equal(d, m.to(torch.bfloat16))
+        masters = [m * 3 for m in masters]
     assert push.max_staged_numel == 7 and all(b is not None for b in push._buffers)
     assert push.staging_bytes() == 2 * 7 * 2
+    # A push that fits one chunk uses one buffer of its size, push after push.
+    small = HalfWeightPush(torch.bfloat16, torch.device("cpu"), None, chunk_numel=64)
+    for _ in range(3):
+        small.push(list(zip(dsts, masters)))
+    assert small._buffers[1] is None and small.staging_bytes() == 2 * 25
 
 
 @pytest.mark.parametrize("overrides, message", [
