@@ -318,12 +318,14 @@ def run(args, device: torch.device) -> dict:
 
 
 # ---- --offload-layouts: ZeRO-Offload's layout against m6's other offload modes ------------------
-# Every block resident for zero (ZeRO-Offload's layout proper); optimizer+params streams every block.
+# zero with every block resident (ZeRO-Offload's layout proper), with 16-bit host gradients, and with
+# every block streamed in 16-bit; optimizer+params streams every block in fp32.
 LAYOUTS = {
     "optimizer": ["memory.offload=optimizer"],
     "optimizer+params": ["memory.offload=optimizer+params"],
     "zero": ["memory.offload=zero", "memory.offload_blocks=[]"],
     "zero, bf16 host grads": ["memory.offload=zero", "memory.offload_blocks=[]", "memory.host_grad_dtype=compute"],
+    "zero, every block streamed": ["memory.offload=zero", "memory.offload_blocks=all"],
 }
 LAYOUT_MODEL = ["model.d_model=256", "model.num_layers=4", "model.num_heads=4", "model.ffn_dim=512",
                 "model.moe.num_experts=4", "model.moe.every=2", "data.seq_len=64", "model.max_text_len=64",
@@ -422,7 +424,7 @@ def render_layouts(result: dict) -> str:
         f"Model: configs/tiny.yaml with `{' '.join(result['model_overrides'])}`, synthetic data, torch's AdamW on "
         "the host, one micro-batch per step. World 2: two gloo processes, the experts split over them "
         "(expert_parallel_size auto = 2), the rest replicated, one thread each; "
-        "world 1: one process, all threads. The three layouts' trainers run round-robin in each process "
+        "world 1: one process, all threads. The layouts' trainers run round-robin in each process "
         f"({result['rounds']} rounds after 2 warm-up, every round kept: the ranks must run the same steps; "
         "the machine is shared, so the spread is wide).  ",
         "Bytes: exact tensor-storage counts on rank 0 (per parameter of the rank). On this CPU-only machine the "
