@@ -113,10 +113,18 @@ def test_resume_is_exact_and_checkpoints_hold_the_fp32_masters(tmp_path):
     weights_are_rounded_masters(resumed)
     losses += [resumed.train_step()["loss"] for _ in range(STEPS - 2)]
     assert losses == want
-    # The checkpoint is an fp32 one: memory.offload=optimizer resumes from it with the same masters.
+    # The checkpoint is an fp32 one: memory.offload=optimizer resumes from it with the same masters,
+    # and zero resumes from optimizer's (its masters are the saved fp32 weights, its weights their roundings).
     other = trainer(tmp_path / "run", "memory.offload=optimizer", "checkpoint.resume=auto")
     for n, p in other.model.named_parameters():
         assert torch.equal(other.update.offload.master(p), saved[n]), n
+    other.train_step()
+    other.save_checkpoint(wait=True)
+    back = trainer(tmp_path / "run", *ZERO, "checkpoint.resume=auto")
+    assert back.step == 3
+    for (n, p), q in zip(back.model.named_parameters(), other.model.parameters()):
+        assert torch.equal(back.update.offload.master(p), q.detach()), n
+    weights_are_rounded_masters(back)
 
 
 def test_streamed_blocks_are_16bit_homes_and_change_nothing(tmp_path):
