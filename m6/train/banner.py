@@ -204,8 +204,8 @@ def zero_layout_words(cfg: Config) -> str:
     where = (f"all {num_blocks} blocks resident" if streamed == 0 else
              f"{num_blocks - streamed} of {num_blocks} blocks resident, {streamed} streamed in {dtype} from the host")
     grads = dtype if mem.host_grad_dtype == "compute" else "fp32"
-    return (f" (ZeRO-Offload's layout: {dtype} weights on the device, {where}; fp32 masters and optimizer state "
-            f"on the host, {dtype} gradients to {grads} host buffers, {dtype} weights back)")
+    return (f" (ZeRO-Offload's layout: {dtype} weights on the device (routers' gates fp32), {where}; fp32 masters "
+            f"and optimizer state on the host, {dtype} gradients to {grads} host buffers, {dtype} weights back)")
 
 
 def delayed_update_words(cfg: Config) -> str:

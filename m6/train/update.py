@@ -68,7 +68,8 @@ class ParameterUpdate:
                               f"{device.type}: zero keeps 16-bit weights on the device; use train.precision=bf16 or fp16")
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
-            grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype)
+            grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype,
+            keep_fp32=[layer.router.weight for layer in model.moe_layers().values()])
         self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None)

@@ -30,7 +30,8 @@ def test_the_memory_line_says_which_zero_layout_runs():
     base = ["model.num_layers=4", "train.precision=bf16", "memory.offload=zero"]
     assert zero_layout_words(load(None, ["memory.offload=optimizer+params"])) == ""
     resident = zero_layout_words(load(None, [*base, "memory.offload_blocks=[]"]))
-    assert resident.startswith(" (ZeRO-Offload's layout: bf16 weights on the device, all 4 blocks resident;")
+    assert resident.startswith(" (ZeRO-Offload's layout: bf16 weights on the device (routers' gates fp32), all 4 "
+                               "blocks resident;")
     assert "bf16 gradients to fp32 host buffers" in resident
     streamed = zero_layout_words(load(None, [*base, "memory.offload_blocks=[0,1]", "memory.host_grad_dtype=compute"]))
     assert "2 of 4 blocks resident, 2 streamed in bf16 from the host" in streamed

@@ -35,13 +35,19 @@ def trainer(path, *extra: str) -> Trainer:
     return Trainer(load(None, [*SMALL, f"run.dir={path}", *extra]))
 
 
+def router_ids(model) -> set[int]:
+    return {id(layer.router.weight) for layer in model.moe_layers().values()}
+
+
 def weights_are_rounded_masters(tr: Trainer) -> None:
-    off = tr.update.offload
+    """Every device weight is its fp32 host master rounded to 16 bits; a router's gate stays fp32."""
+    off, routers = tr.update.offload, router_ids(tr.model)
+    assert routers
     for name, p in tr.model.named_parameters():
         master = off.master(p)
         assert master.dtype == torch.float32 and master.device.type == "cpu", name
-        assert p.dtype == off.weight_dtype, name
-        assert torch.equal(p.detach().cpu(), master.to(off.weight_dtype)), name
+        assert p.dtype == (torch.float32 if id(p) in routers else off.weight_dtype), name
+        assert torch.equal(p.detach().cpu(), master.to(p.dtype)), name
 
 
 def test_weights_are_16bit_roundings_of_fp32_host_masters_after_every_step(tmp_path):
@@ -61,11 +67,16 @@ def test_weights_are_16bit_roundings_of_fp32_host_masters_after_every_step(tmp_p
 
 def test_forward_and_gradients_are_a_16bit_model_copys_bitwise(tmp_path):
     """Step 1 of zero (no accumulation) computes the loss and the gradients of the plain model cast
-    to bf16, bitwise: the host gradients are those 16-bit gradients, widened exactly to fp32."""
+    to bf16 (its routers' gates kept fp32), bitwise: the host gradients are those 16-bit gradients,
+    widened exactly to fp32."""
     args = ("train.micro_batch_size=8",)
     zero = trainer(tmp_path / "zero", *args, *ZERO)
     plain = trainer(tmp_path / "plain", *args)
+    gates = {id(p): p.detach().clone() for p in plain.model.parameters() if id(p) in router_ids(plain.model)}
     plain.model.to(torch.bfloat16)
+    for p in plain.model.parameters():
+        if id(p) in gates:
+            p.data = gates[id(p)]
     seen = {}
 
     def capture(tr, key, grads):
@@ -149,7 +160,7 @@ def test_fp16_overflow_in_the_device_backward_is_skipped(tmp_path):
     (masters and weights untouched) and the scale backs off until the steps go through."""
     tr = trainer(tmp_path, "memory.offload=zero", "memory.offload_blocks=[1]", "train.precision=fp16",
                  "train.loss_scale_init=1099511627776")
-    assert {p.dtype for p in tr.model.parameters()} == {torch.float16}
+    assert {p.dtype for p in tr.model.parameters() if id(p) not in router_ids(tr.model)} == {torch.float16}
     masters = {n: tr.update.offload.master(p).clone() for n, p in tr.model.named_parameters()}
     row = tr.train_step()
     assert row["skipped_steps"] == 1 and not math.isfinite(row["grad_norm"]) and row["loss_scale"] == 2.0 ** 39
@@ -198,24 +209,26 @@ def test_host_optimizers_compose_with_zero(tmp_path):
 
 
 def test_bytes_per_parameter_on_the_device_and_the_host(tmp_path):
-    """Device: 2 B/param weights, gradients 2 B/param at most (16-bit, gone by the end of a
-    backward at world 1). Host: fp32 masters 4, AdamW moments 8, gradients 4 (fp32) or 2
-    (compute), plus the staging buffers of the copy back (2 B/param here, bounded by the chunk)."""
+    """Device: 2 B/param weights (4 for the routers' gates), gradients 2 B/param at most (16-bit,
+    gone by the end of a backward at world 1). Host: fp32 masters 4, AdamW moments 8, gradients 4
+    (fp32) or 2 (compute), plus the staging buffers of the copy back (2 B per 16-bit weight here,
+    bounded by the chunk)."""
     for host_grads, grad_bytes in (("fp32", 4), ("compute", 2)):
         tr = trainer(tmp_path / host_grads, *ZERO, f"memory.host_grad_dtype={host_grads}",
                      "train.micro_batch_size=8")
         params = list(tr.model.parameters())
         n = sum(p.numel() for p in params)
+        gates = sum(p.numel() for p in params if id(p) in router_ids(tr.model))
         nbytes = lambda ts: sum(t.untyped_storage().nbytes() for t in ts)  # noqa: E731
         off = tr.update.offload
-        assert nbytes(params) == 2 * n
+        assert 0 < gates < 0.01 * n and nbytes(params) == 2 * n + 2 * gates
         row = tr.train_step()
         assert row["grad_mb"] * 2**20 <= 2 * n  # the most 16-bit gradient bytes held at a backward's end
         assert nbytes(off.masters.values()) == 4 * n
         assert nbytes(off._grad_buffers.values()) == grad_bytes * n
         state = [v for s in tr.update.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
         assert nbytes(state) == 8 * n
-        assert off._half_push.staging_bytes() == 2 * n  # one buffer of the whole (tiny) model
+        assert off._half_push.staging_bytes() == 2 * (n - gates)  # one buffer of the whole (tiny) model
 
 
 def test_staging_is_double_buffered_and_bounded_by_the_chunk():
