@@ -446,7 +446,10 @@ def render_layouts(result: dict) -> str:
                 f"{h['grads']:.2f} | {h['optimizer_state']:.2f} | {h['streamed_homes']:.2f} | {h['staging']:.2f} | "
                 f"{r['host_bytes_per_param_total']:.2f} |")
     lines += ["", "Per-parameter figures for the planner: `per_param` in the JSON (rank 0, world 1 and 2).", "",
-              "*grads at backward end*: the most gradient bytes the device held at the end of a backward (`grad_mb`); "
+              "*grads at backward end*: the most gradient bytes the device held at the end of a backward (`grad_mb`; "
+              "at world 2 the replicated gradients wait there for their bucket's asynchronous all-reduce, so the "
+              "figure is anywhere from 0 to the replicated gradients' bytes, by how many reductions completed "
+              "before backward ended); "
               "*params+grads peak*: the most weight and gradient bytes on the device side at any sample (every "
               "block submodule's forward, every gradient's accumulation, before and after the update); optimizer "
               "state includes AdamW's step counters (a few bytes per tensor)."]
