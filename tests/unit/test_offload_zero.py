@@ -155,11 +155,13 @@ def test_streamed_blocks_are_16bit_homes_and_change_nothing(tmp_path):
     weights_are_rounded_masters(streamed)
 
 
-def test_fp16_overflow_in_the_device_backward_is_skipped(tmp_path):
+@pytest.mark.parametrize("host_grads", ["fp32", "compute"])
+def test_fp16_overflow_in_the_device_backward_is_skipped(tmp_path, host_grads):
     """A loss scale of 2**40 overflows the fp16 gradients the device makes: the step is skipped
-    (masters and weights untouched) and the scale backs off until the steps go through."""
+    (masters and weights untouched) and the scale backs off until the steps go through (fp32
+    host gradient buffers, or fp16 ones)."""
     tr = trainer(tmp_path, "memory.offload=zero", "memory.offload_blocks=[1]", "train.precision=fp16",
-                 "train.loss_scale_init=1099511627776")
+                 "train.loss_scale_init=1099511627776", f"memory.host_grad_dtype={host_grads}")
     assert {p.dtype for p in tr.model.parameters() if id(p) not in router_ids(tr.model)} == {torch.float16}
     masters = {n: tr.update.offload.master(p).clone() for n, p in tr.model.named_parameters()}
     row = tr.train_step()
