@@ -190,6 +190,20 @@ def test_delayed_update_composes_with_zero(tmp_path):
     weights_are_rounded_masters(delayed)
 
 
+def test_delayed_update_with_zero_resumes_exactly(tmp_path):
+    """The checkpoint holds the fp32 masters and the next forward's 16-bit device weights (one
+    update behind): a resumed delayed zero run continues the uninterrupted one bitwise."""
+    args = (*ZERO, "optim.delayed_update=true", "optim.delayed_update_after=1")
+    straight = trainer(tmp_path / "straight", *args)
+    want = [straight.train_step()["loss"] for _ in range(STEPS + 1)]
+    first = trainer(tmp_path / "run", *args)
+    losses = [first.train_step()["loss"] for _ in range(3)]
+    first.save_checkpoint(wait=True)
+    resumed = trainer(tmp_path / "run", *args, "checkpoint.resume=auto")
+    assert resumed.step == 3
+    assert losses + [resumed.train_step()["loss"] for _ in range(STEPS - 2)] == want
+
+
 def test_host_optimizers_compose_with_zero(tmp_path):
     """DeepSpeed's CPU Adam (where its op builds) and m6's C++ Adafactor run zero's host update."""
     from m6.memory.host_adafactor import probe_adafactor_op
