@@ -3,6 +3,7 @@
     python -m bench.memory            # the table on this machine (~2 min on 2 idle CPU cores)
     python -m bench.memory --quick    # tiny model, a harness check in seconds, not a measurement
     python -m bench.memory --device cuda   # GPU rows: a larger model; adds the allocator's peak
+    python -m bench.memory --offload-layouts   # zero vs optimizer+params vs optimizer, world 1 and 2 (bf16)
 
 Variants (m6 issue #5): plain, +optim.apply_groups=8, +auto activation checkpointing at 50% of the
 profiled no-checkpointing bytes, +full checkpointing, +offload (optimizer, optimizer+params), and
@@ -95,7 +96,33 @@ class ModelStateBytes:
         masters = list(off.masters.values())
         # Gradient buffers are allocated once and reused every step (a private attribute: bench only).
         out = masters + [m.grad for m in masters if m.grad is not None] + list(off._grad_buffers.values())
-        return out + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+        return out + [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)] + self._host_extras()
+
+    def _host_extras(self) -> list[torch.Tensor]:
+        """Streamed blocks' homes (zero and the delayed update: apart from the masters) and zero's
+        pinned staging buffers (bench only: private attributes)."""
+        off = self.trainer.update.offload
+        homes = list(off.streamer.homes().values()) if off.streamer is not None else []
+        staging = [b for b in off._half_push._buffers if b is not None] if off._half_push is not None else []
+        return homes + staging
+
+    def host_breakdown(self) -> dict[str, int]:
+        """Host bytes by kind (each storage once, in this order): masters, gradients (buffers and
+        any fp32 .grad on a master), optimizer state, streamed homes, staging."""
+        off, opt = self.trainer.update.offload, self.trainer.update.optimizer
+        masters = list(off.masters.values())
+        kinds = {"masters": masters,
+                 "grads": [m.grad for m in masters if m.grad is not None] + list(off._grad_buffers.values()),
+                 "optimizer_state": [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)],
+                 "streamed_homes": list(off.streamer.homes().values()) if off.streamer is not None else [],
+                 "staging": [b for b in off._half_push._buffers if b is not None] if off._half_push is not None else []}
+        seen: set = set()
+        out = {}
+        for kind, tensors in kinds.items():
+            found = {k: v for k, v in self._by_storage(tensors).items() if k not in seen}
+            seen |= set(found)
+            out[kind] = sum(found.values())
+        return out
 
     def _device_side(self) -> list[torch.Tensor]:
         out = [t for p in self.params for t in (p.data, p.grad) if t is not None]
@@ -290,6 +317,145 @@ def run(args, device: torch.device) -> dict:
     }
 
 
+# ---- --offload-layouts: ZeRO-Offload's layout against m6's other offload modes ------------------
+# zero with every block resident (ZeRO-Offload's layout proper), with 16-bit host gradients, and with
+# every block streamed in 16-bit; optimizer+params streams every block in fp32.
+LAYOUTS = {
+    "optimizer": ["memory.offload=optimizer"],
+    "optimizer+params": ["memory.offload=optimizer+params"],
+    "zero": ["memory.offload=zero", "memory.offload_blocks=[]"],
+    "zero, bf16 host grads": ["memory.offload=zero", "memory.offload_blocks=[]", "memory.host_grad_dtype=compute"],
+    "zero, every block streamed": ["memory.offload=zero", "memory.offload_blocks=all"],
+}
+LAYOUT_MODEL = ["model.d_model=256", "model.num_layers=4", "model.num_heads=4", "model.ffn_dim=512",
+                "model.moe.num_experts=4", "model.moe.every=2", "data.seq_len=64", "model.max_text_len=64",
+                "train.global_batch_size=8", "train.precision=bf16"]
+
+
+def layout_rows(root: str, world: int, rounds: int) -> dict:
+    """This rank's three trainers (same seed and batches) timed round-robin, then one instrumented
+    step each: device-side bytes (weights at rest, gradients at a backward's end, the peak of params
+    + grads sampled through the step) and host bytes by kind, per parameter of this rank."""
+    trainers = {name: Trainer(load("configs/tiny.yaml", [*COMMON, *LAYOUT_MODEL, "train.device=cpu",
+                                                         f"run.dir={root}/w{world}-{name}", *extra]))
+                for name, extra in LAYOUTS.items()}
+    # Every round kept (min_cpu_util 0): at world 2 both ranks must run the same steps (collectives).
+    timings = time_round_robin({n: tr.train_step for n, tr in trainers.items()}, torch.device("cpu"),
+                               min_rounds=rounds, max_rounds=rounds, warmup=2, min_cpu_util=0.0)
+    rows = {}
+    for name, tr in trainers.items():
+        n = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
+        states = ModelStateBytes(tr)
+        rest = states.sample()
+        host = states.host_breakdown()
+        handles = states.watch()
+        try:
+            metrics = tr.train_step()
+        finally:
+            for h in handles:
+                h.remove()
+        host_keys = set(ModelStateBytes._by_storage(states._host_side()))
+        weights = sum(ModelStateBytes._by_storage([p.data for p in states.params], exclude=host_keys).values())
+        lo, hi = timings.spread(name)
+        rows[name] = {
+            "overrides": LAYOUTS[name], "params": n, "median_s": timings.median(name), "min_s": lo, "max_s": hi,
+            "time_vs_optimizer+params": dict(zip(("median", "min", "max"),
+                                                 timings.paired_ratio(name, "optimizer+params"))),
+            "cpu_util": [round(u, 2) for u in timings.cpu_util[name]],
+            "device_bytes_per_param": {"weights_at_rest": weights / n,
+                                       "grads_at_backward_end": metrics["grad_mb"] * 2**20 / n,
+                                       "params_and_grads_peak": states.peak_device_side / n},
+            "host_bytes_per_param": {k: v / n for k, v in host.items()},
+            "host_bytes_per_param_total": sum(host.values()) / n,
+            "host_side_at_rest_per_param": rest["host_side"] / n,
+            "loss": metrics["loss"],
+        }
+    return {"rows": rows, "rounds": timings.rounds_kept, "threads": torch.get_num_threads()}
+
+
+def _layouts_rank(rank: int, world: int, port: int, root: str, rounds: int, out: str) -> None:
+    import json
+
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))  # the ranks share the cores
+    result = layout_rows(root, world, rounds)
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_layouts(args) -> dict:
+    """World 1 and 2 (gloo, one process per rank, the cores split between them)."""
+    import json
+
+    import torch.multiprocessing as mp
+    from bench.harness import free_port
+
+    root = tempfile.mkdtemp(prefix="m6-bench-layouts-")
+    worlds = {}
+    for world in (1, 2):
+        out = f"{root}/result-w{world}"
+        saved = dict(os.environ)
+        if world > 1:  # one thread per rank, unpinned: OMP_PROC_BIND=close would put every rank's on core 0
+            for key in ("OMP_PROC_BIND", "OMP_PLACES"):
+                os.environ.pop(key, None)
+            os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            mp.start_processes(_layouts_rank, args=(world, free_port(), root, args.rounds, out), nprocs=world,
+                               start_method="spawn")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        worlds[str(world)] = [json.load(open(f"{out}.rank{r}.json")) for r in range(world)]
+        print(f"world {world}: done", file=sys.stderr, flush=True)
+    return {"model_overrides": LAYOUT_MODEL, "common_overrides": COMMON, "layouts": LAYOUTS, "worlds": worlds}
+
+
+def render_layouts(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        "# Offload layouts: ZeRO-Offload's (memory.offload=zero) vs optimizer+params vs optimizer (CPU, bf16)", "",
+        f"Command: `{result['command']}`  ",
+        f"Machine: {m['cpu_model']}, {m['cpu_count']} CPUs, torch {m['torch']}; env {m['env']}; total wall "
+        f"{result['wall_s']} s.  ",
+        f"Model: configs/tiny.yaml with `{' '.join(result['model_overrides'])}`, synthetic data, torch's AdamW on "
+        "the host, one micro-batch per step. World 2: two gloo processes, the experts split over them "
+        "(expert_parallel_size auto = 2), the rest replicated, one thread each; "
+        "world 1: one process, all threads. The layouts' trainers run round-robin in each process "
+        f"({result['rounds']} rounds after 2 warm-up, every round kept: the ranks must run the same steps; "
+        "the machine is shared, so the spread is wide).  ",
+        "Bytes: exact tensor-storage counts on rank 0 (per parameter of the rank). On this CPU-only machine the "
+        "device is the host: *device* bytes are where a GPU run keeps them (the weights and their gradients), "
+        "*host* bytes the offload's masters, gradient buffers, optimizer state, streamed homes and staging. "
+        "Step times measure the CPU doing both sides; nothing overlaps here.", "",
+        "| world | layout | params/rank | median s/step [min-max] | vs optimizer+params | device B/param: weights "
+        "at rest | grads at backward end | params+grads peak | host B/param: masters | grads | optimizer state | "
+        "streamed homes | staging | host total |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for world, ranks in result["worlds"].items():
+        for name, r in ranks[0]["rows"].items():
+            d, h, t = r["device_bytes_per_param"], r["host_bytes_per_param"], r["time_vs_optimizer+params"]
+            lines.append(
+                f"| {world} | {name} | {r['params'] / 1e6:.2f} M | {r['median_s']:.3f} [{r['min_s']:.3f}-"
+                f"{r['max_s']:.3f}] | {t['median']:.2f} [{t['min']:.2f}-{t['max']:.2f}] | {d['weights_at_rest']:.2f} | "
+                f"{d['grads_at_backward_end']:.2f} | {d['params_and_grads_peak']:.2f} | {h['masters']:.2f} | "
+                f"{h['grads']:.2f} | {h['optimizer_state']:.2f} | {h['streamed_homes']:.2f} | {h['staging']:.2f} | "
+                f"{r['host_bytes_per_param_total']:.2f} |")
+    lines += ["", "Per-parameter figures for the planner: `per_param` in the JSON (rank 0, world 1 and 2).", "",
+              "*grads at backward end*: the most gradient bytes the device held at the end of a backward (`grad_mb`; "
+              "at world 2 the replicated gradients wait there for their bucket's asynchronous all-reduce, so the "
+              "figure is anywhere from 0 to the replicated gradients' bytes, by how many reductions completed "
+              "before backward ended); "
+              "*params+grads peak*: the most weight and gradient bytes on the device side at any sample (every "
+              "block submodule's forward, every gradient's accumulation, before and after the update); optimizer "
+              "state includes AdamW's step counters (a few bytes per tensor)."]
+    return "\n".join(lines) + "\n"
+
+
 def targets(result: dict) -> list[dict]:
     """The issue's targets, each measured / missed / not measurable here."""
     rows, n = result["rows"], result["num_params"]
@@ -433,6 +599,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-rounds", type=int, default=16)
     p.add_argument("--paired-steps", type=int, default=6, help="untimed plain/auto steps pairing saved bytes")
     p.add_argument("--out", default="bench/results")
+    p.add_argument("--offload-layouts", action="store_true",
+                   help="zero vs optimizer+params vs optimizer at world 1 and 2 (CPU, bf16) -> offload_zero-<machine>")
     args = p.parse_args(argv)
     if args.device == "cpu" and any(os.environ.get(k) != v for k, v in PIN_ENV.items()):
         # Thread pinning and the malloc setting must be in place before torch starts its pools.
@@ -441,6 +609,18 @@ def main(argv: list[str] | None = None) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "bench.memory", *(argv or sys.argv[1:])], env)
     started = time.time()
     device = torch.device(args.device)
+    if args.offload_layouts:
+        result = {"benchmark": "memory --offload-layouts", "command": "python -m bench.memory --offload-layouts",
+                  "device": "cpu", "machine": machine_info(torch.device("cpu")), **run_layouts(args)}
+        result["rounds"] = result["worlds"]["1"][0]["rounds"]
+        result["per_param"] = {f"world{w}": {name: {"device": r["device_bytes_per_param"],
+                                                    "host": r["host_bytes_per_param"],
+                                                    "median_step_s": r["median_s"]}
+                                             for name, r in ranks[0]["rows"].items()}
+                               for w, ranks in result["worlds"].items()}
+        result["wall_s"] = round(time.time() - started, 1)
+        write_results(args.out, f"offload_zero-{machine_tag(torch.device('cpu'))}", result, render_layouts(result))
+        return
     command = "python -m bench.memory" + (" --device cuda" if device.type == "cuda" else "") + \
         (" --quick" if args.quick else "")
     result = {"benchmark": "memory", "command": command, "device": device.type, "machine": machine_info(device),

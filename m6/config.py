@@ -446,10 +446,12 @@ class TrainConfig:
 class MemoryConfig:
     """Memory features (Whale's tricks); each keeps the math unchanged."""
 
-    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
-    # optimizer+params: which blocks' weights live on the host and stream in (the next one
-    # prefetched); the rest stay on the device. all, a list of block indices, or auto (as many
-    # blocks kept on the device as the memory estimate fits in the CUDA device's memory).
+    # zero: ZeRO-Offload's layout (m6.memory.offload): 16-bit weights on the device, fp32 masters
+    # and optimizer state on the host, 16-bit gradients to the host, 16-bit weights back.
+    offload: Literal["none", "optimizer", "optimizer+params", "zero"] = "none"
+    # optimizer+params and zero: which blocks' weights live on the host and stream in (the next one
+    # prefetched); the rest stay on the device. all, a list of block indices ([]: none), or auto (as
+    # many blocks kept on the device as the memory estimate fits in the CUDA device's memory).
     offload_blocks: Union[Literal["all", "auto"], list[int]] = "all"
     # The optimizer of the offloaded (host) update: DeepSpeed's CPU Adam, torch's AdamW, or auto
     # (DeepSpeed when its C++ op builds or loads, else torch with one console line saying why).
@@ -481,9 +483,13 @@ class MemoryConfig:
                               f"memory.activation_checkpointing=auto (it is {self.activation_checkpointing!r})")
         if self.check_checkpointing and self.activation_checkpointing == "none":
             raise ConfigError("memory.check_checkpointing needs memory.activation_checkpointing full or auto")
-        if self.offload_blocks != "all" and self.offload != "optimizer+params":
+        if self.offload_blocks != "all" and self.offload not in ("optimizer+params", "zero"):
             raise ConfigError(f"memory.offload_blocks={self.offload_blocks} only applies with "
-                              f"memory.offload=optimizer+params (it is {self.offload!r})")
+                              f"memory.offload=optimizer+params or zero (it is {self.offload!r})")
+        if self.offload == "zero" and self.offload_blocks == "auto":
+            raise ConfigError("memory.offload_blocks=auto with memory.offload=zero: the memory estimate that picks the "
+                              "blocks does not model zero's 16-bit weights yet; name the streamed blocks (a list, [] "
+                              "for none, or all)")
         if isinstance(self.offload_blocks, list) and (
                 len(set(self.offload_blocks)) != len(self.offload_blocks)
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.offload_blocks)):
@@ -685,21 +691,23 @@ class Config:
 def _check_cross_section(cfg: Config) -> None:
     """The rules that tie one section to another, each naming every key involved."""
     m, d = cfg.model, cfg.data
+    blocks = cfg.memory.offload_blocks
     if cfg.train.delink_at_step and m.share_layers == 1:
         raise ConfigError(f"train.delink_at_step={cfg.train.delink_at_step} needs model.share_layers > 1 (blocks "
                           f"that share weights to delink)")
     if cfg.train.delink_at_step and not cfg.checkpoint.enabled:
         raise ConfigError(f"train.delink_at_step={cfg.train.delink_at_step} with checkpoint.enabled=false: the "
                           f"delink goes through a checkpoint of the pseudo giant; enable checkpoints")
-    if m.share_layers > 1 and cfg.memory.offload == "optimizer+params":
-        raise ConfigError("model.share_layers > 1 with memory.offload=optimizer+params: parameter streaming moves "
-                          "each block's weights on its own and a shared weight belongs to several blocks; use "
-                          "memory.offload=none or optimizer")
+    streams = cfg.memory.offload == "optimizer+params" or (cfg.memory.offload == "zero" and blocks != [])
+    if m.share_layers > 1 and streams:
+        raise ConfigError(f"model.share_layers > 1 with memory.offload={cfg.memory.offload}, memory.offload_blocks="
+                          f"{blocks}: parameter streaming moves each block's weights on its own and a shared weight "
+                          "belongs to several blocks; use memory.offload=none or optimizer (or zero with "
+                          "memory.offload_blocks=[])")
     if m.share_layers > 1 and cfg.memory.activation_checkpointing != "none":
         raise ConfigError("model.share_layers > 1 with memory.activation_checkpointing="
                           f"{cfg.memory.activation_checkpointing}: recompute of shared blocks is not supported yet; "
                           "use memory.activation_checkpointing=none")
-    blocks = cfg.memory.offload_blocks
     if isinstance(blocks, list) and not all(0 <= i < m.num_layers for i in blocks):
         raise ConfigError(f"memory.offload_blocks {blocks}: block indices must be in [0, model.num_layers = "
                           f"{m.num_layers})")
@@ -717,6 +725,7 @@ def _check_cross_section(cfg: Config) -> None:
     if len(d.image_mean) != m.image_channels or len(d.image_std) != m.image_channels or min(d.image_std) <= 0:
         raise ConfigError(f"data.image_mean {d.image_mean} and data.image_std {d.image_std} need "
                           f"model.image_channels ({m.image_channels}) values each, std > 0")
+    check_zero_offload(cfg)
     check_shard_offload(cfg)
     check_tensor_parallel(cfg)
     check_delayed_update(cfg)
@@ -794,6 +803,19 @@ def check_shard_offload(cfg: Config) -> None:
     if mem.offload_blocks != "all":
         raise ConfigError(f"parallel.shard={shard} with memory.offload_blocks={mem.offload_blocks}: FSDP2 offloads "
                           "every unit's shards; granular offload is m6's unsharded offload (parallel.shard=none)")
+
+
+def check_zero_offload(cfg: Config) -> None:
+    """memory.offload=zero stores the device weights in the compute dtype: it needs a 16-bit train
+    precision, and is m6's own unsharded offload (FSDP2's CPU offload keeps fp32 shards)."""
+    if cfg.memory.offload != "zero":
+        return
+    if cfg.train.precision == "fp32":
+        raise ConfigError("memory.offload=zero with train.precision=fp32: zero keeps 16-bit weights on the device "
+                          "(the compute dtype); use train.precision=bf16 or fp16, or memory.offload=optimizer")
+    if cfg.parallel.shard != "none":
+        raise ConfigError(f"memory.offload=zero with parallel.shard={cfg.parallel.shard}: not built together (FSDP2's "
+                          "CPU offload is memory.offload=optimizer+params); use parallel.shard=none with zero")
 
 
 def check_delayed_update(cfg: Config) -> None:

@@ -20,6 +20,16 @@ optimizer+params: as above, and the parameters of the streamed layers (the trans
                   live on the host too: a layer's weights are copied to the device just before its
                   forward (the next layer's copy is prefetched), released right after it, and
                   fetched again before the layer's backward.
+zero:             ZeRO-Offload's layout. The device weights are 16-bit (the compute dtype; the MoE
+                  routers' gates stay fp32, as m6 routes in fp32) and stay resident; the fp32 masters (copied from the fp32 initialisation before any
+                  weight is rounded) and the optimizer state live on the host. Gradients are made in
+                  16-bit by the backward and leave as above (into 16-bit host buffers with
+                  memory.host_grad_dtype=compute, fp32 ones otherwise). After the host update each
+                  master is cast to 16 bits on the host into a pinned staging buffer and copied to
+                  its device weight (m6.memory.half_weight_push: two buffers, the copy of one
+                  overlapping the cast into the other). The blocks ``streamed_layers`` names have
+                  16-bit host homes apart from their masters, streamed as with optimizer+params;
+                  their masters are cast into the homes after the update.
 
 With device == cpu the host copies are separate CPU tensors, so every path (hooks, gradient
 streaming, separate master, update, copy back, fetch / release) runs and is tested on CPU.
@@ -33,14 +43,15 @@ import torch
 from torch import nn
 
 from m6.memory.grad_stream import HostGradAccumulator
+from m6.memory.half_weight_push import HalfWeightPush
 from m6.memory.grouped_apply import GroupedApply
 
-OFFLOAD_MODES = ("none", "optimizer", "optimizer+params")
+OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "zero")
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A detached fp32 host copy of ``t`` (pinned when ``pin``), never sharing ``t``'s storage."""
-    out = torch.empty(t.shape, dtype=torch.float32, device="cpu", pin_memory=pin)
+def _host_copy(t: torch.Tensor, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A detached host copy of ``t`` in ``dtype`` (pinned when ``pin``), never sharing ``t``'s storage."""
+    out = torch.empty(t.shape, dtype=dtype, device="cpu", pin_memory=pin)
     out.copy_(t.detach())
     return out
 
@@ -72,12 +83,14 @@ def _wrap_tensors(values: tuple, callback: Callable[[], None]) -> tuple:
 
 
 class _StreamedLayer:
-    """One layer's parameters: host home (the master), and a device buffer freed when unused."""
+    """One layer's parameters: host home (the master; with zero a 16-bit copy of it), and a device
+    buffer freed when unused."""
 
-    def __init__(self, params: list[nn.Parameter], device: torch.device, pin: bool) -> None:
+    def __init__(self, params: list[nn.Parameter], device: torch.device, pin: bool,
+                 home_dtype: torch.dtype = torch.float32, keep_fp32: frozenset[int] = frozenset()) -> None:
         self.params = params
-        self.homes = [_host_copy(p, pin) for p in params]
-        self.buffers = [torch.empty(p.shape, dtype=p.dtype, device=device) for p in params]
+        self.homes = [_host_copy(p, pin, torch.float32 if id(p) in keep_fp32 else home_dtype) for p in params]
+        self.buffers = [torch.empty(p.shape, dtype=h.dtype, device=device) for p, h in zip(params, self.homes)]
         self.ready: torch.cuda.Event | None = None
         self.resident = True
         self.release()
@@ -109,11 +122,15 @@ class ParamStreamer:
     backward node of the layer lies between the two, whatever order autograd runs them in.
     """
 
-    def __init__(self, layers: Sequence[nn.Module], device: torch.device, copy_stream) -> None:
+    def __init__(self, layers: Sequence[nn.Module], device: torch.device, copy_stream,
+                 home_dtype: torch.dtype = torch.float32, keep_fp32: frozenset[int] = frozenset()) -> None:
+        """``home_dtype``: the dtype of the host homes and device buffers (zero: 16-bit), except
+        for the params whose ids ``keep_fp32`` holds."""
         self.device = device
         self.copy_stream = copy_stream
         pin = device.type == "cuda"
-        self.layers = [_StreamedLayer([p for p in layer.parameters() if p.requires_grad], device, pin)
+        self.layers = [_StreamedLayer([p for p in layer.parameters() if p.requires_grad], device, pin, home_dtype,
+                                      keep_fp32)
                        for layer in layers]
         self.handles = []
         for i, layer in enumerate(layers):
@@ -188,27 +205,45 @@ class HostOffload:
 
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
                  streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32,
-                 separate_homes: bool = False) -> None:
+                 separate_homes: bool = False, weight_dtype: torch.dtype | None = None,
+                 keep_fp32: Sequence[nn.Parameter] = ()) -> None:
         """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
         masters' ``.grad``. 16-bit: they stay in their own buffers, each written once per step
         (nothing is added on the host: with accumulation they arrive final from the last backward)
         and the update reads them group by group (``materialize_grads``).
         ``separate_homes`` (the delayed update): a streamed parameter's master is a copy of its host
         home, not the home itself, so an update running beside the next forward never changes the
-        weights that forward fetches; the masters are copied to the homes as to the device."""
+        weights that forward fetches; the masters are copied to the homes as to the device.
+        ``weight_dtype`` (memory.offload=zero): the 16-bit dtype the weights take on the device
+        (and in the streamed blocks' homes); the masters stay fp32 on the host, apart from them.
+        ``keep_fp32`` (zero): parameters whose device weights stay fp32 copies of their masters (the
+        MoE routers' gates, whose routing decisions m6 keeps in fp32, as DeepSpeed's MoE gate does)."""
         self.device = device
         self.grad_dtype = grad_dtype
+        self.weight_dtype = weight_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pin = device.type == "cuda"
-        self.streamer = ParamStreamer(streamed_layers, device, self.copy_stream) if streamed_layers else None
-        homes = self.streamer.homes() if self.streamer else {}
         self.params = list(params)
+        # zero: the fp32 masters, taken from the fp32 initialisation before any weight is rounded.
+        zero_masters = {id(p): _host_copy(p, pin) for p in self.params} if weight_dtype is not None else {}
+        fp32_ids = frozenset(id(p) for p in keep_fp32)
+        self.streamer = ParamStreamer(streamed_layers, device, self.copy_stream, weight_dtype or torch.float32,
+                                      fp32_ids) if streamed_layers else None
+        homes = self.streamer.homes() if self.streamer else {}
+        self._streamed_homes = homes
         self.masters: dict[int, torch.Tensor] = {}
         # Params copied back from their masters each step (to the device; a streamed one's, with
-        # separate_homes, to its host home).
+        # separate_homes or zero, to its host home).
         self.resident: list[tuple[nn.Parameter, torch.Tensor]] = []
+        # zero: the casts of the masters to the device's 16-bit weights, through pinned staging.
+        self._half_push = HalfWeightPush(weight_dtype, device, self.copy_stream) if weight_dtype is not None else None
         for p in self.params:
-            if id(p) in homes and separate_homes:  # copied back into the home, where p.data points while idle
+            if weight_dtype is not None:
+                self.masters[id(p)] = zero_masters[id(p)]
+                if id(p) not in homes:  # the streamer rounded the streamed ones into their homes already
+                    p.data = p.data.to(device=device, dtype=torch.float32 if id(p) in fp32_ids else weight_dtype)
+                self.resident.append((p, self.masters[id(p)]))
+            elif id(p) in homes and separate_homes:  # copied back into the home, where p.data points while idle
                 self.masters[id(p)] = _host_copy(homes[id(p)], pin)
                 self.resident.append((p, self.masters[id(p)]))
             elif id(p) in homes:
@@ -339,9 +374,27 @@ class HostOffload:
         self._grads_copied = None
         self._accumulator.flush(copies_done=True)  # the later micro-batches' gradients added on the host
 
+    @property
+    def rounds_weights(self) -> bool:
+        """memory.offload=zero: the model's weights are 16-bit roundings of the host masters, so
+        the masters (not the weights) are what a checkpoint saves and a load writes."""
+        return self.weight_dtype is not None
+
     def _copy_back(self, masters: Sequence[torch.Tensor]) -> None:
         ids = {id(m) for m in masters}
         todo = [(p, m) for p, m in self.resident if id(m) in ids]
+        if self._half_push is not None:
+            # A streamed block's 16-bit home is cast on the host (it is fetched from there); the
+            # resident 16-bit weights go through the pinned staging buffers, one copy each chunk;
+            # an fp32 one (a router's gate) is copied from its master as in the other modes.
+            for p, m in todo:
+                if id(p) in self._streamed_homes:
+                    self._streamed_homes[id(p)].copy_(m)
+            resident = [(p, m) for p, m in todo if id(p) not in self._streamed_homes]
+            self._half_push.push([(p.data, m) for p, m in resident if p.dtype == self.weight_dtype])
+            todo = [(p, m) for p, m in resident if p.dtype != self.weight_dtype]
+            if not todo:
+                return
         if self.copy_stream is not None:
             # Backward kernels still queued may read these weights: overwrite them after those.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -420,7 +473,11 @@ class HostOffload:
         return pushed
 
     def pull_masters(self) -> None:
-        """After loading weights into the model (resume): refresh the host masters from them."""
+        """After loading weights into the model (resume): refresh the host masters from them.
+        zero: the load wrote the masters themselves (``rounds_weights``): the weights follow them."""
+        if self.rounds_weights:
+            self.push_weights()
+            return
         for p, m in self.resident:
             m.copy_(p.detach())
         if self.streamer is not None:
@@ -452,12 +509,20 @@ def _fit_fp16(grad: torch.Tensor, divisor_out: torch.Tensor) -> torch.Tensor:
 
 def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,
                   streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32,
-                  separate_homes: bool = False) -> HostOffload | None:
+                  separate_homes: bool = False, compute_dtype: torch.dtype = torch.float32,
+                  keep_fp32: Sequence[nn.Parameter] = ()) -> HostOffload | None:
     """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients';
-    ``separate_homes``: streamed weights apart from their masters (the delayed update)."""
+    ``separate_homes``: streamed weights apart from their masters (the delayed update);
+    ``compute_dtype``: the forward's, which zero's device weights take (bf16 or fp16), except
+    ``keep_fp32``'s (the routers' gates)."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"memory.offload must be one of {OFFLOAD_MODES}, got {mode!r}")
     if mode == "none":
         return None
-    layers = list(streamed_layers) if mode == "optimizer+params" else []
-    return HostOffload(params, device, layers, grad_dtype, separate_homes)
+    if mode == "zero" and compute_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"memory.offload=zero keeps the device weights in the compute dtype, which is {compute_dtype} "
+                         "here: use train.precision=bf16 or fp16")
+    layers = list(streamed_layers) if mode in ("optimizer+params", "zero") else []
+    return HostOffload(params, device, layers, grad_dtype, separate_homes,
+                       weight_dtype=compute_dtype if mode == "zero" else None,
+                       keep_fp32=keep_fp32 if mode == "zero" else ())

@@ -1,5 +1,6 @@
 """Which transformer blocks stream their weights from the host (``memory.offload_blocks``, with
-``memory.offload: optimizer+params``); the others stay on the device for the whole run.
+``memory.offload: optimizer+params`` or ``zero``, where they stream in 16-bit); the others stay on
+the device for the whole run.
 
     all        every block (each on the device only around its forward and its backward)
     [i, ...]   those blocks
@@ -36,7 +37,7 @@ def resolve_offload_blocks(cfg: Config, model: nn.Module, no_decay: set[int], wo
                            device: torch.device, log: Callable[[str], None]) -> list[int]:
     """The indices of the blocks to stream for this run (see the module docstring)."""
     num_blocks = len(model.blocks)
-    if cfg.memory.offload != "optimizer+params":
+    if cfg.memory.offload not in ("optimizer+params", "zero"):
         return []
     if cfg.memory.offload_blocks != "auto":
         return streamed_block_indices(cfg, num_blocks)

@@ -179,8 +179,8 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
         f"{dp}{'' if cfg.parallel.shard == 'none' else f', sharded {_SHARD_WORDS[cfg.parallel.shard]}'}; batch {t.global_batch_size} = {split}; per sample {cfg.data.seq_len} text tokens + "
         f"{num_patches(cfg.model)} image patches",
         *([facts.balance] if facts.balance else []),
-        f"memory   offload {mem.offload}"
-        f"{', host gradients in the compute dtype' if mem.offload != 'none' and mem.host_grad_dtype == 'compute' else ''}"
+        f"memory   offload {mem.offload}{zero_layout_words(cfg)}"
+        f"{', host gradients in the compute dtype' if mem.offload not in ('none', 'zero') and mem.host_grad_dtype == 'compute' else ''}"
         f"{delayed_update_words(cfg)}, recompute {mem.activation_checkpointing}",
         *([_compile_line(cfg, facts.moe_blocks)] if t.compile else []),
         *_data_lines(cfg, facts),
@@ -191,6 +191,21 @@ def startup_banner(cfg: Config, facts: RunFacts) -> str:
            if cfg.checkpoint.enabled else "checkpoints OFF (checkpoint.enabled=false)"),
     ]
     return "\n".join(lines)
+
+
+def zero_layout_words(cfg: Config) -> str:
+    """The memory line's words for memory.offload=zero: which layout runs ('' for other modes)."""
+    mem = cfg.memory
+    if mem.offload != "zero":
+        return ""
+    num_blocks = cfg.model.num_layers
+    streamed = num_blocks if mem.offload_blocks == "all" else len(mem.offload_blocks)
+    dtype = "fp16" if cfg.train.precision == "fp16" else "bf16"
+    where = (f"all {num_blocks} blocks resident" if streamed == 0 else
+             f"{num_blocks - streamed} of {num_blocks} blocks resident, {streamed} streamed in {dtype} from the host")
+    grads = dtype if mem.host_grad_dtype == "compute" else "fp32"
+    return (f" (ZeRO-Offload's layout: {dtype} weights on the device (routers' gates fp32), {where}; fp32 masters "
+            f"and optimizer state on the host, {dtype} gradients to {grads} host buffers, {dtype} weights back)")
 
 
 def delayed_update_words(cfg: Config) -> str:

@@ -136,8 +136,9 @@ class Trainer:
         self.no_targets = NoTargetSteps(self.skips.by_reason, cfg.data.seq_len, cfg.train.max_steps)
 
         # optimizer+params keeps the blocks' weights on the host: initialise there, so the device
-        # never holds the whole model (m6.memory.offload moves the rest to the device).
-        init_device = torch.device("cpu") if cfg.memory.offload == "optimizer+params" else self.device
+        # never holds the whole model (m6.memory.offload moves the rest to the device); zero takes
+        # its fp32 masters there and sends the device only 16-bit weights.
+        init_device = torch.device("cpu") if cfg.memory.offload in ("optimizer+params", "zero") else self.device
         # Sharded: FSDP2 gathers bf16 copies of the weights (its MixedPrecisionPolicy), in place of cast-on-use.
         self.fsdp_bf16 = self.cast_on_use and cfg.parallel.shard != "none"
         # parallel.balance=auto at expert parallelism or under parallel.shard: the speeds are measured

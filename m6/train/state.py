@@ -108,7 +108,8 @@ class ModelState:
     With the delayed update (``delayed``) the device weights are one update behind the host
     masters between steps: the weights are the masters (what a synchronous run holds at this step:
     init_from, export and a synchronous resume read them), and ``next_forward_tensors`` are the
-    device weights the next step's forward uses, which an exact delayed resume restores too."""
+    device weights the next step's forward uses, which an exact delayed resume restores too. With
+    memory.offload=zero the weights are also the fp32 masters: the device's are their 16-bit roundings."""
 
     def __init__(self, sharded: ShardedModel, offload: HostOffload | None,
                  delayed: DelayedUpdate | None = None, device_masters: MasterWeights | None = None) -> None:
@@ -130,7 +131,8 @@ class ModelState:
     def tensors(self) -> dict[str, torch.Tensor]:
         """name -> tensor (shares the model's storage, or its masters': a load writes straight into
         the weights); a sharded (FSDP2) parameter gives this rank's shard."""
-        masters = self.delayed is not None or self.device_masters is not None
+        masters = (self.delayed is not None or self.device_masters is not None
+                   or (self.offload is not None and self.offload.rounds_weights))
         return {name: local_part(t) for name, t in self._state(masters=masters).items()}
 
     def next_forward_tensors(self) -> dict[str, torch.Tensor]:

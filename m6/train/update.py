@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from m6.config import Config
+from m6.config import Config, ConfigError
 from m6.memory import GroupedApply, build_offload
 from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
@@ -65,9 +65,13 @@ class ParameterUpdate:
         streamed = [] if self.sharded_dp else resolve_offload_blocks(
             cfg, model, no_decay_ids(model), layout.world_size, layout.expert_parallel_size, device, log)
         host_grad_dtype = compute_dtype if cfg.memory.host_grad_dtype == "compute" else torch.float32
+        if cfg.memory.offload == "zero" and compute_dtype == torch.float32:
+            raise ConfigError(f"memory.offload=zero with train.precision={cfg.train.precision}, which is fp32 on "
+                              f"{device.type}: zero keeps 16-bit weights on the device; use train.precision=bf16 or fp16")
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
-            grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update)
+            grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype,
+            keep_fp32=[layer.router.weight for layer in model.moe_layers().values()])
         # train.weight_copy=per_step: bf16 module weights, fp32 masters here (config.py allows it only
         # unsharded, without offload). Built before the sync: its gradient hooks must run first.
         self.masters = MasterWeights(model, compute_dtype) if cfg.train.weight_copy == "per_step" else None

@@ -79,8 +79,9 @@ ALLOW_LIST = (
             "initialisation: every random fill of a replicated weight is drawn on the host from the run's "
             "generator (the same model on any device) and copied in: 57 fills in tiny"),
     Allowed("m6/memory/offload.py:_host_copy", "run", 55, "memory.offload: the host master of each parameter"),
-    Allowed("m6/memory/offload.py:__init__", "run", 9,
-            "memory.offload=optimizer+params: the parameters that are not streamed move to the device"),
+    Allowed("m6/memory/offload.py:__init__", "run", 55,
+            "memory.offload=optimizer+params or zero: the parameters that are not streamed move to the device "
+            "(optimizer+params: 9; zero, every block resident: all 55, as 16-bit weights)"),
     Allowed("m6/train/loop.py:all_reduce_sum", "run", 2, "world > 1: the run summary's skipped records by reason"),
     Allowed("m6/memory/recompute_plan.py:_sync", "recompute_plan", 32,
             "memory.activation_checkpointing: profiling times each recomputable part on the device (tiny: "

@@ -25,7 +25,7 @@ import mirror_world
 import run_phases
 import sim_adaptations
 from fake_cuda_api import DEVICE, simulated_cuda
-from sim_tensor import RECORD, SimTensor, on_device
+from sim_tensor import PINNED, RECORD, SimTensor, on_device
 
 # The fake-tensor replay logs every meta check it sees fail; the findings carry them instead.
 logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
@@ -256,6 +256,15 @@ MEMORY_VARIANTS = {
     "offload-optimizer+params-delayed": ["train.precision=bf16", "memory.offload=optimizer+params",
                                          "memory.host_optimizer=torch", "optim.delayed_update=true",
                                          "optim.delayed_update_after=0"],
+    # ZeRO-Offload's layout: bf16 weights resident on the device, fp32 masters on the host, the
+    # masters cast into pinned bf16 staging and copied back on the copy stream; accumulation 2
+    # (the bf16 gradients summed into fp32 host buffers through the pinned ring).
+    "offload-zero": ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[]",
+                     "memory.host_optimizer=torch", "train.micro_batch_size=4"],
+    # Blocks 0 and 2 streamed from bf16 host homes, with the delayed update from step 1.
+    "offload-zero-streamed-delayed": ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[0,2]",
+                                      "memory.host_optimizer=torch", "optim.delayed_update=true",
+                                      "optim.delayed_update_after=0"],
 }
 EXPERT_PARALLEL_VARIANTS = {  # name -> (world size, overrides); a mirror world (mirror_world.py)
     "ep-world2": (2, ["train.precision=bf16", "parallel.expert_parallel_size=2"]),
@@ -277,7 +286,12 @@ def _trainer_run(name: str, overrides: list[str], workdir: Path, resume: bool = 
             trainer = m6.Trainer(_tiny_config([*overrides, "train.max_steps=3"], workdir / name))
             resumed = trainer.fit()
     params = list(trainer.model.parameters())
+    off = trainer.update.offload
     facts = {
+        "weight_dtypes": sorted({str(p.dtype) for p in params}),
+        # memory.offload=zero: the staging buffers the masters are cast into (pinned: asynchronous copies).
+        "staging_pinned": None if off is None or off._half_push is None
+        else [b in PINNED for b in off._half_push._buffers if b is not None],
         "losses": [h["loss"] for h in history],
         "resumed_losses": [h["loss"] for h in resumed],
         "params": len(params),

@@ -1,6 +1,7 @@
 """Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
 evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
-and of optimizer+params (each also with the delayed update), full recompute, and expert parallelism
+and of optimizer+params (each also with the delayed update), ZeRO-Offload's layout (memory.offload=zero,
+resident and streamed-delayed), full recompute, and expert parallelism
 at world 2 and 4 in a mirror world.
 Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
 rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
@@ -16,7 +17,8 @@ from preload import scenario_result
 
 GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast", "dropless-grouped_mm", "bf16-weight-copy"],
           "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full",
-                             "offload-optimizer-delayed", "offload-optimizer+params-delayed"],
+                             "offload-optimizer-delayed", "offload-optimizer+params-delayed", "offload-zero",
+                             "offload-zero-streamed-delayed"],
           "expert_parallel": ["ep-world2", "ep-world4"]}
 RUNS = [(group, name) for group, names in GROUPS.items() for name in names]
 pytestmark = [pytest.mark.simcuda_group(group) for group in GROUPS]
@@ -46,8 +48,13 @@ def test_trainer_run_is_clean_on_simulated_cuda(simcuda, group, name):
         assert facts["checkpoints"] == ["step_00000002"]
         counts = (2, 1, 1, 1, 0, 1)
     assert tuple(events.get(phase, 0) for phase in ("step", "logging_step", "eval", "save", "resume", "run")) == counts
-    # optimizer+params keeps the blocks' weights on the host between their uses.
-    assert facts["params_on_device"] == (9 if name.startswith("offload-optimizer+params") else facts["params"]), facts
+    # optimizer+params keeps the blocks' weights on the host between their uses (zero here: blocks 0 and 2, 24 params).
+    streamed = {"offload-optimizer+params": facts["params"] - 9, "offload-optimizer+params-delayed": facts["params"] - 9,
+                "offload-zero-streamed-delayed": 24}.get(name, 0)
+    assert facts["params_on_device"] == facts["params"] - streamed, facts
+    if name.startswith("offload-zero"):  # 16-bit weights; the masters cast into pinned staging
+        assert facts["weight_dtypes"] == ["torch.bfloat16", "torch.float32"], facts  # the routers' gates fp32
+        assert facts["staging_pinned"] == [True], facts
 
 
 def test_simulated_run_computes_what_the_cpu_computes(simcuda):
@@ -63,7 +70,7 @@ def test_offload_waits_for_the_gradients_once_per_step(simcuda):
     """The gradient copies to the host run in order on one stream: the step waits for the last one,
     not for each parameter's (55 waits per step before)."""
     for name in ("offload-optimizer", "offload-optimizer+params", "offload-optimizer-delayed",
-                 "offload-optimizer+params-delayed"):
+                 "offload-optimizer+params-delayed", "offload-zero", "offload-zero-streamed-delayed"):
         run = _run(simcuda, "trainer_memory", name)
         totals = sync_totals(run["findings"])
         assert totals[("m6/memory/offload.py:finish_backward", "step")] == run["events"]["step"], (name, totals)
