@@ -201,13 +201,19 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     wc = c if shape.weight_copies else 0  # bytes per element of autocast's kept weight copies
     out = ActivationBytes()
 
-    # Embeddings: the flattened patches (the projection's input; its weight is not kept, the
-    # images need no gradient) and small index tensors: the token ids, and the position ids of
+    # Embeddings: the flattened patches (the linear projection's input, or the conv stem's: the
+    # same bytes; the linear's weight is not kept, the images need no gradient) and small index tensors: the token ids, and the position ids of
     # learned position tables (text [L], image rows/columns [grid]).
     index_ids = B * L + (L if cfg.positions == "learned" else 0) \
         + (cfg.image_size // cfg.patch_size if cfg.image_positions == "learned" and P else 0)
     out._add_outside("embeddings", B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * index_ids
                      + rotary_tables(cfg, S, c))
+    if cfg.patch_embed == "conv" and P:
+        # The conv stem (PatchEmbedding): its output and its GELU's (the projection's input), each
+        # [B, stem, H, W]; under plain autocast both convs' weight copies (a conv keeps its weight
+        # even where its input needs no gradient).
+        stem, C, p = max(16, D // 4), cfg.image_channels, cfg.patch_size
+        out._add_outside("embeddings", 2 * c * B * stem * cfg.image_size ** 2 + wc * stem * (C * 9 + D * p * p))
     for i in range(cfg.num_layers):
         # Attention part: its input (the block input: the residual stream), norm stats, the
         # qkv input (norm output), the qkv output (q, k, v views), SDPA's float mask [B,1,S,S]

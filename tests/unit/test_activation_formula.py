@@ -86,13 +86,16 @@ def test_formula_equals_the_meter_for_each_expert_kernel_and_precision(kernel, a
     ["model.moe.score_function=sigmoid", "model.moe.expert_bias_update_rate=0.01"],
     ["model.moe.force_balance=true", "model.moe.num_prototypes=2", "model.moe.top_k=1"],
     ["model.loss_chunk_rows=32"],  # the chunked head keeps fp32 rows, no logits and no weight copy
+    # the conv patch stem's two activations (and both convs' weight copies under autocast); an untied head
+    ["model.patch_embed=conv", "model.tie_embeddings=false", "model.loss_chunk_rows=0"],
     # the Hugging Face families' block options (model keys of m6.config)
     ["model.norm=rmsnorm", "model.positions=rope", "model.num_kv_heads=2", "model.head_dim=16",
      "model.qk_norm=head", "model.linear_bias=false", "model.ffn_activation=swiglu", "model.moe.activation=swiglu",
      "model.moe.num_shared_experts=1", "model.moe.shared_expert_gate=true"],
     ["model.qk_norm=full", "model.image_positions=rope", "model.moe.first_dense_blocks=2", "model.moe.every=1",
      "model.attention_bias=true"],
-], ids=["router-bf16", "jitter", "sigmoid-bias", "forced-prototypes", "chunked-head", "hf-block", "qk-full"])
+], ids=["router-bf16", "jitter", "sigmoid-bias", "forced-prototypes", "chunked-head", "conv-stem-untied", "hf-block",
+          "qk-full"])
 def test_formula_equals_the_meter_for_router_head_and_block_options(extra, precision):
     held, predicted = measured_and_predicted(["model.moe.expert_kernel=loop", *extra], precision)
     assert abs(predicted - held) <= TOLERANCE * held, (predicted, held)
