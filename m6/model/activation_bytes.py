@@ -242,8 +242,10 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
             else:
                 # The combine keeps the expert outputs (compute dtype, for the router weights'
                 # gradient) and their weighted copy in the fp32 accumulation dtype (index_add
-                # saves its source).
-                dispatch += (c + max(c, 4)) * N * D
+                # saves its source). Under expert parallelism the outputs it weighs are those
+                # received back (the payload dtype), and ungroup's index_copy, which puts the
+                # experts' outputs back in arrival order, keeps its source too (compute dtype).
+                dispatch += (c + max(c, 4)) * N * D if ep == 1 else (shape.a2a_bytes + max(c, 4) + c) * N * D
                 # The experts part: its rows and the kernel's hidden tensors; plain autocast casts
                 # each whole expert weight stack once per layer (the fused kernels cast tiles).
                 weights = 0 if kernel == "fused" else wc * weight_mats(moe.activation) * (moe.num_experts // ep) * D * Fe
