@@ -202,8 +202,9 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     out = ActivationBytes()
 
     # Embeddings: the flattened patches (the linear projection's input, or the conv stem's: the
-    # same bytes; the linear's weight is not kept, the images need no gradient) and small index tensors: the token ids, and the position ids of
-    # learned position tables (text [L], image rows/columns [grid]).
+    # same bytes; the linear's weight is not kept, the images need no gradient) and small index
+    # tensors: the token ids, and the position ids of learned position tables (text [L], image
+    # rows/columns [grid]).
     index_ids = B * L + (L if cfg.positions == "learned" else 0) \
         + (cfg.image_size // cfg.patch_size if cfg.image_positions == "learned" and P else 0)
     out._add_outside("embeddings", B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * index_ids
@@ -248,7 +249,8 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
                 dispatch += (c + max(c, 4)) * N * D if ep == 1 else (shape.a2a_bytes + max(c, 4) + c) * N * D
                 # The experts part: its rows and the kernel's hidden tensors; plain autocast casts
                 # each whole expert weight stack once per layer (the fused kernels cast tiles).
-                weights = 0 if kernel == "fused" else wc * weight_mats(moe.activation) * (moe.num_experts // ep) * D * Fe
+                weights = 0 if kernel == "fused" else \
+                    wc * weight_mats(moe.activation) * (moe.num_experts // ep) * D * Fe
                 experts_saved = c * N * D + expert_kernel_saved(kernel, moe.activation, N, D, Fe, c) + weights
                 out.parts[f"blocks.{i}.experts"] = (experts_saved, c * N * D)
             out._add_outside(f"blocks.{i}", router + dispatch)
