@@ -43,8 +43,8 @@ from typing import Optional
 
 from torch import nn
 
-from m6.config import Config, accumulation_steps, micro_batch_size
-from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes
+from m6.config import Config, accumulation_steps, expert_ffn_dim, micro_batch_size
+from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes, resolved_expert_kernel
 from m6.moe import MoELayer
 from m6.memory.master_weights import compute_weight_params
 from m6.memory.grouped_apply import split_apply_groups
@@ -136,7 +136,11 @@ def activation_report(cfg: Config, world_size: int, expert_parallel_size: int, d
     """The activation formula at this layout's micro-batch and precision."""
     c = compute_bytes(cfg, device_type)
     a2a = 2 if cfg.model.moe.a2a_dtype == "bf16" else c
-    shape = ActivationShape(micro_batch_size(cfg.train, world_size), cfg.data.seq_len, c, a2a, expert_parallel_size)
+    moe = cfg.model.moe
+    kernel = resolved_expert_kernel(moe.expert_kernel, device_type, cfg.train.precision, cfg.train.deterministic,
+                                    moe.num_experts, expert_ffn_dim(cfg.model))
+    shape = ActivationShape(micro_batch_size(cfg.train, world_size), cfg.data.seq_len, c, a2a, expert_parallel_size,
+                            expert_kernel=kernel, weight_copies=cfg.train.precision == "bf16-autocast")
     return activation_bytes(cfg.model, shape)
 
 

@@ -7,7 +7,21 @@ sum to the meter's count on a real forward.
 
 Shape legend: B micro-batch, S = image patches + text length, T = B*S rows, D d_model, F dense
 or expert hidden size, H heads (Hkv key/value heads, Dh head dim; Q = H Dh, Kv = Hkv Dh), E experts (this rank's E/EP for the expert weights), K
-assignments per token, V vocabulary, c bytes of the compute dtype (4 fp32, 2 bf16).
+assignments per token, N = T*K routed rows, V vocabulary, c bytes of the compute dtype (4 fp32,
+2 bf16 or fp16).
+
+Precision: c is the element size of the compute dtype; the residual stream, norms' statistics, the
+router and the combine's accumulation stay fp32 whatever it is. Cast-on-use (train.precision bf16
+and fp16) keeps no weight copy; plain autocast (bf16-autocast, ``weight_copies``) keeps a
+compute-dtype copy of every weight a GEMM multiplies an input that needs a gradient by, until
+backward (counted in the part or unit of that GEMM).
+
+Expert kernels (``expert_kernel``): loop and grouped_mm save the same tensors (the gathered rows,
+the hidden pre-activations and the activation); fused (m6.moe.fused_experts) saves the
+pre-activations only, reads the token rows through the index, and takes the gather and the
+weighted combine into its kernels, so no [N, D] tensor is kept at all. Locally it runs in
+``GroupedExperts.forward_routed``, outside the recomputable ``experts.forward``: nothing of it is a
+recomputable part there (under expert parallelism the grouped form runs inside the part).
 
 Assumptions (the "densest" micro-batch the recompute planner also sizes for): an image in every
 row, no padding, a label at every text position but the last; every assignment is kept (perfect
@@ -22,6 +36,7 @@ from dataclasses import dataclass, field
 from m6.config import (ModelConfig, expert_ffn_dim, head_dim, is_moe_block, num_kv_heads, num_patches,
                        shared_expert_ffn_dim)
 from m6.model.chunked_cross_entropy import chunk_rows_for
+from m6.moe.expert_gemm import fine_grained
 
 RESIDUAL_BYTES = 4  # the residual stream stays fp32 (embeddings are fp32; x + bf16 promotes)
 INDEX_BYTES = 8  # int64 permutation and label indices
@@ -36,6 +51,24 @@ class ActivationShape:
     compute_bytes: int = 4  # 2 under bf16 (cast-on-use or autocast)
     a2a_bytes: int = 4  # the all-to-all payload's element size (model.moe.a2a_dtype)
     expert_parallel_size: int = 1
+    # The expert kernel that runs: "loop", "grouped_mm" or "fused" (None: model.moe.expert_kernel,
+    # with auto read as a non-fused kernel, what it picks off CUDA; see ``resolved_expert_kernel``).
+    expert_kernel: str | None = None
+    weight_copies: bool = False  # plain autocast (train.precision=bf16-autocast): weight casts kept
+
+
+def resolved_expert_kernel(setting: str, device_type: str, precision: str, deterministic: bool,
+                           num_experts: int, expert_ffn_dim: int) -> str:
+    """The kernel ``model.moe.expert_kernel`` = ``setting`` runs with (m6.moe.expert_gemm's rule,
+    from the config alone): auto takes the fused kernels on CUDA in bf16 for fine-grained experts
+    outside deterministic mode (assuming compute capability 8.0+ and Triton, which come with a
+    CUDA torch), else a non-fused one (loop and grouped_mm save the same tensors)."""
+    if setting != "auto":
+        return setting
+    bf16 = precision in ("bf16", "bf16-autocast") or (precision == "auto" and device_type == "cuda")
+    if device_type == "cuda" and bf16 and not deterministic and fine_grained(num_experts, expert_ffn_dim):
+        return "fused"
+    return "loop"
 
 
 @dataclass
@@ -120,10 +153,33 @@ def input_casts(activation: str, c: int) -> int:
     return 0 if c == 4 else (2 if activation == "swiglu" else 1)
 
 
+def weight_mats(activation: str) -> int:
+    """Weight matrices of an FFN: in and out (+ gate for SwiGLU)."""
+    return 3 if activation == "swiglu" else 2
+
+
 def mlp_hidden_saved(activation: str, rows: int, ffn_dim: int, c: int) -> float:
     """A DenseMLP's saved hidden tensors: GELU keeps fc_in's output and the activation; SwiGLU
     fc_in's and fc_gate's outputs, silu(gate) and the product."""
     return (4 if activation == "swiglu" else 2) * c * rows * ffn_dim
+
+
+def router_input_saved(cfg: ModelConfig, T: int) -> float:
+    """What the router's GEMM keeps of its input: it runs outside autocast, on the (fp32) norm
+    output, which it keeps (fp32 and tf32), or on a bf16 cast of it and of its weight
+    (router_dtype bf16). Training-mode jitter keeps the fp32 noise beside the jittered copy."""
+    D, E = cfg.d_model, cfg.moe.num_experts
+    saved = 2 * T * D + 2 * E * D if cfg.moe.router_dtype == "bf16" else 4 * T * D
+    return saved + (4 * T * D if cfg.moe.router_jitter > 0 else 0.0)
+
+
+def expert_kernel_saved(kernel: str, activation: str, N: int, D: int, F: int, c: int) -> float:
+    """What the expert FFN of ``kernel`` keeps of N rows (beside its input): loop and grouped_mm the
+    hidden output and the activation (+ the gate's output for SwiGLU); fused the pre-activations
+    only (h, + g for SwiGLU), the activation recomputed in backward."""
+    if kernel == "fused":
+        return (2 if activation == "swiglu" else 1) * c * N * F
+    return (3 if activation == "swiglu" else 2) * c * N * F
 
 
 def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationBytes:
@@ -141,34 +197,63 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     r = RESIDUAL_BYTES
     Q, Kv = H * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
     norm_stats = norm_saved(cfg, T)
+    kernel = shape.expert_kernel or ("loop" if moe.expert_kernel == "auto" else moe.expert_kernel)
+    wc = c if shape.weight_copies else 0  # bytes per element of autocast's kept weight copies
     out = ActivationBytes()
 
-    # Embeddings: the flattened patches (the projection's input) and small index tensors.
-    out._add_outside("embeddings", B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * B * L
+    # Embeddings: the flattened patches (the linear projection's input, or the conv stem's: the
+    # same bytes; the linear's weight is not kept, the images need no gradient) and small index
+    # tensors: the token ids, and the position ids of learned position tables (text [L], image
+    # rows/columns [grid]).
+    index_ids = B * L + (L if cfg.positions == "learned" else 0) \
+        + (cfg.image_size // cfg.patch_size if cfg.image_positions == "learned" and P else 0)
+    out._add_outside("embeddings", B * P * cfg.image_channels * cfg.patch_size ** 2 * c + INDEX_BYTES * index_ids
                      + rotary_tables(cfg, S, c))
+    if cfg.patch_embed == "conv" and P:
+        # The conv stem (PatchEmbedding): its output and its GELU's (the projection's input), each
+        # [B, stem, H, W]; under plain autocast both convs' weight copies (a conv keeps its weight
+        # even where its input needs no gradient).
+        stem, C, p = max(16, D // 4), cfg.image_channels, cfg.patch_size
+        out._add_outside("embeddings", 2 * c * B * stem * cfg.image_size ** 2 + wc * stem * (C * 9 + D * p * p))
     for i in range(cfg.num_layers):
         # Attention part: its input (the block input: the residual stream), norm stats, the
         # qkv input (norm output), the qkv output (q, k, v views), SDPA's float mask [B,1,S,S]
         # and logsumexp [B,H,S], and its output (the out projection's input, a view).
-        # q/k norms and rotary positions add their own (qk_saved).
+        # q/k norms and rotary positions add their own (qk_saved); plain autocast the qkv and
+        # out projections' weight copies.
         attn_saved = (r * T * D + norm_stats + c * T * D + c * T * (Q + 2 * Kv) + c * B * S * S + 4 * B * H * S
-                      + c * T * Q + qk_saved(cfg, T, S, c))
+                      + c * T * Q + qk_saved(cfg, T, S, c) + wc * D * (2 * Q + 2 * Kv))
         attn_inputs = r * T * D + B * S * S  # the block input and the boolean mask (shared by all layers)
         out.parts[f"blocks.{i}.attention"] = (attn_saved, attn_inputs)
         # Outside the parts: the FFN norm's input (residual after attention) and stats.
         out._add_outside(f"blocks.{i}", r * T * D + norm_stats)
         if is_moe_block(cfg, i):
-            # Router (outside): its input (norm output), logits and probabilities [T, E], top-k
-            # ids and weights; dispatch indices; the combine's inputs (expert outputs and their
-            # weighted copy) and weights.
-            router = c * T * D + 2 * 4 * T * moe.num_experts + K * T * (INDEX_BYTES + 4) + 6 * 4 * T
-            dispatch = 2 * INDEX_BYTES * N + 4 * N + 2 * c * N * D
+            # Router (outside): its input (router_input_saved), logits and probabilities [T, E],
+            # top-k ids and weights; dispatch indices and weights.
+            router = router_input_saved(cfg, T) + 2 * 4 * T * moe.num_experts + K * T * (INDEX_BYTES + 4) + 6 * 4 * T
+            dispatch = 2 * INDEX_BYTES * N + 4 * N
+            gates = 3 if moe.activation == "swiglu" else 2  # hidden and activation (+ gate)
             if ep > 1:
                 dispatch += INDEX_BYTES * N  # the received rows' local order
+            if kernel == "fused" and ep == 1:
+                # The routed form (forward_routed, outside the experts part): the token rows it
+                # reads through the index (below fp32 the experts' cast of the norm output) and
+                # the pre-activations; no [N, D] tensor, no weight copy.
+                dispatch += (c * T * D if c != 4 else 0.0) + expert_kernel_saved(kernel, moe.activation, N, D, Fe, c)
+            else:
+                # The combine keeps the expert outputs (compute dtype, for the router weights'
+                # gradient) and their weighted copy in the fp32 accumulation dtype (index_add
+                # saves its source). Under expert parallelism the outputs it weighs are those
+                # received back (the payload dtype), and ungroup's index_copy, which puts the
+                # experts' outputs back in arrival order, keeps its source too (compute dtype).
+                dispatch += (c + max(c, 4)) * N * D if ep == 1 else (shape.a2a_bytes + max(c, 4) + c) * N * D
+                # The experts part: its rows and the kernel's hidden tensors; plain autocast casts
+                # each whole expert weight stack once per layer (the fused kernels cast tiles).
+                weights = 0 if kernel == "fused" else \
+                    wc * weight_mats(moe.activation) * (moe.num_experts // ep) * D * Fe
+                experts_saved = c * N * D + expert_kernel_saved(kernel, moe.activation, N, D, Fe, c) + weights
+                out.parts[f"blocks.{i}.experts"] = (experts_saved, c * N * D)
             out._add_outside(f"blocks.{i}", router + dispatch)
-            gates = 3 if moe.activation == "swiglu" else 2  # hidden and activation (+ gate)
-            experts_saved = c * N * D + gates * c * N * Fe
-            out.parts[f"blocks.{i}.experts"] = (experts_saved, c * N * D)
             if ep > 1:
                 # Sent and received payload of the dispatch (the combine's is the same size).
                 out.a2a_buffers = max(out.a2a_buffers, 2 * shape.a2a_bytes * N * D)
@@ -179,23 +264,27 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
                 # the shared output it scales and its sigmoid (and its own input cast).
                 Fs = shared_expert_ffn_dim(cfg)
                 casts = input_casts(moe.activation, c)
+                copies = wc * weight_mats(moe.activation) * D * Fs
                 out.parts[f"blocks.{i}.shared_experts"] = (mlp_hidden_saved(moe.activation, T, Fs, c)
-                                                           + casts * c * T * D, casts * c * T * D)
+                                                           + casts * c * T * D + copies, casts * c * T * D)
                 if moe.shared_expert_gate:
-                    out._add_outside(f"blocks.{i}", c * T * D + 4 * T + (c * T * D if c != 4 else 0))
+                    out._add_outside(f"blocks.{i}", c * T * D + 4 * T + (c * T * D if c != 4 else 0) + wc * D)
                 layer_transient = max(layer_transient, mlp_hidden_saved(moe.activation, T, Fs, c) / 2 + 4 * T * D)
         else:
             hidden = mlp_hidden_saved(cfg.ffn_activation, T, Fd, c)
             inputs = max(1, input_casts(cfg.ffn_activation, c)) * c * T * D
-            out.parts[f"blocks.{i}.mlp"] = (inputs + hidden, inputs)
+            copies = wc * weight_mats(cfg.ffn_activation) * D * Fd
+            out.parts[f"blocks.{i}.mlp"] = (inputs + hidden + copies, inputs)
             layer_transient = hidden / 2 + 2 * c * T * Fd * (cfg.ffn_activation == "swiglu") + 4 * T * D
         # Attention's backward: dq, dk, dv and the incoming gradient, beside the residual's.
         layer_transient = max(layer_transient, c * T * (2 * Q + 2 * Kv) + r * T * D)
         out.backward_transient = max(out.backward_transient, layer_transient)
-    # Head: final norm input (last residual) and stats, the gathered target rows, fp32 logits and
-    # labels. The logits' gradient (same size) is the backward's first transient. Chunked
-    # (model.loss_chunk_rows): one fp32 log-sum-exp per row instead of its logits, and one chunk's
-    # logits (compute dtype and fp32) formed again in backward.
+    # Head: final norm input (last residual) and stats, the gathered target rows (the output
+    # projection's input: in the compute dtype, and under plain autocast its weight copy), fp32
+    # logits and labels. The logits' gradient (same size) is the backward's first transient.
+    # Chunked (model.loss_chunk_rows): the fp32 target rows and one fp32 log-sum-exp per row
+    # instead of the logits, no weight copy kept; one chunk's logits (compute dtype and fp32)
+    # formed again in backward.
     targets = B * (L - 1)
     head_norm = norm_stats if cfg.norm == "layernorm" else norm_saved(cfg, B * L)
     chunk = chunk_rows_for(cfg.loss_chunk_rows, V)
@@ -203,6 +292,6 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
         out._add_outside("head", r * T * D + head_norm + targets * (4 * D + 4 + INDEX_BYTES) + B * L)
         out.backward_transient = max(out.backward_transient, (c + 4) * chunk * V)
     else:
-        out._add_outside("head", r * T * D + head_norm + targets * (4 * D + 4 * V + INDEX_BYTES) + B * L)
+        out._add_outside("head", r * T * D + head_norm + targets * (c * D + 4 * V + INDEX_BYTES) + B * L + wc * V * D)
         out.backward_transient = max(out.backward_transient, 4 * targets * V)
     return out
