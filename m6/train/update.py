@@ -74,6 +74,7 @@ class ParameterUpdate:
         replicated = [p for n, p in sharded.replicated_params.items() if n not in sharded.tensor_split]
         experts = list(sharded.expert_params.values())
         self.split, self.tensor_group = split, sharded.groups.tensor
+        self.pipeline_group = sharded.groups.pipeline  # the norm spans every pipeline stage
         if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
         self.replicated, self.experts = replicated, experts
@@ -162,7 +163,7 @@ class ParameterUpdate:
             self.offload.grad_multiplier = clip_coefficient(total, limit) / scale
             return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale,
-                              split=self.split, tensor_group=self.tensor_group)
+                              split=self.split, tensor_group=self.tensor_group, pipeline_group=self.pipeline_group)
 
     def overflow_is_normal(self) -> bool:
         """Whether a non-finite gradient now is the loss scale's normal search (fp16, scale above

@@ -1,0 +1,119 @@
+"""One optimizer step's forward/backward at pipeline parallel: the step's accumulation
+micro-batches are the pipeline's micro-batches, run by one ``schedule.step`` (torch's
+Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZBVZeroBubble over this rank's stages).
+
+The loss is the loop's (m6.train.loss.micro_batch_loss): the last stage's loss_fn returns the
+micro-batch's target cross-entropy sum over the step's GLOBAL target count, and every stage's MoE
+aux loss gets the gradient 1 / (accumulation x aux ranks) through its output
+(m6.parallel.pipeline.AttachAuxLoss). The schedule does not scale gradients (scale_grads=False):
+the losses are already the step's shares. Gradients are then reduced over each stage's data- and
+expert-data-parallel groups (the loop's GradientSync, all buckets after the schedule), and the
+step's loss terms summed over the pipeline in one all-reduce, so every stage reports (and agrees
+on) the same numbers.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                          ScheduleZBVZeroBubble)
+
+from m6.config import Config, ConfigError
+from m6.data.batch import MultimodalBatch
+from m6.parallel import ShardedModel
+from m6.train.step_scalars import AllReduceSum, LocalLosses, local_losses
+from m6.train.update import ParameterUpdate
+
+SCHEDULES = {"1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B, "zero_bubble": ScheduleZBVZeroBubble}
+
+
+def check_micro_batches(cfg: Config, accumulation: int) -> None:
+    """torch's schedules need at least one micro-batch per pipeline rank (1f1b: per stage), the
+    multi-stage ones a whole number of rounds of pipeline_parallel_size micro-batches."""
+    p = cfg.parallel
+    pp = p.pipeline_parallel_size
+    need = f"train.global_batch_size / train.micro_batch_size / data-parallel ranks = {accumulation} micro-batches"
+    if accumulation < pp:
+        raise ConfigError(f"parallel.pipeline_parallel_size={pp} needs at least {pp} micro-batches per step, got "
+                          f"{need}: lower train.micro_batch_size or raise train.global_batch_size")
+    if p.pipeline_schedule != "1f1b" and accumulation % pp:
+        raise ConfigError(f"parallel.pipeline_schedule={p.pipeline_schedule} needs a multiple of "
+                          f"parallel.pipeline_parallel_size={pp} micro-batches per step, got {need}")
+
+
+class PipelineStep:
+    """Runs the step's micro-batches through this rank's pipeline stages and returns its losses."""
+
+    def __init__(self, sharded: ShardedModel, cfg: Config, update: ParameterUpdate, device: torch.device,
+                 accumulation: int, aux_ranks: int) -> None:
+        check_micro_batches(cfg, accumulation)
+        self.sharded, self.update, self.device = sharded, update, device
+        self.accumulation, self.aux_ranks = accumulation, aux_ranks
+        self.group = sharded.groups.pipeline
+        self.stage_modules = sharded.stages
+        num_stages = cfg.parallel.pipeline_parallel_size * len(self.stage_modules)
+        stages = [PipelineStage(m, m.stage_index, num_stages, device, group=self.group) for m in self.stage_modules]
+        schedule_class = SCHEDULES[cfg.parallel.pipeline_schedule]
+        loss_fn = self._loss
+        self.schedule = schedule_class(stages[0] if schedule_class is Schedule1F1B else stages, accumulation,
+                                       loss_fn=loss_fn, scale_grads=False)
+        self.last = next((m for m in self.stage_modules if m.is_last), None)
+        self._step_targets = 1.0
+        self._lm_sums: list[torch.Tensor] = []
+
+    def _loss(self, hidden_BLD: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss_fn: one micro-batch's share of the step's mean target loss."""
+        lm_sum = self.last.rank_model.target_loss_sum(hidden_BLD, labels_BL)
+        self._lm_sums.append(lm_sum.detach().double())
+        return lm_sum / self._step_targets
+
+    def step(self, batches: list[MultimodalBatch], step_targets: float, autocast: AbstractContextManager,
+             all_reduce_sum: AllReduceSum, on_compute_done=lambda: None) -> LocalLosses:
+        """Forward/backward of ``batches`` (the step's micro-batches, equal shapes), gradients
+        reduced (the update's sync); the step's loss terms, the same on every pipeline rank."""
+        shapes = {tuple(b.text_ids.shape) for b in batches}
+        assert len(batches) == self.accumulation and len(shapes) == 1, f"micro-batch shapes {shapes}"
+        self._step_targets = max(step_targets, 1)
+        self._lm_sums = []
+        for m in self.stage_modules:
+            m.terms = []
+            m.aux_scale = 1.0 / (self.accumulation * self.aux_ranks)
+        cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731 (split back by the schedule)
+        self.update.begin_micro_batch(last=False)  # the schedule's backwards accumulate locally
+        with autocast:
+            self.schedule.step(cat("text_ids"), target=cat("labels"), images=cat("images"),
+                               has_image=cat("has_image"), segment_ids=cat("segment_ids"))
+        on_compute_done()
+        self.update.begin_micro_batch(last=True)
+        self.update.finish()  # every bucket reduced over its stage's groups, in the same order on its ranks
+        return self._losses(all_reduce_sum)
+
+    def _losses(self, all_reduce_sum: AllReduceSum) -> LocalLosses:
+        """[lm sum, aux, balance, z, kept] summed over the micro-batches and this rank's stages, then
+        over the pipeline (one all-reduce): the last stage holds the lm sum, each stage its layers' terms."""
+        # The last ``accumulation`` entries: in its first step torch's stages infer their shapes
+        # with a forward (and the last stage's loss_fn) on placeholder inputs before the real ones.
+        n = self.accumulation
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        if self._lm_sums:
+            sums[0] = torch.stack(self._lm_sums[-n:]).sum()
+        for m in self.stage_modules:
+            if m.terms:
+                sums[1:] += torch.stack(m.terms[-n:]).sum(0).to(sums.device)
+        if self.group is not None:
+            dist.all_reduce(sums, group=self.group)
+        return local_losses(sums.tolist(), self.accumulation, self.aux_ranks, all_reduce_sum)
+
+    def gather_expert_load(self, scalars: dict, counts: dict) -> tuple[dict, dict]:
+        """Every stage's per-layer load metrics (m6.train.metrics.expert_load of its layers) on every
+        pipeline rank, for the logs (one object all-gather over the pipeline, at logging steps)."""
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, (scalars, counts), group=self.group)
+        merged_scalars, merged_counts = {}, {}
+        for s, c in everyone:
+            merged_scalars.update(s)
+            merged_counts.update(c)
+        return merged_scalars, merged_counts
