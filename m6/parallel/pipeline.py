@@ -57,16 +57,18 @@ class StageGap(nn.Module):
 
 
 class AttachAuxLoss(torch.autograd.Function):
-    """Returns ``x`` unchanged; in backward also gives the MoE aux loss ``aux`` the gradient
+    """Returns a copy of ``x``; in backward also gives the MoE aux loss ``aux`` the gradient
     ``scale``. A stage's aux loss is not part of the pipeline's one loss (the last stage's), so it
     rides on the stage's output instead (Megatron-Core's MoEAuxLossAutoScaler): the backward of
-    the output reaches the router through it as if ``scale * aux`` were added to the loss."""
+    the output reaches the router through it as if ``scale * aux`` were added to the loss. A copy,
+    not ``x`` itself: an input returned by a Function comes out as a view, and the zero-bubble
+    schedule detaches stage outputs in place, which views refuse."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.save_for_backward(aux)
         ctx.scale = scale
-        return x
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad_x: torch.Tensor):

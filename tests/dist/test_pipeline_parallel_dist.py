@@ -33,3 +33,35 @@ def test_pp2_trains_like_one_process(tmp_path, reference, schedule):
     rows = run(tmp_path, 2, "parallel.pipeline_parallel_size=2", f"parallel.pipeline_schedule={schedule}")
     assert "parallel world 2 = pipeline-parallel 2" in run.stdout
     assert_same_curve(rows, reference)
+
+
+def test_pp4_trains_like_one_process(tmp_path, reference):
+    """Four stages of one block each; 4 micro-batches fill the 1F1B pipeline once."""
+    rows = run(tmp_path, 4, "parallel.pipeline_parallel_size=4")
+    assert_same_curve(rows, reference)
+
+
+def test_pp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
+    """Stage 0 on ranks 0-1, stage 1 on ranks 2-3; in each stage the experts split over its two
+    ranks, which see different batches (their pipelines are (0, 2) and (1, 3)), 2 micro-batches of
+    2 each. aux_loss_scope=local: each micro-batch's balance statistics are its own 2 sequences',
+    as in the 4 micro-batches of world 1 (global would pool the two ranks' micro-batch i, rows
+    another cut than world 1's). An uneven cut: stage 0 holds block 0, stage 1 blocks 1-3."""
+    local = "model.moe.aux_loss_scope=local"
+    reference = run(tmp_path / "w1", 1, local)
+    rows = run(tmp_path / "pp2ep2", 4, local, "parallel.pipeline_parallel_size=2", "parallel.expert_parallel_size=2",
+               "parallel.pipeline_stages=[0,1]")
+    assert "parallel world 4 = pipeline-parallel 2 (1f1b) x expert-parallel 2 x expert-data-parallel 1" in run.stdout
+    assert_same_curve(rows, reference)
+
+
+def test_bad_pipeline_layouts_exit_2_naming_the_key(tmp_path):
+    """One spawn of 2 ranks each: a step of one micro-batch cannot fill 2 stages; 2 pipeline
+    stages at world 3 do not divide it (every rank refuses before any collective)."""
+    base = ["--config", TINY, *SMALL, *COMMON, "parallel.pipeline_parallel_size=2"]
+    results = train_ranks(2, [*base, f"run.dir={tmp_path / 'a'}", "train.micro_batch_size=null"])
+    assert [r.code for r in results] == [2, 2]
+    assert "parallel.pipeline_parallel_size=2 needs at least 2 micro-batches per step" in results[0].stderr
+    results = train_ranks(3, [*base, f"run.dir={tmp_path / 'b'}", "train.global_batch_size=6"])
+    assert [r.code for r in results] == [2, 2, 2]
+    assert "parallel.pipeline_parallel_size (2) must divide the number of processes (3)" in results[0].stderr
