@@ -65,6 +65,8 @@ class M6Model(nn.Module):
     """Prefix-LM multimodal transformer with MoE FFNs; loss is computed on target text only."""
 
     cast_on_use: bool = False  # the LM head's weight (m6.model.cast_on_use.set_cast_on_use)
+    # Pipeline parallel: state-dict names of the parts other ranks' stages hold (m6.parallel.pipeline)
+    other_stages_state: frozenset = frozenset()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

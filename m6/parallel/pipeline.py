@@ -127,7 +127,9 @@ class PipelineStageModule(nn.Module):
 def materialize_stages(model: M6Model, stages: list[int], firsts: list[int], device: torch.device,
                        seed: int) -> list[PipelineStageModule]:
     """Allocate and initialise on ``device`` the parts of a ``meta`` model that ``stages`` own,
-    drop the rest (see the module docstring), and return one module per stage, in ``stages`` order."""
+    drop the rest (see the module docstring), and return one module per stage, in ``stages`` order.
+    ``model.other_stages_state`` then names the state-dict entries the other stages hold (a
+    checkpoint of any layout holds them; this rank neither loads nor expects them)."""
     num_stages = len(firsts) - 1
     owned = {i for s in stages for i in range(firsts[s], firsts[s + 1])}
     keep_first, keep_last = 0 in stages, num_stages - 1 in stages
@@ -138,9 +140,11 @@ def materialize_stages(model: M6Model, stages: list[int], firsts: list[int], dev
             if getattr(model, name) is not None:
                 getattr(model, name).to_empty(device=device)
     model.materialize(device, seed, partial=True)
+    kept = set(model.state_dict())
     for i in range(len(model.blocks)):
         if i not in owned:
             model.blocks[i] = StageGap()
     for name in (() if keep_first else FIRST_STAGE_MODULES) + (() if keep_last else LAST_STAGE_MODULES):
         setattr(model, name, None)
+    model.other_stages_state = frozenset(kept - set(model.state_dict()))
     return [PipelineStageModule(model, s, num_stages, range(firsts[s], firsts[s + 1])) for s in stages]

@@ -461,6 +461,8 @@ class Trainer:
             if str(self.cfg.checkpoint.resume).strip().lower() == "auto" else ""
         saved_tp = meta.get("config", {}).get("parallel", {}).get("tensor_parallel_size", 1)
         tp = "" if saved_tp == self.tp_size == 1 else f", tensor-parallel size {saved_tp} -> {self.tp_size}"
+        saved_pp = meta.get("config", {}).get("parallel", {}).get("pipeline_parallel_size", 1)
+        tp += "" if saved_pp == self.pp_size == 1 else f", pipeline-parallel size {saved_pp} -> {self.pp_size}"
         self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
                       f"{self.sharded.groups.layout.expert_parallel_size}{tp}{rng}){auto}")

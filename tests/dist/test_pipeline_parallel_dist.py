@@ -11,7 +11,8 @@ from test_train_world_sizes import SMALL, TINY, assert_same_curve, train_rows
 # step at world 1 (global batch 8), the pipeline's micro-batches. The caption eval and the tied
 # head are not built with pipelining (refused by config.check_pipeline).
 COMMON = ["train.max_steps=10", "model.moe.every=2", "model.num_layers=4", "train.micro_batch_size=2",
-          "data.eval_samples=0", "model.tie_embeddings=false", "checkpoint.enabled=false"]
+          "data.eval_samples=0", "model.tie_embeddings=false"]
+NO_CHECKPOINTS = "checkpoint.enabled=false"
 
 
 def run(run_dir, nproc: int, *overrides: str) -> list[dict]:
@@ -24,20 +25,28 @@ def run(run_dir, nproc: int, *overrides: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("w1"), 1)
+def reference_run(tmp_path_factory):
+    """One process, 10 steps, checkpoint at step 5 (SMALL's checkpoint.every): the curve every
+    layout must reproduce and the checkpoint the pp 1 -> 2 resume starts from."""
+    run_dir = tmp_path_factory.mktemp("w1")
+    return run_dir, run(run_dir, 1)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[1]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "zero_bubble"])
 def test_pp2_trains_like_one_process(tmp_path, reference, schedule):
-    rows = run(tmp_path, 2, "parallel.pipeline_parallel_size=2", f"parallel.pipeline_schedule={schedule}")
+    rows = run(tmp_path, 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", f"parallel.pipeline_schedule={schedule}")
     assert "parallel world 2 = pipeline-parallel 2" in run.stdout
     assert_same_curve(rows, reference)
 
 
 def test_pp4_trains_like_one_process(tmp_path, reference):
     """Four stages of one block each; 4 micro-batches fill the 1F1B pipeline once."""
-    rows = run(tmp_path, 4, "parallel.pipeline_parallel_size=4")
+    rows = run(tmp_path, 4, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=4")
     assert_same_curve(rows, reference)
 
 
@@ -47,9 +56,9 @@ def test_pp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
     2 each. aux_loss_scope=local: each micro-batch's balance statistics are its own 2 sequences',
     as in the 4 micro-batches of world 1 (global would pool the two ranks' micro-batch i, rows
     another cut than world 1's). An uneven cut: stage 0 holds block 0, stage 1 blocks 1-3."""
-    local = "model.moe.aux_loss_scope=local"
-    reference = run(tmp_path / "w1", 1, local)
-    rows = run(tmp_path / "pp2ep2", 4, local, "parallel.pipeline_parallel_size=2", "parallel.expert_parallel_size=2",
+    local = ("model.moe.aux_loss_scope=local", NO_CHECKPOINTS)
+    reference = run(tmp_path / "w1", 1, *local)
+    rows = run(tmp_path / "pp2ep2", 4, *local, "parallel.pipeline_parallel_size=2", "parallel.expert_parallel_size=2",
                "parallel.pipeline_stages=[0,1]")
     assert "parallel world 4 = pipeline-parallel 2 (1f1b) x expert-parallel 2 x expert-data-parallel 1" in run.stdout
     assert_same_curve(rows, reference)
@@ -58,10 +67,29 @@ def test_pp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
 def test_bad_pipeline_layouts_exit_2_naming_the_key(tmp_path):
     """One spawn of 2 ranks each: a step of one micro-batch cannot fill 2 stages; 2 pipeline
     stages at world 3 do not divide it (every rank refuses before any collective)."""
-    base = ["--config", TINY, *SMALL, *COMMON, "parallel.pipeline_parallel_size=2"]
+    base = ["--config", TINY, *SMALL, *COMMON, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2"]
     results = train_ranks(2, [*base, f"run.dir={tmp_path / 'a'}", "train.micro_batch_size=null"])
     assert [r.code for r in results] == [2, 2]
     assert "parallel.pipeline_parallel_size=2 needs at least 2 micro-batches per step" in results[0].stderr
     results = train_ranks(3, [*base, f"run.dir={tmp_path / 'b'}", "train.global_batch_size=6"])
     assert [r.code for r in results] == [2, 2, 2]
     assert "parallel.pipeline_parallel_size (2) must divide the number of processes (3)" in results[0].stderr
+
+
+def test_checkpoint_saved_at_pp2_resumes_at_pp1(reference, tmp_path):
+    """Each stage's ranks write its parameters and optimizer state under the whole model's names:
+    one process resumes the pp 2 checkpoint (DCP, by name) and continues the single-process curve."""
+    run(tmp_path / "pp2", 2, "parallel.pipeline_parallel_size=2", "train.max_steps=5")
+    ckpt = tmp_path / "pp2" / "checkpoints" / "step_00000005"
+    resumed = run(tmp_path / "pp1", 1, NO_CHECKPOINTS, f"checkpoint.resume={ckpt}")
+    assert "pipeline-parallel size 2 -> 1" in run.stdout
+    assert_same_curve(resumed, reference[5:])
+
+
+def test_checkpoint_saved_at_pp1_resumes_at_pp2(reference_run, tmp_path):
+    """Each stage loads its own parameters' share of the single-process checkpoint, 1F1B over 2 stages."""
+    reference_dir, reference = reference_run
+    ckpt = reference_dir / "checkpoints" / "step_00000005"
+    resumed = run(tmp_path / "pp2", 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", f"checkpoint.resume={ckpt}")
+    assert "pipeline-parallel size 1 -> 2" in run.stdout
+    assert_same_curve(resumed, reference[5:])
