@@ -843,7 +843,6 @@ def check_pipeline(cfg: Config) -> None:
         (p.balance != "even", f"parallel.balance={p.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
         (m.tie_embeddings, "model.tie_embeddings=true"),  # the first and the last stage would share the weight
-        (m.moe.expert_bias_update_rate > 0, f"model.moe.expert_bias_update_rate={m.moe.expert_bias_update_rate}"),
         (cfg.memory.activation_checkpointing != "none",
          f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
         (bool(cfg.train.compile), f"train.compile={cfg.train.compile}"),

@@ -85,7 +85,9 @@ class PipelineStageModule(nn.Module):
     mask, real-token mask and rotary tables are rebuilt from the micro-batch's ``has_image`` and
     ``segment_ids``, which every stage receives as keyword inputs (torch's schedules pass kwargs to
     all stages). ``aux_scale``: the gradient each micro-batch's summed aux loss gets (set per step);
-    ``terms``: per micro-batch, this stage's [aux, balance, z, kept] (detached, float64).
+    ``terms``: per micro-batch, this stage's [aux, balance, z, kept] (detached, float64);
+    ``routed``: per micro-batch, block index -> the routed counts [E] of its MoE layers with an
+    aux-free expert bias (model.moe.expert_bias_update_rate > 0).
     """
 
     def __init__(self, model: M6Model, stage_index: int, num_stages: int, blocks: range) -> None:
@@ -99,6 +101,7 @@ class PipelineStageModule(nn.Module):
                 setattr(self, name, getattr(model, name))
         self.aux_scale = 0.0
         self.terms: list[torch.Tensor] = []
+        self.routed: list[dict[int, torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor, *, images: torch.Tensor, has_image: torch.Tensor,
                 segment_ids: torch.Tensor) -> torch.Tensor:
@@ -109,8 +112,11 @@ class PipelineStageModule(nn.Module):
         mask, real_BS, rotary = model.block_context(has_image, segment_ids, N, x.device)
         aux_total = x.new_zeros((), dtype=torch.float32)
         balance = z = kept = torch.zeros((), dtype=torch.float64, device=x.device)
-        for block in self.blocks:
+        routed = {}
+        for i, block in zip(self.block_indices, self.blocks):
             x, aux = block(x, mask, real_BS, rotary)
+            if block.is_moe and block.ffn.expert_bias_update_rate > 0:
+                routed[i] = block.ffn.stats.routed_local
             if aux is not None:
                 aux_total = aux_total + aux
                 stats = block.ffn.stats
@@ -119,6 +125,7 @@ class PipelineStageModule(nn.Module):
                 kept = kept + stats.kept.detach().double().sum()
         if torch.is_grad_enabled():
             self.terms.append(torch.stack([aux_total.detach().double(), balance, z, kept]))
+            self.routed.append(routed)
             if aux_total.requires_grad:
                 x = AttachAuxLoss.apply(x, aux_total, self.aux_scale)
         return model.final_norm(x[:, N:]) if self.is_last else x

@@ -165,9 +165,9 @@ class Trainer:
         # and parallel.balance=auto at EP 1 times the model as the run holds it (offloaded, its
         # gradient sync off), so the plan is completed here, after the update.
         self._use_batch_plan(self.batch_plan or self._measure_balance())
-        self.pipeline = PipelineStep(self.sharded, cfg, self.update, self.device, self.accum, self.aux_ranks) \
-            if self.pp_size > 1 else None
         self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.data, self.device)
+        self.pipeline = PipelineStep(self.sharded, cfg, self.update, self.expert_bias, self.device, self.accum,
+                                     self.aux_ranks) if self.pp_size > 1 else None
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN.
         # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN, a
@@ -506,9 +506,10 @@ class Trainer:
                 last = self.step == end
                 if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
-                    if self.pipeline is not None:  # every stage's layers
-                        load_scalars, load_counts = self.pipeline.gather_expert_load(load_scalars, load_counts)
                     bias_scalars, biases = self.expert_bias.log_values()
+                    if self.pipeline is not None:  # every stage's layers
+                        load_scalars, load_counts, bias_scalars, biases = self.pipeline.gather_over_stages(
+                            load_scalars, load_counts, bias_scalars, biases)
                     self.logger.log(self.step, {**metrics, **load_scalars, **bias_scalars}, expert_tokens=load_counts,
                                     expert_bias=biases)
                 self._report_compile(metrics["step_time_s"])

@@ -24,6 +24,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleI
 from m6.config import Config, ConfigError
 from m6.data.batch import MultimodalBatch
 from m6.parallel import ShardedModel
+from m6.train.expert_bias import ExpertBiasUpdate
 from m6.train.step_scalars import AllReduceSum, LocalLosses, local_losses
 from m6.train.update import ParameterUpdate
 
@@ -47,10 +48,10 @@ def check_micro_batches(cfg: Config, accumulation: int) -> None:
 class PipelineStep:
     """Runs the step's micro-batches through this rank's pipeline stages and returns its losses."""
 
-    def __init__(self, sharded: ShardedModel, cfg: Config, update: ParameterUpdate, device: torch.device,
-                 accumulation: int, aux_ranks: int) -> None:
+    def __init__(self, sharded: ShardedModel, cfg: Config, update: ParameterUpdate, expert_bias: ExpertBiasUpdate,
+                 device: torch.device, accumulation: int, aux_ranks: int) -> None:
         check_micro_batches(cfg, accumulation)
-        self.sharded, self.update, self.device = sharded, update, device
+        self.sharded, self.update, self.expert_bias, self.device = sharded, update, expert_bias, device
         self.accumulation, self.aux_ranks = accumulation, aux_ranks
         self.group = sharded.groups.pipeline
         self.stage_modules = sharded.stages
@@ -79,7 +80,7 @@ class PipelineStep:
         self._step_targets = max(step_targets, 1)
         self._lm_sums = []
         for m in self.stage_modules:
-            m.terms = []
+            m.terms, m.routed = [], []
             m.aux_scale = 1.0 / (self.accumulation * self.aux_ranks)
         cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731 (split back by the schedule)
         self.update.begin_micro_batch(last=False)  # the schedule's backwards accumulate locally
@@ -87,9 +88,23 @@ class PipelineStep:
             self.schedule.step(cat("text_ids"), target=cat("labels"), images=cat("images"),
                                has_image=cat("has_image"), segment_ids=cat("segment_ids"))
         on_compute_done()
+        self._add_routed_counts()
         self.update.begin_micro_batch(last=True)
         self.update.finish()  # every bucket reduced over its stage's groups, in the same order on its ranks
         return self._losses(all_reduce_sum)
+
+    def _add_routed_counts(self) -> None:
+        """The aux-free expert bias: this rank's layers' routed counts over the step's micro-batches
+        (each stage's bias then moves with its stage's data-parallel ranks' counts: ExpertBiasUpdate.step)."""
+        if not self.expert_bias.enabled:
+            return
+        totals: dict[int, torch.Tensor] = {}
+        for m in self.stage_modules:
+            for routed in m.routed[-self.accumulation:]:  # not the shape inference's forward
+                for block, counts_E in routed.items():
+                    totals[block] = counts_E if block not in totals else totals[block] + counts_E
+        self.expert_bias.add_counts(torch.stack([totals[int(name.removeprefix("block"))]
+                                                 for name in self.expert_bias.layers]))
 
     def _losses(self, all_reduce_sum: AllReduceSum) -> LocalLosses:
         """[lm sum, aux, balance, z, kept] summed over the micro-batches and this rank's stages, then
@@ -107,13 +122,14 @@ class PipelineStep:
             dist.all_reduce(sums, group=self.group)
         return local_losses(sums.tolist(), self.accumulation, self.aux_ranks, all_reduce_sum)
 
-    def gather_expert_load(self, scalars: dict, counts: dict) -> tuple[dict, dict]:
-        """Every stage's per-layer load metrics (m6.train.metrics.expert_load of its layers) on every
-        pipeline rank, for the logs (one object all-gather over the pipeline, at logging steps)."""
+    def gather_over_stages(self, *parts: dict) -> tuple[dict, ...]:
+        """Each of ``parts`` (per-layer log values keyed by layer, e.g. m6.train.metrics.expert_load's
+        and ExpertBiasUpdate.log_values') merged over every stage of the pipeline, on every pipeline
+        rank (one object all-gather over the pipeline, at logging steps)."""
         everyone: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(everyone, (scalars, counts), group=self.group)
-        merged_scalars, merged_counts = {}, {}
-        for s, c in everyone:
-            merged_scalars.update(s)
-            merged_counts.update(c)
-        return merged_scalars, merged_counts
+        dist.all_gather_object(everyone, parts, group=self.group)
+        merged: tuple[dict, ...] = tuple({} for _ in parts)
+        for theirs in everyone:
+            for into, part in zip(merged, theirs):
+                into.update(part)
+        return merged

@@ -7,11 +7,12 @@ import pytest
 from dist_helpers import train_ranks
 from test_train_world_sizes import SMALL, TINY, assert_same_curve, train_rows
 
-# 4 blocks, every second one MoE (stages of dense and MoE blocks alike); 4 micro-batches of 2 per
-# step at world 1 (global batch 8), the pipeline's micro-batches. The caption eval and the tied
+# 4 blocks, every second one MoE (blocks 1 and 3: stages of dense and MoE blocks alike) with the
+# aux-free expert bias; 4 micro-batches of 2 per step at world 1 (global batch 8), the pipeline's
+# micro-batches. The caption eval and the tied
 # head are not built with pipelining (refused by config.check_pipeline).
 COMMON = ["train.max_steps=10", "model.moe.every=2", "model.num_layers=4", "train.micro_batch_size=2",
-          "data.eval_samples=0", "model.tie_embeddings=false"]
+          "data.eval_samples=0", "model.tie_embeddings=false", "model.moe.expert_bias_update_rate=0.01"]
 NO_CHECKPOINTS = "checkpoint.enabled=false"
 
 
@@ -22,6 +23,15 @@ def run(run_dir, nproc: int, *overrides: str) -> list[dict]:
         assert r.code == 0, f"rank {rank} exited {r.code}: {r.stderr[-3000:]}"
     run.stdout = results[0].stdout
     return train_rows(run_dir)
+
+
+def assert_same_layer_logs(rows: list[dict], reference: list[dict]) -> None:
+    """Rank 0 (stage 0) logs every stage's MoE layers: their load and bias equal one process's."""
+    assert reference[-1]["moe/block3/expert_bias_max_abs"] > 0  # the bias really moved
+    for a, b in zip(rows, reference, strict=True):
+        for key in ("moe/block1/max_tokens", "moe/block3/max_tokens", "moe/block3/router_entropy",
+                    "moe/block1/expert_bias_max_abs", "moe/block3/expert_bias_max_abs"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key, a[key], b[key])
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +52,14 @@ def test_pp2_trains_like_one_process(tmp_path, reference, schedule):
     rows = run(tmp_path, 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", f"parallel.pipeline_schedule={schedule}")
     assert "parallel world 2 = pipeline-parallel 2" in run.stdout
     assert_same_curve(rows, reference)
+    assert_same_layer_logs(rows, reference)
 
 
 def test_pp4_trains_like_one_process(tmp_path, reference):
     """Four stages of one block each; 4 micro-batches fill the 1F1B pipeline once."""
     rows = run(tmp_path, 4, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=4")
     assert_same_curve(rows, reference)
+    assert_same_layer_logs(rows, reference)
 
 
 def test_pp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):

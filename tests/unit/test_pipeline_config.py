@@ -58,7 +58,6 @@ def test_stages_need_a_pipeline():
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
     (["model.tie_embeddings=true"], "model.tie_embeddings=true"),
-    (["model.moe.expert_bias_update_rate=0.01"], "model.moe.expert_bias_update_rate=0.01"),
     (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
     (["train.compile=blocks"], "train.compile=blocks"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
