@@ -113,7 +113,7 @@ def _rank(rank: int, world: int, port: int, cases: list[dict], forward_ms: float
 
 NOTE = ("The formula counts no time between operations; the measured step also holds each micro-batch's "
         "point-to-point messages (gloo, through this shared 2-core machine's loopback) and the schedule's own "
-        "Python work, a few ms per operation. That excess is the same in absolute terms whatever the "
+        "Python work, 1-2 ms per operation here. That excess is the same in absolute terms whatever the "
         "schedule, so it weighs most where the formula's bubble is smallest: interleaved (twice the messages, "
         "each operation half the work) and more micro-batches. Stages of real work (tens of ms and more per "
         "micro-batch on a GPU) shrink it in proportion.")
