@@ -425,9 +425,13 @@ class Trainer:
     def evaluate(self) -> dict:
         """Caption loss on held-out image samples with their true and with shuffled images."""
         self.model.eval()
+        if self.pipeline is not None:  # through the pipeline's stages
+            loss_sum = lambda batch: self.pipeline.eval_loss_sum(self.to_device(batch), self._autocast())  # noqa: E731
+        else:
+            loss_sum = lambda batch: self.forward_loss(self.to_device(batch))[0]  # noqa: E731
         try:
             return evaluate_captions(
-                loss_sum=lambda batch: self.forward_loss(self.to_device(batch))[0],
+                loss_sum=loss_sum,
                 eval_batch=lambda indices: self.held_out_batch(indices, on_device=False),
                 num_samples=len(self.eval_set), global_batch_size=self.cfg.train.global_batch_size,
                 num_batches=self.cfg.train.eval_batches, micro_batch_size=self.micro_batch,

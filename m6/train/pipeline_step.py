@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleZBVZeroBubble)
 
 from m6.config import Config, ConfigError
@@ -55,15 +55,41 @@ class PipelineStep:
         self.accumulation, self.aux_ranks = accumulation, aux_ranks
         self.group = sharded.groups.pipeline
         self.stage_modules = sharded.stages
-        num_stages = cfg.parallel.pipeline_parallel_size * len(self.stage_modules)
-        stages = [PipelineStage(m, m.stage_index, num_stages, device, group=self.group) for m in self.stage_modules]
-        schedule_class = SCHEDULES[cfg.parallel.pipeline_schedule]
-        loss_fn = self._loss
-        self.schedule = schedule_class(stages[0] if schedule_class is Schedule1F1B else stages, accumulation,
-                                       loss_fn=loss_fn, scale_grads=False)
+        self.num_stages = cfg.parallel.pipeline_parallel_size * len(self.stage_modules)
+        self.schedule_class = SCHEDULES[cfg.parallel.pipeline_schedule]
+        self.schedule = self._schedule(self.schedule_class, accumulation, self._loss)
+        self._eval_schedules: dict[tuple, object] = {}
         self.last = next((m for m in self.stage_modules if m.is_last), None)
         self._step_targets = 1.0
         self._lm_sums: list[torch.Tensor] = []
+
+    def _schedule(self, schedule_class, num_micro_batches: int, loss_fn):
+        """A schedule over new PipelineStages of this rank's stage modules (each keeps its micro-batch
+        count and shapes: training and each evaluation shape get their own)."""
+        stages = [PipelineStage(m, m.stage_index, self.num_stages, self.device, group=self.group)
+                  for m in self.stage_modules]
+        one = len(stages) == 1 and schedule_class in (Schedule1F1B, ScheduleGPipe)
+        return schedule_class(stages[0] if one else stages, num_micro_batches, loss_fn=loss_fn, scale_grads=False)
+
+    def eval_loss_sum(self, batch: MultimodalBatch, autocast: AbstractContextManager) -> torch.Tensor:
+        """The held-out batch's summed target loss (float64, on every pipeline rank): one forward
+        through the stages, a forward-only pass of a one-micro-batch schedule (GPipe at one stage
+        per rank, the training schedule's class at several), one per batch shape. Not on zero_bubble:
+        torch's ScheduleZBVZeroBubble runs backward actions in its eval (config.check_pipeline refuses it)."""
+        key = (tuple(batch.text_ids.shape), tuple(batch.images.shape))
+        if key not in self._eval_schedules:
+            eval_class = ScheduleGPipe if self.schedule_class is Schedule1F1B else self.schedule_class
+            self._eval_schedules[key] = self._schedule(
+                eval_class, 1, lambda hidden, labels: self.last.rank_model.target_loss_sum(hidden, labels))
+        losses: list[torch.Tensor] = []
+        with autocast:
+            self._eval_schedules[key].eval(batch.text_ids, target=batch.labels, images=batch.images,
+                                           has_image=batch.has_image, segment_ids=batch.segment_ids, losses=losses)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if losses:
+            total = total + torch.stack(losses).sum().double()
+        dist.all_reduce(total, group=self.group)  # the last stage's loss, on every stage
+        return total
 
     def _loss(self, hidden_BLD: torch.Tensor, labels_BL: torch.Tensor) -> torch.Tensor:
         """The last stage's loss_fn: one micro-batch's share of the step's mean target loss."""

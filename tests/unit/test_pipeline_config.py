@@ -44,6 +44,12 @@ def test_bad_sizes_and_boundaries_name_their_keys(extra, message):
     assert message in str(e.value), str(e.value)
 
 
+def test_zero_bubble_refuses_the_caption_eval():
+    with pytest.raises(ConfigError, match="parallel.pipeline_schedule=zero_bubble with data.eval_samples=4"):
+        load(None, [*PP2, "parallel.pipeline_schedule=zero_bubble", "data.eval_samples=4"])
+    assert load(None, [*PP2, "parallel.pipeline_schedule=interleaved", "data.eval_samples=4"]).data.eval_samples == 4
+
+
 def test_stages_need_a_pipeline():
     with pytest.raises(ConfigError, match=r"parallel.pipeline_stages=\[0, 2\] needs parallel.pipeline_parallel_size > 1"):
         load(None, [*TINY, "parallel.pipeline_stages=[0,2]"])
@@ -61,7 +67,6 @@ def test_stages_need_a_pipeline():
     (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
     (["train.compile=blocks"], "train.compile=blocks"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
-    (["data.eval_samples=4"], "data.eval_samples=4"),
 ])
 def test_combinations_not_built_are_refused_by_name(extra, key):
     with pytest.raises(ConfigError) as e:
