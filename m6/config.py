@@ -842,7 +842,6 @@ def check_pipeline(cfg: Config) -> None:
         (cfg.train.precision == "fp16", "train.precision=fp16"),
         (p.balance != "even", f"parallel.balance={p.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
-        (m.tie_embeddings, "model.tie_embeddings=true"),  # the first and the last stage would share the weight
         (cfg.memory.activation_checkpointing != "none",
          f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
         (bool(cfg.train.compile), f"train.compile={cfg.train.compile}"),

@@ -67,6 +67,7 @@ class M6Model(nn.Module):
     cast_on_use: bool = False  # the LM head's weight (m6.model.cast_on_use.set_cast_on_use)
     # Pipeline parallel: state-dict names of the parts other ranks' stages hold (m6.parallel.pipeline)
     other_stages_state: frozenset = frozenset()
+    tied_embedding_copy: bool = False  # ... and whether its text_embed.tokens is the tied head's copy
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

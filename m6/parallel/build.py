@@ -56,13 +56,17 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
                           f"{layout.expert_parallel_size}): the chunked exchange needs the same experts on every "
                           f"rank; use model.moe.a2a_overlap_degree=1, model.moe.a2a_dispatch=node_aware or "
                           f"parallel.balance=even")
-    groups = create_process_groups(layout, cfg.parallel.timeout_s, node_aware=m.moe.a2a_dispatch == "node_aware")
+    p = cfg.parallel
+    # Tied head at pipeline parallel: the pipeline position of the last stage (V order: the first rank's).
+    tied_last_stage = None if layout.pipeline_parallel_size == 1 or not m.tie_embeddings else (
+        0 if p.pipeline_schedule == "zero_bubble" else layout.pipeline_parallel_size - 1)
+    groups = create_process_groups(layout, p.timeout_s, node_aware=m.moe.a2a_dispatch == "node_aware",
+                                   tied_last_stage=tied_last_stage)
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
     shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree, m.moe.a2a_dispatch)
     stages = []
     if layout.pipeline_parallel_size > 1:  # this rank's stages only, each weight as the whole model draws it
-        p = cfg.parallel
         stages = materialize_stages(model, rank_stage_indices(layout.pp_rank, p.pipeline_parallel_size,
                                                               pipeline_stages_per_rank(p), p.pipeline_schedule),
                                     stage_first_blocks(p, m.num_layers), init_device or device, cfg.run.seed)

@@ -327,7 +327,8 @@ def sum_sq_of(grads: list[torch.Tensor], factors: list[float] | None = None) -> 
 
 def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float,
                    expert_group=None, device: torch.device | None = None, grad_scale: float = 1.0,
-                   split: list[nn.Parameter] = (), tensor_group=None, pipeline_group=None) -> float:
+                   split: list[nn.Parameter] = (), tensor_group=None, pipeline_group=None,
+                   uncounted: list[nn.Parameter] = ()) -> float:
     """Clip to the norm of the GLOBAL gradient, counting every expert once; returns that norm.
 
     Replicated grads are identical on all ranks after sync (counted from this rank); expert grads
@@ -343,6 +344,8 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
     ``split``: tensor-parallel shards (m6.parallel.tensor_parallel), summed over ``tensor_group``;
     ``replicated`` then holds the rest (whole on every rank of the tensor-parallel group).
     ``pipeline_group``: this rank's pipeline; each stage's squares are summed over it.
+    ``uncounted``: clipped like the rest but not in the norm (a copy another rank counts: the tied
+    token embedding's on a pipeline's last stage).
     """
     split = list(split)
     total = global_grad_norm(_grads(replicated), _grads(experts), expert_group, device,
@@ -351,7 +354,7 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
     if math.isfinite(total):  # else not even unscaled: the step is skipped or refused
         coef = clip_coefficient(total, max_norm)
         if coef < 1.0 or grad_scale != 1.0:
-            for p in replicated + experts + split:
+            for p in replicated + experts + split + list(uncounted):
                 if p.grad is not None:
                     p.grad.detach().mul_(coef / grad_scale)
     return total

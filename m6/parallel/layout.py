@@ -141,6 +141,11 @@ class ParallelLayout:
         return [list(range(s * n + t, (s + 1) * n, tp)) for s in range(self.pipeline_parallel_size)
                 for t in range(tp)]
 
+    def embedding_group_ranks(self, last_stage_pp_rank: int) -> list[list[int]]:
+        """Per pipeline, its first stage's rank and the rank of its last stage (pipeline position
+        ``last_stage_pp_rank``): the ranks holding the tied token embedding."""
+        return [[p[0], p[last_stage_pp_rank]] for p in self.pp_group_ranks()]
+
     def pp_group_ranks(self) -> list[list[int]]:
         """The pipelines: one rank of each stage, at the same place inside its stage."""
         n = self.stage_size
@@ -276,6 +281,9 @@ class ProcessGroups:
     node_aware: Optional["NodeAwareGroups"] = None  # made only for model.moe.a2a_dispatch: node_aware
 
     data_group: object = None  # tensor or pipeline parallel: this rank's data-parallel group (see ``data``)
+    # pipeline parallel with a tied head on another rank than the embedding: this rank's first- and
+    # last-stage pair (Megatron's embedding group), None elsewhere
+    embedding: object = None
 
     @property
     def world(self):
@@ -355,13 +363,15 @@ def node_aware_groups(layout: ParallelLayout) -> NodeAwareGroups:
 
 
 def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = None,
-                          node_aware: bool = False) -> ProcessGroups:
+                          node_aware: bool = False, tied_last_stage: Optional[int] = None) -> ProcessGroups:
     """Build the job's device mesh (a collective: every rank calls it at the same point).
 
     One process without torch.distributed gets no mesh; under torch.distributed, even at world
     size 1, the mesh is built on the default group's device type (cuda for NCCL, cpu for gloo).
     ``timeout_s`` (parallel.timeout_s): how long a collective of the gloo checkpoint group waits
-    for a peer (None: torch's default for gloo, 30 minutes).
+    for a peer (None: torch's default for gloo, 30 minutes). ``tied_last_stage``: at pipeline
+    parallel with tied embeddings, the pipeline position of the last stage; when it is not the
+    first stage's (0), each pipeline's pair of them gets a group (``ProcessGroups.embedding``).
     """
     if not dist.is_initialized():
         if layout.world_size == 1:
@@ -383,10 +393,16 @@ def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = N
             group = dist.new_group(ranks)
             if layout.rank in ranks:
                 data_group = group
+    embedding = None
+    if tied_last_stage:
+        for ranks in layout.embedding_group_ranks(tied_last_stage):
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                embedding = group
     # Checkpoints coordinate over a group of their own: DCP exchanges plans and results as
     # pickled objects (host memory: gloo serves them whatever the training backend), and a save
     # running in a background thread must never interleave with the training collectives.
     checkpoint = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     # node_aware: the subgroups node-aware dispatch needs (model.moe.a2a_dispatch: node_aware).
     aware = node_aware_groups(layout) if node_aware and layout.expert_parallel_size > 1 else None
-    return ProcessGroups(layout, mesh, checkpoint, aware, data_group)
+    return ProcessGroups(layout, mesh, checkpoint, aware, data_group, embedding)

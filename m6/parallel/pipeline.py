@@ -7,6 +7,11 @@ stage r alone for 1f1b; r, r + p, ... for interleaved (torch's loop order); r an
 zero_bubble (torch's V order, ScheduleZBVZeroBubble). Ranks of one stage form its data- and
 expert-parallel groups (m6.parallel.layout); the stages talk through torch.distributed.pipelining.
 
+Tied embeddings (model.tie_embeddings): the LM head reads the token embedding, which the first
+stage owns; a last stage on another rank keeps a copy (``text_embed.tokens``, drawn as the whole
+model draws it, under the same name), whose gradient is summed with the first stage's over the
+two ranks (m6.train.pipeline_step) and counted once in the norm, as Megatron's embedding group does.
+
 Every rank keeps the whole model's module tree and names, with the parts its stages do not own
 removed (embeddings and head set to None, blocks replaced by an empty ``StageGap``), as torchtitan
 does: a parameter keeps its fully qualified name (``blocks.5.attn.qkv.weight``) on every layout, so
@@ -99,6 +104,8 @@ class PipelineStageModule(nn.Module):
         for name in (FIRST_STAGE_MODULES if self.is_first else ()) + (LAST_STAGE_MODULES if self.is_last else ()):
             if getattr(model, name) is not None:
                 setattr(self, name, getattr(model, name))
+        if self.is_last and model.lm_head is None:  # the tied head: its weight is this stage's too
+            self.head_tokens = model.text_embed.tokens
         self.aux_scale = 0.0
         self.terms: list[torch.Tensor] = []
         self.routed: list[dict[int, torch.Tensor]] = []
@@ -135,23 +142,31 @@ def materialize_stages(model: M6Model, stages: list[int], firsts: list[int], dev
                        seed: int) -> list[PipelineStageModule]:
     """Allocate and initialise on ``device`` the parts of a ``meta`` model that ``stages`` own,
     drop the rest (see the module docstring), and return one module per stage, in ``stages`` order.
-    ``model.other_stages_state`` then names the state-dict entries the other stages hold (a
+    ``model.tied_embedding_copy``: this rank's last stage holds a copy of the first stage's token
+    embedding (tied head, stages on other ranks). ``model.other_stages_state`` then names the state-dict entries the other stages hold (a
     checkpoint of any layout holds them; this rank neither loads nor expects them)."""
     num_stages = len(firsts) - 1
     owned = {i for s in stages for i in range(firsts[s], firsts[s + 1])}
     keep_first, keep_last = 0 in stages, num_stages - 1 in stages
+    tied_copy = keep_last and not keep_first and model.lm_head is None  # the head's copy of the token embedding
     with torch.no_grad():
         for i in sorted(owned):
             model.blocks[i].to_empty(device=device)
         for name in (FIRST_STAGE_MODULES if keep_first else ()) + (LAST_STAGE_MODULES if keep_last else ()):
             if getattr(model, name) is not None:
                 getattr(model, name).to_empty(device=device)
+        if tied_copy:
+            model.text_embed.tokens.to_empty(device=device)
     model.materialize(device, seed, partial=True)
     kept = set(model.state_dict())
     for i in range(len(model.blocks)):
         if i not in owned:
             model.blocks[i] = StageGap()
     for name in (() if keep_first else FIRST_STAGE_MODULES) + (() if keep_last else LAST_STAGE_MODULES):
-        setattr(model, name, None)
+        if not (tied_copy and name == "text_embed"):
+            setattr(model, name, None)
+    if tied_copy:  # the token table alone: the positions are the first stage's
+        model.text_embed.positions = None
+        model.tied_embedding_copy = True
     model.other_stages_state = frozenset(kept - set(model.state_dict()))
     return [PipelineStageModule(model, s, num_stages, range(firsts[s], firsts[s + 1])) for s in stages]

@@ -117,7 +117,19 @@ class PipelineStep:
         self._add_routed_counts()
         self.update.begin_micro_batch(last=True)
         self.update.finish()  # every bucket reduced over its stage's groups, in the same order on its ranks
+        self._sum_tied_embedding()
         return self._losses(all_reduce_sum)
+
+    def _sum_tied_embedding(self) -> None:
+        """Tied head on another rank than the embedding: the token embedding's gradient is the sum of
+        the first stage's (lookups) and the last stage's (head), on both (m6.parallel.pipeline)."""
+        group = self.sharded.groups.embedding
+        if group is None:
+            return
+        weight = self.sharded.model.text_embed.tokens.weight
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=group)
 
     def _add_routed_counts(self) -> None:
         """The aux-free expert bias: this rank's layers' routed counts over the step's micro-batches

@@ -71,7 +71,12 @@ class ParameterUpdate:
             on_grads_final=self.offload.grads_final if self.offload else None)
         # Tensor-parallel shards count once per tp group in the norm (tp 1: none).
         split = [p for n, p in sharded.replicated_params.items() if n in sharded.tensor_split]
-        replicated = [p for n, p in sharded.replicated_params.items() if n not in sharded.tensor_split]
+        # Pipeline parallel, tied head: the last stage's copy of the token embedding is clipped and
+        # updated like its first-stage original, and counted in the norm there only.
+        copies = {"text_embed.tokens.weight"} if getattr(model, "tied_embedding_copy", False) else set()
+        self.uncounted = [p for n, p in sharded.replicated_params.items() if n in copies]
+        replicated = [p for n, p in sharded.replicated_params.items() if n not in sharded.tensor_split
+                      and n not in copies]
         experts = list(sharded.expert_params.values())
         self.split, self.tensor_group = split, sharded.groups.tensor
         self.pipeline_group = sharded.groups.pipeline  # the norm spans every pipeline stage
@@ -96,7 +101,7 @@ class ParameterUpdate:
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
             if t.precision == "fp16" else None
-        self.apply = GroupedApply(self.optimizer, replicated + split, experts, cfg.optim.apply_groups)
+        self.apply = GroupedApply(self.optimizer, replicated + split + self.uncounted, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         # optim.delayed_update (config.py allows it with m6's unsharded fp32-gradient offload): step t's
         # host update runs in the background during step t+1's forward/backward.
@@ -163,7 +168,8 @@ class ParameterUpdate:
             self.offload.grad_multiplier = clip_coefficient(total, limit) / scale
             return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale,
-                              split=self.split, tensor_group=self.tensor_group, pipeline_group=self.pipeline_group)
+                              split=self.split, tensor_group=self.tensor_group, pipeline_group=self.pipeline_group,
+                              uncounted=self.uncounted)
 
     def overflow_is_normal(self) -> bool:
         """Whether a non-finite gradient now is the loss scale's normal search (fp16, scale above

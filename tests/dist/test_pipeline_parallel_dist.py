@@ -11,10 +11,11 @@ from test_train_world_sizes import SMALL, TINY, assert_same_curve, train_rows
 
 # 4 blocks, every second one MoE (blocks 1 and 3: stages of dense and MoE blocks alike) with the
 # aux-free expert bias; 4 micro-batches of 2 per step at world 1 (global batch 8), the pipeline's
-# micro-batches. The tied head is not built with pipelining (refused by config.check_pipeline).
+# micro-batches. The LM head is tied to the token embedding (the default): the last stage's copy
+# and the first stage's sum their gradients (zero_bubble: both stages on rank 0, one weight).
 # The caption eval (8 held-out samples, micro-batches of 2) runs at the last step.
 COMMON = ["train.max_steps=10", "model.moe.every=2", "model.num_layers=4", "train.micro_batch_size=2",
-          "model.tie_embeddings=false", "model.moe.expert_bias_update_rate=0.01"]
+          "model.moe.expert_bias_update_rate=0.01"]
 NO_CHECKPOINTS = "checkpoint.enabled=false"
 
 
@@ -87,8 +88,9 @@ def test_pp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
     ranks, which see different batches (their pipelines are (0, 2) and (1, 3)), 2 micro-batches of
     2 each. aux_loss_scope=local: each micro-batch's balance statistics are its own 2 sequences',
     as in the 4 micro-batches of world 1 (global would pool the two ranks' micro-batch i, rows
-    another cut than world 1's). An uneven cut: stage 0 holds block 0, stage 1 blocks 1-3."""
-    local = ("model.moe.aux_loss_scope=local", NO_CHECKPOINTS)
+    another cut than world 1's). An uneven cut: stage 0 holds block 0, stage 1 blocks 1-3; an
+    untied LM head."""
+    local = ("model.moe.aux_loss_scope=local", NO_CHECKPOINTS, "model.tie_embeddings=false")
     reference = run(tmp_path / "w1", 1, *local)
     rows = run(tmp_path / "pp2ep2", 4, *local, "parallel.pipeline_parallel_size=2", "parallel.expert_parallel_size=2",
                "parallel.pipeline_stages=[0,1]")

@@ -17,7 +17,7 @@ TINY = ["model.d_model=32", "model.num_layers=4", "model.num_heads=4", "model.ff
         "model.image_size=16", "model.patch_size=8", "model.moe.num_experts=2", "model.moe.every=2",
         "data.kind=synthetic", "data.num_samples=16", "data.eval_samples=0", "data.seq_len=32",
         "data.num_workers=0", "train.global_batch_size=2", "train.max_steps=1", "logging.console=false",
-        "checkpoint.enabled=false", "model.tie_embeddings=false"]
+        "checkpoint.enabled=false"]
 PP2 = [*TINY, "parallel.pipeline_parallel_size=2"]
 
 
@@ -63,7 +63,6 @@ def test_stages_need_a_pipeline():
     (["train.precision=fp16"], "train.precision=fp16"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
-    (["model.tie_embeddings=true"], "model.tie_embeddings=true"),
     (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
     (["train.compile=blocks"], "train.compile=blocks"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
@@ -107,10 +106,12 @@ def test_stage_cut_and_rank_order():
     assert rank_stage_indices(1, 4, 2, "zero_bubble") == [1, 6]
 
 
-def test_stage_weights_equal_the_whole_models_and_keep_their_names():
+@pytest.mark.parametrize("tied", [False, True])
+def test_stage_weights_equal_the_whole_models_and_keep_their_names(tied):
     """A stage's rank keeps its modules under the whole model's names, with the whole model's
-    values (the other stages' draws are made and dropped), and nothing else."""
-    cfg = load(None, PP2).model
+    values (the other stages' draws are made and dropped), and nothing else; with a tied head the
+    last stage keeps a copy of the token embedding (not the positions)."""
+    cfg = load(None, [*PP2, f"model.tie_embeddings={str(tied).lower()}"]).model
     torch.manual_seed(123)
     with torch.device("meta"):
         whole = M6Model(cfg)
@@ -123,9 +124,11 @@ def test_stage_weights_equal_the_whole_models_and_keep_their_names():
         names = dict(model.named_parameters())
         kept = {n for n in reference if any(n.startswith(f"blocks.{i}.") for i in range(first, end))
                 or (stage == 0 and n.split(".")[0] in ("text_embed", "patch_embed", "modality"))
-                or (stage == 1 and n.split(".")[0] in ("final_norm", "lm_head"))}
+                or (stage == 1 and n.split(".")[0] in ("final_norm", "lm_head"))
+                or (stage == 1 and tied and n == "text_embed.tokens.weight")}
         assert set(names) == kept
         for n, p in names.items():
             torch.testing.assert_close(p, reference[n], rtol=0, atol=0, msg=n)
         assert all(isinstance(model.blocks[i], StageGap) for i in range(4) if not first <= i < end)
         assert {n for n, _ in modules[0].named_parameters()} and len(modules) == 1
+        assert model.tied_embedding_copy == (tied and stage == 1)
