@@ -836,7 +836,6 @@ def check_pipeline(cfg: Config) -> None:
                           f"model.num_layers ({m.num_layers})")
     refused = [
         (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}"),
-        (p.shard != "none", f"parallel.shard={p.shard}"),
         (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
         (cfg.optim.delayed_update, "optim.delayed_update=true"),
         (cfg.train.precision == "fp16", "train.precision=fp16"),

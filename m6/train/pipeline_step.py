@@ -24,6 +24,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 from m6.config import Config, ConfigError
 from m6.data.batch import MultimodalBatch
 from m6.parallel import ShardedModel
+from m6.parallel.fsdp import local_part
 from m6.train.expert_bias import ExpertBiasUpdate
 from m6.train.step_scalars import AllReduceSum, LocalLosses, local_losses
 from m6.train.update import ParameterUpdate
@@ -129,7 +130,8 @@ class PipelineStep:
         weight = self.sharded.model.text_embed.tokens.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        dist.all_reduce(weight.grad, group=group)
+        # Under parallel.shard each holds the same rows (the same place in same-sized stages).
+        dist.all_reduce(local_part(weight.grad), group=group)
 
     def _add_routed_counts(self) -> None:
         """The aux-free expert bias: this rank's layers' routed counts over the step's micro-batches

@@ -66,7 +66,7 @@ class ParameterUpdate:
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
             grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update)
-        self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
+        self.sync = ShardedGradientSync(model, sharded.stages or None) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None)
         # Tensor-parallel shards count once per tp group in the norm (tp 1: none).
@@ -156,7 +156,7 @@ class ParameterUpdate:
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         if self.sharded_dp:
             return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device,
-                                          grad_scale=scale)
+                                          grad_scale=scale, uncounted=self.uncounted)
         if self.offload is not None and self.offload.half_grads:
             # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
             # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in

@@ -127,3 +127,17 @@ def test_checkpoint_saved_at_pp1_resumes_at_pp2(reference_run, tmp_path):
     resumed = run(tmp_path / "pp2", 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", f"checkpoint.resume={ckpt}")
     assert "pipeline-parallel size 1 -> 2" in run.stdout
     assert_same_curve(resumed, reference[5:])
+
+
+@pytest.mark.parametrize("shard", ["full", "optimizer"])
+def test_pp2_with_fsdp2_inside_each_stage_trains_like_one_process(tmp_path, shard):
+    """parallel.shard inside each stage at world 4: stage 0 on ranks 0-1, stage 1 on ranks 2-3, each
+    stage's blocks and its root (embeddings; final norm and the tied head's copy) FSDP2 units over
+    its 2 ranks, the experts (EP 1) over the same 2. aux_loss_scope=local as in the pp 2 x ep 2 test
+    (2 data-parallel ranks per stage)."""
+    local = ("model.moe.aux_loss_scope=local", NO_CHECKPOINTS, "parallel.expert_parallel_size=1")
+    reference = run(tmp_path / "w1", 1, *local)
+    rows = run(tmp_path / "pp2", 4, *local, "parallel.pipeline_parallel_size=2", f"parallel.shard={shard}")
+    assert "parallel world 4 = pipeline-parallel 2 (1f1b) x expert-parallel 1 x expert-data-parallel 2, sharded" \
+        in run.stdout
+    assert_same_curve(rows, reference)

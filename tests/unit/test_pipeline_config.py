@@ -24,6 +24,7 @@ PP2 = [*TINY, "parallel.pipeline_parallel_size=2"]
 def test_pp2_config_loads():
     cfg = load(None, [*PP2, "parallel.pipeline_stages=[0,3]"])
     assert cfg.parallel.pipeline_parallel_size == 2 and cfg.parallel.pipeline_stages == [0, 3]
+    assert load(None, [*PP2, "parallel.shard=full"]).parallel.shard == "full"  # FSDP2 inside each stage
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -57,7 +58,6 @@ def test_stages_need_a_pipeline():
 
 @pytest.mark.parametrize("extra, key", [
     (["parallel.tensor_parallel_size=2"], "parallel.tensor_parallel_size=2"),
-    (["parallel.shard=full"], "parallel.shard=full"),
     (["memory.offload=optimizer"], "memory.offload=optimizer"),
     (["memory.offload=optimizer", "optim.delayed_update=true"], "memory.offload=optimizer"),
     (["train.precision=fp16"], "train.precision=fp16"),
