@@ -838,7 +838,6 @@ def check_pipeline(cfg: Config) -> None:
         (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}"),
         (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
         (cfg.optim.delayed_update, "optim.delayed_update=true"),
-        (cfg.train.precision == "fp16", "train.precision=fp16"),
         (p.balance != "even", f"parallel.balance={p.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
         (cfg.memory.activation_checkpointing != "none",

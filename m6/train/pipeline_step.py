@@ -6,7 +6,8 @@ The loss is the loop's (m6.train.loss.micro_batch_loss): the last stage's loss_f
 micro-batch's target cross-entropy sum over the step's GLOBAL target count, and every stage's MoE
 aux loss gets the gradient 1 / (accumulation x aux ranks) through its output
 (m6.parallel.pipeline.AttachAuxLoss). The schedule does not scale gradients (scale_grads=False):
-the losses are already the step's shares. Gradients are then reduced over each stage's data- and
+the losses are already the step's shares. Under fp16 both carry the loss scale, which the clip
+divides out of the gradients (m6.train.update), as in the loop's own backward. Gradients are then reduced over each stage's data- and
 expert-data-parallel groups (the loop's GradientSync, all buckets after the schedule), and the
 step's loss terms summed over the pipeline in one all-reduce, so every stage reports (and agrees
 on) the same numbers.
@@ -62,6 +63,7 @@ class PipelineStep:
         self._eval_schedules: dict[tuple, object] = {}
         self.last = next((m for m in self.stage_modules if m.is_last), None)
         self._step_targets = 1.0
+        self._loss_scale = 1.0  # fp16: the loss scale's multiple rides on the losses (the clip unscales)
         self._lm_sums: list[torch.Tensor] = []
 
     def _schedule(self, schedule_class, num_micro_batches: int, loss_fn):
@@ -96,7 +98,7 @@ class PipelineStep:
         """The last stage's loss_fn: one micro-batch's share of the step's mean target loss."""
         lm_sum = self.last.rank_model.target_loss_sum(hidden_BLD, labels_BL)
         self._lm_sums.append(lm_sum.detach().double())
-        return lm_sum / self._step_targets
+        return lm_sum * (self._loss_scale / self._step_targets)
 
     def step(self, batches: list[MultimodalBatch], step_targets: float, autocast: AbstractContextManager,
              all_reduce_sum: AllReduceSum, on_compute_done=lambda: None) -> LocalLosses:
@@ -105,10 +107,11 @@ class PipelineStep:
         shapes = {tuple(b.text_ids.shape) for b in batches}
         assert len(batches) == self.accumulation and len(shapes) == 1, f"micro-batch shapes {shapes}"
         self._step_targets = max(step_targets, 1)
+        self._loss_scale = self.update.loss_scale.scale if self.update.loss_scale is not None else 1.0
         self._lm_sums = []
         for m in self.stage_modules:
             m.terms, m.routed = [], []
-            m.aux_scale = 1.0 / (self.accumulation * self.aux_ranks)
+            m.aux_scale = self._loss_scale / (self.accumulation * self.aux_ranks)
         cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731 (split back by the schedule)
         self.update.begin_micro_batch(last=False)  # the schedule's backwards accumulate locally
         with autocast:

@@ -141,3 +141,15 @@ def test_pp2_with_fsdp2_inside_each_stage_trains_like_one_process(tmp_path, shar
     assert "parallel world 4 = pipeline-parallel 2 (1f1b) x expert-parallel 1 x expert-data-parallel 2, sharded" \
         in run.stdout
     assert_same_curve(rows, reference)
+
+
+def test_pp2_fp16_follows_one_process(tmp_path):
+    """fp16 cast-on-use with dynamic loss scaling: the losses carry the scale through the schedule's
+    backwards (the last stage's loss and every stage's aux), the clip divides it out; the scale's
+    search (a skipped first step at 2**16 if it overflows) and the curve match one process's."""
+    args = (NO_CHECKPOINTS, "train.precision=fp16", "train.max_steps=4", "train.loss_scale_growth_interval=2")
+    reference = run(tmp_path / "w1", 1, *args)
+    rows = run(tmp_path / "pp2", 2, *args, "parallel.pipeline_parallel_size=2")
+    for a, b in zip(rows, reference, strict=True):
+        for key in ("loss", "grad_norm", "loss_scale"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), (a["step"], key, a[key], b[key])

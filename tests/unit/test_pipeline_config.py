@@ -60,7 +60,6 @@ def test_stages_need_a_pipeline():
     (["parallel.tensor_parallel_size=2"], "parallel.tensor_parallel_size=2"),
     (["memory.offload=optimizer"], "memory.offload=optimizer"),
     (["memory.offload=optimizer", "optim.delayed_update=true"], "memory.offload=optimizer"),
-    (["train.precision=fp16"], "train.precision=fp16"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
     (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
