@@ -115,8 +115,9 @@ class PipelineStep:
         cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731 (split back by the schedule)
         self.update.begin_micro_batch(last=False)  # the schedule's backwards accumulate locally
         with autocast:
+            # return_outputs=False: the last stage's hidden states are not merged into a whole-step copy
             self.schedule.step(cat("text_ids"), target=cat("labels"), images=cat("images"),
-                               has_image=cat("has_image"), segment_ids=cat("segment_ids"))
+                               has_image=cat("has_image"), segment_ids=cat("segment_ids"), return_outputs=False)
         on_compute_done()
         self._add_routed_counts()
         self.update.begin_micro_batch(last=True)
