@@ -1,11 +1,15 @@
-"""Pipeline bubble: each rank's measured idle share of a step under torch's 1F1B and interleaved
-1F1B schedules, as m6.train.pipeline_step drives them (the same classes, scale_grads=False), against
-the schedule's formula: (p-1)/(m+p-1) for 1F1B, (p-1)/(v*m+p-1) for interleaved with v stages per rank.
+"""Pipeline bubble: each rank's measured idle share of a step under torch's 1F1B, interleaved 1F1B
+and zero-bubble (ZBV) schedules, as m6.train.pipeline_step drives them (the same classes,
+scale_grads=False), against the schedule's formula: (p-1)/(m+p-1) for 1F1B, (p-1)/(v*m+p-1) for
+interleaved with v stages per rank; ZBV is shown measured only (its bubble vanishes in theory when
+forward, input-gradient and weight-gradient work take the same time, as here, and enough
+micro-batches fill the V).
 
-The stages do equal, known work: each micro-batch's forward holds its stage for ``forward_ms`` and
-its backward for ``2 x forward_ms`` (a sleep inside an autograd function, divided by v when a rank
-runs v stages), so the work does not compete for this machine's 2 cores and 4 ranks can run the
-pipeline p = 4. What is measured is the schedule's idle time, point-to-point messages included (a
+The stages do equal, known work: each micro-batch's forward holds its stage for ``forward_ms``, its
+backward for ``forward_ms`` on the input-gradient path and ``forward_ms`` on the weight-gradient
+path (sleeps inside autograd functions, divided by v when a rank runs v stages; 1F1B and
+interleaved run both paths in one backward, ZBV runs the weight path later), so the work does not
+compete for this machine's 2 cores and 4 ranks can run the pipeline p = 4. What is measured is the schedule's idle time, point-to-point messages included (a
 [1, 4] activation per micro-batch over gloo); not a model's compute.
 
 Idle share of rank r = 1 - busy_r / makespan: busy_r is the time rank r spent inside its stages'
@@ -36,14 +40,16 @@ from m6.train.pipeline_step import SCHEDULES
 
 class TimedWork(torch.autograd.Function):
     """x -> x (a copy), holding the stage ``forward_s`` in forward and ``backward_s`` in backward;
-    each hold's measured seconds go to ``busy``."""
+    each hold's measured seconds go to ``busy``. On the weight's path (``forward_s`` 0) its
+    backward is the weight-gradient work, which the zero-bubble schedule runs apart."""
 
     @staticmethod
     def forward(ctx, x, forward_s: float, backward_s: float, busy: list):
         ctx.backward_s, ctx.busy = backward_s, busy
-        t0 = time.monotonic()
-        time.sleep(forward_s)
-        busy.append(time.monotonic() - t0)
+        if forward_s:
+            t0 = time.monotonic()
+            time.sleep(forward_s)
+            busy.append(time.monotonic() - t0)
         return x.clone()
 
     @staticmethod
@@ -55,18 +61,24 @@ class TimedWork(torch.autograd.Function):
 
 
 class EqualStage(nn.Module):
-    """One stage of equal work (a scalar weight, so its output needs a gradient)."""
+    """One stage of equal work: the activation's path holds the forward and the input-gradient
+    work (behind a weight, so the first stage, whose input needs no gradient, still runs it, as a
+    real first stage's layers do), a second weight's path the weight-gradient work."""
 
     def __init__(self, forward_s: float, busy: list) -> None:
         super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
         self.weight = nn.Parameter(torch.ones(()))
         self.forward_s, self.busy = forward_s, busy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return TimedWork.apply(x * self.weight, self.forward_s, 2 * self.forward_s, self.busy)
+        h = TimedWork.apply(x * self.scale, self.forward_s, self.forward_s, self.busy)  # forward, input gradient
+        return h * TimedWork.apply(self.weight, 0.0, self.forward_s, self.busy)  # weight gradient
 
 
-def formula(schedule: str, p: int, m: int, v: int) -> float:
+def formula(schedule: str, p: int, m: int, v: int) -> float | None:
+    if schedule == "zero_bubble":
+        return None
     return (p - 1) / (m + p - 1) if schedule == "1f1b" else (p - 1) / (v * m + p - 1)
 
 
@@ -126,7 +138,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
     cases = [{"schedule": s, "p": p, "m": m, "v": 1 if s == "1f1b" else 2}
-             for p in (2, 4) for m in (4, 8) for s in ("1f1b", "interleaved")]
+             for p in (2, 4) for m in (4, 8) for s in ("1f1b", "interleaved", "zero_bubble")]
     world = max(c["p"] for c in cases)
     queue = mp.get_context("spawn").SimpleQueue()
     t0 = time.monotonic()
@@ -135,18 +147,23 @@ def main() -> None:
     results = queue.get()
     lines = [f"# Pipeline bubble: measured idle share per rank vs the schedule's formula ({machine_tag(torch.device('cpu'))})",
              "",
-             f"Stages of equal work: forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms per "
+             f"Stages of equal work: forward {args.forward_ms:g} ms, backward {2 * args.forward_ms:g} ms (half input "
+             f"gradient, half weight gradient) per "
              f"micro-batch per rank (a sleep, split over the v stages a rank runs), {args.rounds} rounds after 2 "
-             f"warm-up steps, median per rank; torch's Schedule1F1B / ScheduleInterleaved1F1B as "
+             f"warm-up steps, median per rank; torch's Schedule1F1B / ScheduleInterleaved1F1B / ScheduleZBVZeroBubble as "
              f"m6.train.pipeline_step builds them. Idle share = 1 - busy / makespan (see bench/pipeline_bubble.py). "
              f"Total wall {time.monotonic() - t0:.0f} s.",
              "",
              "| schedule | p | v | m | formula | idle share per rank | worst rank vs formula | step ms (formula's) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
+        shares = ', '.join(f'{s:.3f}' for s in r['idle_share_per_rank'])
+        if r["formula"] is None:
+            lines.append(f"| {r['schedule']} | {r['p']} | {r['v']} | {r['m']} | - | {shares} | - | "
+                         f"{r['makespan_ms']:.0f} |")
+            continue
         worst = max(r["idle_share_per_rank"], key=lambda s: abs(s - r["formula"]))
-        lines.append(f"| {r['schedule']} | {r['p']} | {r['v']} | {r['m']} | {r['formula']:.3f} | "
-                     f"{', '.join(f'{s:.3f}' for s in r['idle_share_per_rank'])} | "
+        lines.append(f"| {r['schedule']} | {r['p']} | {r['v']} | {r['m']} | {r['formula']:.3f} | {shares} | "
                      f"{(worst - r['formula']) / r['formula']:+.1%} | {r['makespan_ms']:.0f} ({r['ideal_makespan_ms']:.0f}) |")
     write_results(args.out, f"pipeline_bubble-{machine_tag(torch.device('cpu'))}",
                   {"cases": results, "forward_ms": args.forward_ms, "machine": machine_info(torch.device("cpu"))},
