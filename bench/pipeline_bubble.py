@@ -133,7 +133,7 @@ NOTE = ("The formula counts no time between operations; the measured step also h
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--forward-ms", type=float, default=40.0, help="each micro-batch's forward per rank (backward 2x)")
+    parser.add_argument("--forward-ms", type=float, default=100.0, help="each micro-batch's forward per rank (backward 2x)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
