@@ -125,10 +125,10 @@ def _rank(rank: int, world: int, port: int, cases: list[dict], forward_ms: float
 
 NOTE = ("The formula counts no time between operations; the measured step also holds each micro-batch's "
         "point-to-point messages (gloo, through this shared 2-core machine's loopback) and the schedule's own "
-        "Python work, 1-2 ms per operation here. That excess is the same in absolute terms whatever the "
-        "schedule, so it weighs most where the formula's bubble is smallest: interleaved (twice the messages, "
-        "each operation half the work) and more micro-batches. Stages of real work (tens of ms and more per "
-        "micro-batch on a GPU) shrink it in proportion.")
+        "Python work: under 1F1B the step exceeds the formula's by 1.5-3 ms per forward or backward here. "
+        "Interleaved exceeds its formula more (twice the messages per micro-batch, each operation half the "
+        "work; the rest of its excess is not broken down here). Stages of more work per micro-batch shrink "
+        "the excess in proportion. Zero bubble has no formula here; its measured idle share is the lowest.")
 
 
 def main() -> None:
