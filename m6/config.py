@@ -645,9 +645,20 @@ class ParallelConfig:
     # With tensor parallel: the residual stream between split regions cut along the sequence
     # over the tp group (norms and residual adds at 1/tp per rank; m6.parallel.sequence_parallel).
     sequence_parallel: bool = False
+    # Pipeline parallel (m6.parallel.pipeline): the block stack cut into stages over this many ranks
+    # (the outermost mesh dim); data and expert parallelism run inside each stage.
+    pipeline_parallel_size: int = 1
+    # The first block of each stage, in stage order (pipeline_parallel_size x stages per rank of
+    # them, starting at 0); null = as even a cut as the blocks allow.
+    pipeline_stages: Optional[list[int]] = None
+    pipeline_schedule: Literal["1f1b", "interleaved", "zero_bubble"] = "1f1b"
+    # Stages each pipeline rank runs: 1f1b 1; interleaved >= 2 (default 2); zero_bubble exactly 2
+    # (torch's V-shaped ScheduleZBVZeroBubble). null = the schedule's default.
+    pipeline_stages_per_rank: Optional[int] = None
 
     def validate(self) -> None:
         """Check the parallel keys on their own (the world size is known only at start-up)."""
+        check_pipeline_keys(self)
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
             raise ConfigError(f"parallel.tensor_parallel_size must be a positive integer, got "
                               f"{self.tensor_parallel_size!r}")
@@ -728,6 +739,7 @@ def _check_cross_section(cfg: Config) -> None:
     check_zero_offload(cfg)
     check_shard_offload(cfg)
     check_tensor_parallel(cfg)
+    check_pipeline(cfg)
     check_delayed_update(cfg)
     check_weight_copy(cfg)
     if cfg.parallel.shard != "none" and m.share_layers > 1:
@@ -783,6 +795,82 @@ def check_tensor_parallel(cfg: Config) -> None:
         if hit:
             raise ConfigError(f"{key} with {what}: not built together yet (docs/parallelism.md, Tensor parallel); "
                               f"use parallel.tensor_parallel_size=1 or change {what.split('=')[0]}")
+
+
+def pipeline_stages_per_rank(parallel: ParallelConfig) -> int:
+    """The stages each pipeline rank runs: parallel.pipeline_stages_per_rank, or the schedule's
+    default (1 for 1f1b, 2 for interleaved and zero_bubble)."""
+    if parallel.pipeline_stages_per_rank is not None:
+        return parallel.pipeline_stages_per_rank
+    return 1 if parallel.pipeline_schedule == "1f1b" else 2
+
+
+def check_pipeline_keys(parallel: ParallelConfig) -> None:
+    """The pipeline keys on their own: sizes, the schedule's stages per rank, the boundaries' order."""
+    pp = parallel.pipeline_parallel_size
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp <= 0:
+        raise ConfigError(f"parallel.pipeline_parallel_size must be a positive integer, got {pp!r}")
+    v, schedule = pipeline_stages_per_rank(parallel), parallel.pipeline_schedule
+    if not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"parallel.pipeline_stages_per_rank must be a positive integer, got {v!r}")
+    if schedule == "1f1b" and v != 1:
+        raise ConfigError(f"parallel.pipeline_schedule=1f1b runs one stage per rank, got "
+                          f"parallel.pipeline_stages_per_rank={v}: use interleaved for several")
+    if schedule == "interleaved" and v < 2:
+        raise ConfigError(f"parallel.pipeline_schedule=interleaved needs parallel.pipeline_stages_per_rank >= 2, got {v}")
+    if schedule == "zero_bubble" and v != 2:
+        raise ConfigError(f"parallel.pipeline_schedule=zero_bubble (torch's ScheduleZBVZeroBubble) runs exactly 2 "
+                          f"stages per rank, got parallel.pipeline_stages_per_rank={v}")
+    stages = parallel.pipeline_stages
+    if stages is None:
+        return
+    if pp == 1:
+        raise ConfigError(f"parallel.pipeline_stages={stages} needs parallel.pipeline_parallel_size > 1")
+    if len(stages) != pp * v:
+        raise ConfigError(f"parallel.pipeline_stages={stages}: one first block per stage, "
+                          f"parallel.pipeline_parallel_size ({pp}) x stages per rank ({v}) = {pp * v} of them")
+    if stages[0] != 0 or any(b <= a for a, b in zip(stages, stages[1:])):
+        raise ConfigError(f"parallel.pipeline_stages={stages} must start at block 0 and increase strictly (each "
+                          f"stage's first block)")
+
+
+def check_pipeline(cfg: Config) -> None:
+    """parallel.pipeline_parallel_size > 1: enough blocks for the stages, boundaries in range, and
+    the features not built with pipelining yet refused by name (the world size is checked at
+    start-up, in m6.parallel.layout; the micro-batch count in m6.parallel.pipeline)."""
+    p, m = cfg.parallel, cfg.model
+    pp = p.pipeline_parallel_size
+    if pp == 1:
+        return
+    key, num_stages = f"parallel.pipeline_parallel_size={pp}", pp * pipeline_stages_per_rank(p)
+    if m.num_layers < num_stages:
+        raise ConfigError(f"{key} with {num_stages // pp} stage(s) per rank needs model.num_layers >= {num_stages} "
+                          f"(one block per stage at least), got {m.num_layers}")
+    if p.pipeline_stages is not None and p.pipeline_stages[-1] >= m.num_layers:
+        raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages}: every stage's first block must be below "
+                          f"model.num_layers ({m.num_layers})")
+    refused = [
+        (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}"),
+        (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
+        (cfg.optim.delayed_update, "optim.delayed_update=true"),
+        (p.balance != "even", f"parallel.balance={p.balance}"),
+        (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
+        (cfg.memory.activation_checkpointing != "none",
+         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
+        (bool(cfg.train.compile), f"train.compile={cfg.train.compile}"),
+        (cfg.train.weight_copy != "per_use", f"train.weight_copy={cfg.train.weight_copy}"),
+        (bool(cfg.train.delink_at_step), f"train.delink_at_step={cfg.train.delink_at_step}"),
+        (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),
+    ]
+    if p.pipeline_schedule == "zero_bubble" and cfg.data.eval_samples > 0:
+        # torch's ScheduleZBVZeroBubble runs backward actions in its forward-only eval (torch 2.13)
+        raise ConfigError(f"parallel.pipeline_schedule=zero_bubble with data.eval_samples={cfg.data.eval_samples}: "
+                          f"the caption eval does not run on torch's zero-bubble schedule yet; use "
+                          f"data.eval_samples=0 or parallel.pipeline_schedule=1f1b or interleaved")
+    for hit, what in refused:
+        if hit:
+            raise ConfigError(f"{key} with {what}: not built together yet (docs/parallelism.md, Pipeline parallel); "
+                              f"use parallel.pipeline_parallel_size=1 or change {what.split('=')[0]}")
 
 
 def check_shard_offload(cfg: Config) -> None:

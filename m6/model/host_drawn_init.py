@@ -30,26 +30,31 @@ def _fills_in_place(func) -> bool:
 class HostDrawnInit(TorchFunctionMode):
     """Inside it, ``tensor.normal_`` / ``tensor.uniform_`` and the ``nn.init`` fills on a tensor that
     ``redirect`` picks (default: any tensor off the CPU) fill a host tensor of the same shape and
-    dtype and copy it in."""
+    dtype and copy it in. A ``meta`` tensor holds no values and draws nothing, unless ``draw_meta``:
+    then a host tensor of its shape is drawn and dropped, so the generator advances as if it were
+    filled (a pipeline stage's model, whose other stages' weights stay on meta)."""
 
-    def __init__(self, redirect: Callable[[torch.Tensor], bool] = lambda t: t.device.type != "cpu") -> None:
+    def __init__(self, redirect: Callable[[torch.Tensor], bool] = lambda t: t.device.type != "cpu",
+                 draw_meta: bool = False) -> None:
         super().__init__()
         self.redirect = redirect
+        self.draw_meta = draw_meta
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _fills_in_place(func):
             # nn.init passes its tensor by keyword (torch.overrides.handle_torch_function), Tensor methods by position.
             target = args[0] if args else kwargs.get("tensor")
-            if isinstance(target, torch.Tensor) and target.device.type == "meta":
+            if isinstance(target, torch.Tensor) and target.device.type == "meta" and not self.draw_meta:
                 return target  # holds no values: nothing to draw (the planner sizes giant models on meta)
-            if isinstance(target, torch.Tensor) and self.redirect(target):
+            if isinstance(target, torch.Tensor) and (target.device.type == "meta" or self.redirect(target)):
                 host = torch.empty(target.shape, dtype=target.dtype)
                 with torch.no_grad():
                     if args:
                         func(host, *args[1:], **kwargs)
                     else:
                         func(**{**kwargs, "tensor": host})
-                    target.copy_(host)
+                    if target.device.type != "meta":
+                        target.copy_(host)
                 return target
         return func(*args, **kwargs)

@@ -65,6 +65,9 @@ class M6Model(nn.Module):
     """Prefix-LM multimodal transformer with MoE FFNs; loss is computed on target text only."""
 
     cast_on_use: bool = False  # the LM head's weight (m6.model.cast_on_use.set_cast_on_use)
+    # Pipeline parallel: state-dict names of the parts other ranks' stages hold (m6.parallel.pipeline)
+    other_stages_state: frozenset = frozenset()
+    tied_embedding_copy: bool = False  # ... and whether its text_embed.tokens is the tied head's copy
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -100,14 +103,19 @@ class M6Model(nn.Module):
             if mlp is not None:
                 nn.init.normal_(mlp.fc_out.weight, std=std / math.sqrt(2 * self.cfg.num_layers))
 
-    def materialize(self, device: torch.device, seed: int) -> None:
+    def materialize(self, device: torch.device, seed: int, partial: bool = False) -> None:
         """Allocate a model built on ``meta`` on ``device`` and initialise it from ``seed``.
 
         Every submodule re-runs its own reset_parameters in module order, then the model-level
         init; experts draw from their own (layer seed, global id) generators. So the values do not
         depend on which experts this process holds, nor on ``device`` (every draw is the host's).
+
+        ``partial``: the caller has allocated the modules it keeps (a pipeline stage's) and the
+        rest stays on ``meta``; their random fills are drawn on the host and dropped, so the
+        generator advances as for the whole model and the kept weights equal the whole model's.
         """
-        self.to_empty(device=device)
+        if not partial:
+            self.to_empty(device=device)
         for index, layer in enumerate(self.moe_layers().values()):
             layer.experts.init_seed = seed * 100_003 + index  # per layer, from the run seed alone
         torch.manual_seed(seed)
@@ -115,9 +123,9 @@ class M6Model(nn.Module):
         # device and offload setting (m6.model.host_drawn_init). Experts draw on the host already.
         for module in self.modules():
             if module is not self and hasattr(module, "reset_parameters"):
-                with nullcontext() if getattr(module, "draws_on_host", False) else HostDrawnInit():
+                with nullcontext() if getattr(module, "draws_on_host", False) else HostDrawnInit(draw_meta=partial):
                     module.reset_parameters()
-        with HostDrawnInit():
+        with HostDrawnInit(draw_meta=partial):
             self.reset_parameters()
 
     def recomputable_parts(self) -> list[RecomputablePart]:
@@ -143,17 +151,29 @@ class M6Model(nn.Module):
     def forward(self, images_BCHW: torch.Tensor, has_image_B: torch.Tensor, text_ids_BL: torch.Tensor,
                 segment_ids_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Hidden states of the text positions [B, L, D] and the summed MoE auxiliary loss."""
+        x = self.embed(images_BCHW, text_ids_BL)
+        N = x.shape[1] - text_ids_BL.shape[1]
+        mask, real_BS, rotary = self.block_context(has_image_B, segment_ids_BL, N, x.device)
+        x, aux_total = self._run_blocks(x, mask, real_BS, rotary)
+        return self.final_norm(x[:, N:]), aux_total
+
+    def embed(self, images_BCHW: torch.Tensor, text_ids_BL: torch.Tensor) -> torch.Tensor:
+        """The block stack's input [B, S, D]: image patch tokens, then text tokens, each with its
+        modality embedding (the first pipeline stage's part)."""
         image_BND = self.patch_embed(images_BCHW) + self.modality.weight[IMAGE]
         text_BLD = self.text_embed(text_ids_BL) + self.modality.weight[TEXT]
-        N = image_BND.shape[1]
+        return self.embed_dropout(torch.cat([image_BND, text_BLD], dim=1))
+
+    def block_context(self, has_image_B: torch.Tensor, segment_ids_BL: torch.Tensor, num_patches: int,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Rotary]:
+        """What every block reads besides the residual stream: the prefix-LM mask [B, 1, S, S], the
+        real (non-padding) tokens [B, S] and the rotary (cos, sin); from the batch alone, so each
+        pipeline stage rebuilds it instead of receiving it."""
+        N = num_patches
         # Image patches are prefix; a sample without an image has its patch slots masked as padding.
         image_seg_BN = torch.where(has_image_B, SEG_SOURCE, SEG_PAD).unsqueeze(1).expand(-1, N)
         segments_BS = torch.cat([image_seg_BN, segment_ids_BL], dim=1)
-        mask = prefix_lm_mask(segments_BS)
-        real_BS = segments_BS != SEG_PAD
-        x = self.embed_dropout(torch.cat([image_BND, text_BLD], dim=1))
-        x, aux_total = self._run_blocks(x, mask, real_BS, self.rotary(N, text_ids_BL.shape[1], x.device))
-        return self.final_norm(x[:, N:]), aux_total
+        return prefix_lm_mask(segments_BS), segments_BS != SEG_PAD, self.rotary(N, segment_ids_BL.shape[1], device)
 
     def _run_blocks(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor, real_BS: torch.Tensor,
                     rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,7 +193,7 @@ class M6Model(nn.Module):
             return None
         dh, half = head_dim(cfg), head_dim(cfg) // 2
         if cfg.image_positions == "rope" and num_patches:
-            image = grid_angles(self.patch_embed.grid, dh, cfg.rope_theta, device)
+            image = grid_angles(cfg.image_size // cfg.patch_size, dh, cfg.rope_theta, device)
         else:
             image = torch.zeros(num_patches, half, device=device)
         if cfg.positions == "rope":

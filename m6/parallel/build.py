@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from m6.config import Config
+from m6.config import Config, pipeline_stages_per_rank
 from m6.model import M6Model
 from m6.parallel.compile import compile_blocks
 from m6.parallel.fsdp import apply_sharding
 from m6.parallel.launch import DistEnv
 from m6.parallel.layout import LayoutError, build_layout, create_process_groups
 from m6.parallel.node_groups import check_node_aware_dispatch, check_node_groups
+from m6.parallel.pipeline import materialize_stages, rank_stage_indices, stage_first_blocks
 from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, shard_model
 from m6.parallel.sequence_parallel import apply_sequence_parallel
 from m6.parallel.tensor_parallel import apply_tensor_parallel
@@ -30,6 +31,8 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     With parallel.shard optimizer or full the materialised model is then cut into FSDP2 units
     (m6.parallel.fsdp) whose parameters are gathered in ``param_dtype`` (None: as stored).
     With train.compile=blocks each block's dense parts are compiled first (m6.parallel.compile).
+    With parallel.pipeline_parallel_size > 1 the rank keeps its pipeline stages' modules only
+    (m6.parallel.pipeline; ``ShardedModel.stages`` holds one module per stage it runs).
     """
     m = cfg.model
     with torch.device("meta"):
@@ -39,7 +42,8 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     weights = cfg.parallel.balance if isinstance(cfg.parallel.balance, list) else None
     layout = build_layout(env.world_size, env.rank, cfg.parallel.expert_parallel_size, m.moe.num_experts,
                           env.local_world_size, rank_weights=weights,
-                          tensor_parallel_size=cfg.parallel.tensor_parallel_size)
+                          tensor_parallel_size=cfg.parallel.tensor_parallel_size,
+                          pipeline_parallel_size=cfg.parallel.pipeline_parallel_size)
     check_node_groups(layout, m.moe.node_groups, m.moe.max_nodes_per_token)  # before any collective
     check_node_aware_dispatch(layout, m.moe.a2a_dispatch)
     if layout.uneven_experts and cfg.parallel.shard != "none":
@@ -52,11 +56,22 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
                           f"{layout.expert_parallel_size}): the chunked exchange needs the same experts on every "
                           f"rank; use model.moe.a2a_overlap_degree=1, model.moe.a2a_dispatch=node_aware or "
                           f"parallel.balance=even")
-    groups = create_process_groups(layout, cfg.parallel.timeout_s, node_aware=m.moe.a2a_dispatch == "node_aware")
+    p = cfg.parallel
+    # Tied head at pipeline parallel: the pipeline position of the last stage (V order: the first rank's).
+    tied_last_stage = None if layout.pipeline_parallel_size == 1 or not m.tie_embeddings else (
+        0 if p.pipeline_schedule == "zero_bubble" else layout.pipeline_parallel_size - 1)
+    groups = create_process_groups(layout, p.timeout_s, node_aware=m.moe.a2a_dispatch == "node_aware",
+                                   tied_last_stage=tied_last_stage)
     plan = default_plan(model)
     a2a_dtype = torch.bfloat16 if m.moe.a2a_dtype == "bf16" else None
     shard_model(model, plan, groups, a2a_dtype, m.moe.aux_loss_scope, m.moe.a2a_overlap_degree, m.moe.a2a_dispatch)
-    model.materialize(init_device or device, cfg.run.seed)
+    stages = []
+    if layout.pipeline_parallel_size > 1:  # this rank's stages only, each weight as the whole model draws it
+        stages = materialize_stages(model, rank_stage_indices(layout.pp_rank, p.pipeline_parallel_size,
+                                                              pipeline_stages_per_rank(p), p.pipeline_schedule),
+                                    stage_first_blocks(p, m.num_layers), init_device or device, cfg.run.seed)
+    else:
+        model.materialize(init_device or device, cfg.run.seed)
     # Tensor parallel: whole weights first (the same on every rank, from the seed), then each tp
     # rank keeps its heads' and FFN columns' share (m6.parallel.tensor_parallel).
     sequence = SequenceShape() if cfg.parallel.sequence_parallel and layout.tensor_parallel_size > 1 else None
@@ -69,6 +84,7 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
         compile_blocks(model)
     sharded = classify_parameters(model, plan, groups)
     sharded.tensor_split = tp.split
+    sharded.stages = stages
     if cfg.parallel.shard != "none":
         apply_sharding(sharded, cfg.parallel.shard, param_dtype, offload=cfg.memory.offload != "none")
     return sharded

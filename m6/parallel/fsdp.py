@@ -71,7 +71,8 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
     # copies need an accelerator); the host optimizer still steps them (m6.train.update).
     placement = CPUOffloadPolicy(pin_memory=True) if offload and groups.mesh.device_type == "cuda" else OffloadPolicy()
     expert_ids = {id(p) for p in sharded.expert_params.values()}
-    shard_units(model, expert_ids, dense_mesh(groups.mesh), groups.mesh["edp"], mode == "full", policy, placement)
+    shard_units(model, expert_ids, dense_mesh(groups.mesh), groups.mesh["edp"], mode == "full", policy, placement,
+                roots=sharded.stages or None)
     unmanaged = [n for n, p in model.named_parameters() if p.requires_grad and not isinstance(p, DTensor)]
     assert not unmanaged, f"parameters outside every FSDP unit: {unmanaged[:3]}"
     # The ShardedModel's maps name the sharded DTensor parameters from now on.
@@ -97,11 +98,15 @@ def reduce_unused_params(unit: FSDPModule) -> None:
 
 
 def shard_units(model: nn.Module, expert_ids: set[int], dense: DeviceMesh, experts: DeviceMesh, reshard: bool,
-                policy: MixedPrecisionPolicy | None = None, placement: OffloadPolicy | None = None) -> list[nn.Module]:
+                policy: MixedPrecisionPolicy | None = None, placement: OffloadPolicy | None = None,
+                roots: list[nn.Module] | None = None) -> list[nn.Module]:
     """``fully_shard`` m6's units of ``model`` in place (each MoE layer's experts over ``experts``,
     each block and the root over ``dense``), with m6's reduction settings; returns the units.
     Shared by the run (apply_sharding) and the planner's CPU profile (m6.plan.timing), which wraps
-    the profiled rank in the same units over a one-rank mesh to time FSDP2's own host work."""
+    the profiled rank in the same units over a one-rank mesh to time FSDP2's own host work.
+    ``roots``: at pipeline parallel, this rank's stage modules (m6.parallel.pipeline), each the
+    root unit of its stage (its embeddings, final norm, head), in place of the model; the blocks
+    other stages own (no parameters) are no units."""
     policy, placement = policy or MixedPrecisionPolicy(), placement or OffloadPolicy()
     units: list[nn.Module] = []
     # Experts first (innermost): an enclosing unit leaves parameters an inner unit manages alone.
@@ -111,12 +116,15 @@ def shard_units(model: nn.Module, expert_ids: set[int], dense: DeviceMesh, exper
             fully_shard(module, mesh=experts, reshard_after_forward=reshard, mp_policy=policy, offload_policy=placement)
             units.append(module)
     for block in model.blocks:
+        if not any(True for _ in block.parameters()):
+            continue
         fully_shard(block, mesh=dense, reshard_after_forward=reshard, mp_policy=policy, offload_policy=placement)
         units.append(block)
     # The root's parameters are used first in forward and last in backward: freeing them after the
     # forward would only gather them again at once, so the root never reshards early.
-    fully_shard(model, mesh=dense, reshard_after_forward=False, mp_policy=policy, offload_policy=placement)
-    units.append(model)
+    for root in roots or [model]:
+        fully_shard(root, mesh=dense, reshard_after_forward=False, mp_policy=policy, offload_policy=placement)
+        units.append(root)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         # A plain SUM (factor 1 would otherwise be a PREMUL_SUM, which gloo lacks; a no-op scale on NCCL).
@@ -131,8 +139,11 @@ class ShardedGradientSync:
     group for expert units). The micro-batches before the step's last accumulate unsharded
     gradients locally (``enabled = False``: no communication), as with m6's bucketed sync."""
 
-    def __init__(self, model: nn.Module) -> None:
-        assert isinstance(model, FSDPModule), "ShardedGradientSync needs a model wrapped by apply_sharding"
+    def __init__(self, model: nn.Module, roots: list[nn.Module] | None = None) -> None:
+        """``roots``: the root units when the model is not one (a pipeline rank's stage modules,
+        whose PipelineStage also turns their sync on for the schedule's last backward)."""
+        self.roots = roots or [model]
+        assert all(isinstance(r, FSDPModule) for r in self.roots), "ShardedGradientSync needs units from apply_sharding"
         self.model = model
         self._enabled = True
 
@@ -143,7 +154,8 @@ class ShardedGradientSync:
     @enabled.setter
     def enabled(self, value: bool) -> None:
         if value != self._enabled:
-            self.model.set_requires_gradient_sync(value)  # every unit under the root
+            for root in self.roots:
+                root.set_requires_gradient_sync(value)  # every unit under the root
             self._enabled = value
 
     def prepare(self, loss: torch.Tensor) -> None:
@@ -176,7 +188,7 @@ def shard_rows(t: DTensor) -> tuple[int, int]:
 
 
 def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, device: torch.device,
-                           grad_scale: float = 1.0) -> float:
+                           grad_scale: float = 1.0, uncounted: list[nn.Parameter] = ()) -> float:
     """Clip the gradients of a model in FSDP2 units to the norm of the GLOBAL gradient; returns it.
 
     Every gradient is a DTensor shard: dense ones of the whole tensor over all ranks, expert ones
@@ -190,9 +202,11 @@ def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, d
     clip's one multiply and the returned norm is the unscaled one (as m6.parallel.grad_sync's
     clip_grad_norm). The sum over all ranks is also the overflow check: an inf/nan in any rank's
     shard makes the norm non-finite on every rank, so every rank skips the step together, and a
-    non-finite norm leaves the gradients as they are.
+    non-finite norm leaves the gradients as they are. ``uncounted``: clipped, not in the norm (the
+    tied token embedding's copy on a pipeline's last stage: its first stage counts it).
     """
     grads = [local_part(p.grad) for p in params if p.grad is not None]
+    copies = [local_part(p.grad) for p in uncounted if p.grad is not None]
     total_sq = sum_sq_of(grads)
     if group is not None and dist.get_world_size(group) > 1:
         total_sq = total_sq.to(device)
@@ -201,6 +215,6 @@ def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, d
     if math.isfinite(total):  # a non-finite norm skips the step: the gradients are dropped unscaled
         coef = clip_coefficient(total, max_norm) / grad_scale
         if coef != 1.0:
-            for g in grads:
+            for g in grads + copies:
                 g.mul_(coef)
     return total

@@ -188,7 +188,7 @@ class GradientSync:
         the same sequence on every rank, the same shapes on the ranks holding the same experts (rank
         r and the first rank of its expert-data-parallel group, r % EP)."""
         mine = [(b.order_signature(), b.signature()) for b in self.buckets]
-        world = self.sharded.groups.world
+        world = self.sharded.groups.data  # the ranks holding the same parameters (a pipeline stage's at pp > 1)
         everyone: list = [None] * dist.get_world_size(world)
         dist.all_gather_object(everyone, mine, group=world)
         ep = self.sharded.groups.layout.expert_parallel_size
@@ -223,7 +223,7 @@ class GradientSync:
         self._device = loss.device
         counts = torch.tensor([id(p) in reached for b in self.buckets for p in b.params],
                               dtype=torch.int32, device=loss.device)
-        world = self.sharded.groups.world
+        world = self.sharded.groups.data
         dist.all_reduce(counts, group=world)  # per param: how many ranks' graphs reach it
         size = dist.get_world_size(world)
         self._may_wait = bool(((counts == 0) | (counts == size)).all())
@@ -333,7 +333,8 @@ def sum_sq_of(grads: list[torch.Tensor], factors: list[float] | None = None) -> 
 
 def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], max_norm: float,
                    expert_group=None, device: torch.device | None = None, grad_scale: float = 1.0,
-                   split: list[nn.Parameter] = (), tensor_group=None) -> float:
+                   split: list[nn.Parameter] = (), tensor_group=None, pipeline_group=None,
+                   uncounted: list[nn.Parameter] = ()) -> float:
     """Clip to the norm of the GLOBAL gradient, counting every expert once; returns that norm.
 
     Replicated grads are identical on all ranks after sync (counted from this rank); expert grads
@@ -348,14 +349,18 @@ def clip_grad_norm(replicated: list[nn.Parameter], experts: list[nn.Parameter], 
 
     ``split``: tensor-parallel shards (m6.parallel.tensor_parallel), summed over ``tensor_group``;
     ``replicated`` then holds the rest (whole on every rank of the tensor-parallel group).
+    ``pipeline_group``: this rank's pipeline; each stage's squares are summed over it.
+    ``uncounted``: clipped like the rest but not in the norm (a copy another rank counts: the tied
+    token embedding's on a pipeline's last stage).
     """
     split = list(split)
     total = global_grad_norm(_grads(replicated), _grads(experts), expert_group, device,
-                             split_grads=_grads(split), tensor_group=tensor_group) / grad_scale
+                             split_grads=_grads(split), tensor_group=tensor_group,
+                             pipeline_group=pipeline_group) / grad_scale
     if math.isfinite(total):  # else not even unscaled: the step is skipped or refused
         coef = clip_coefficient(total, max_norm)
         if coef < 1.0 or grad_scale != 1.0:
-            for p in replicated + experts + split:
+            for p in replicated + experts + split + list(uncounted):
                 if p.grad is not None:
                     p.grad.detach().mul_(coef / grad_scale)
     return total
@@ -368,16 +373,21 @@ def _grads(params: list[nn.Parameter]) -> list[torch.Tensor]:
 def global_grad_norm(replicated_grads: list[torch.Tensor], expert_grads: list[torch.Tensor], expert_group=None,
                      device: torch.device | None = None, replicated_factors: list[float] | None = None,
                      expert_factors: list[float] | None = None, split_grads: list[torch.Tensor] = (),
-                     tensor_group=None) -> float:
+                     tensor_group=None, pipeline_group=None) -> float:
     """The global gradient's norm from these gradient tensors (any float dtype, summed in float64;
     each times its factor where ``*_factors`` are given), counting every expert once (see
     clip_grad_norm) and every tensor-parallel shard once (``split_grads``, this rank's shards,
-    summed over ``tensor_group``)."""
+    summed over ``tensor_group``); at pipeline parallel every stage's squares, summed over
+    ``pipeline_group`` (a stage's ranks hold only its parameters)."""
     sq_rep = sum_sq_of(replicated_grads, replicated_factors)
     sq_exp = _group_sum_sq(expert_grads, expert_group, device, expert_factors).to(sq_rep.device)
     if split_grads or tensor_group is not None:
         sq_rep = sq_rep + _group_sum_sq(list(split_grads), tensor_group, device).to(sq_rep.device)
-    return float((sq_rep + sq_exp).sqrt())
+    total = sq_rep + sq_exp
+    if pipeline_group is not None and dist.get_world_size(pipeline_group) > 1:
+        total = total.to(device or total.device)
+        dist.all_reduce(total, group=pipeline_group)
+    return float(total.sqrt())
 
 
 def _group_sum_sq(grads: list[torch.Tensor], group, device: torch.device | None,

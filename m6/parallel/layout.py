@@ -13,6 +13,13 @@ consecutive ranks (inside a node whenever tp divides the processes per node). Ev
 then runs over the ranks of one tp coordinate: the data-parallel group (``data``) is the world /
 tp ranks with this rank's tp coordinate, EP and EDP groups are taken among them. At tp = 1 the
 mesh, the groups and every rank's coordinates are the ones above.
+
+Pipeline parallel (parallel.pipeline_parallel_size = pp > 1) adds the outermost mesh dim, as
+torchtitan and Megatron do: the mesh is ("pp", "edp", "ep") over arange(world).view(pp, edp, ep),
+so pipeline stage s runs on ranks [s*world/pp, (s+1)*world/pp) and a pipeline (one rank of each
+stage, the point-to-point sends) is the ranks of one (edp, ep) coordinate. Data and expert
+parallelism run inside each stage: the data-parallel group (``data``) is the stage's ranks, the
+EP and EDP groups are taken among them. (pp composes with tp = 1 only: config.check_pipeline.)
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class ParallelLayout:
     # Experts held by each EP rank, contiguous in EP rank order (m6.parallel.expert_ranges); empty = even.
     expert_counts: tuple[int, ...] = field(default=())
     tensor_parallel_size: int = 1  # the innermost mesh dim (see the module docstring)
+    pipeline_parallel_size: int = 1  # the outermost mesh dim (see the module docstring)
 
     def __post_init__(self) -> None:
         if not self.expert_counts:
@@ -56,14 +64,24 @@ class ParallelLayout:
         return self.rank % self.tensor_parallel_size
 
     @property
+    def stage_size(self) -> int:
+        """Ranks of one pipeline stage (the world at pipeline-parallel size 1)."""
+        return self.world_size // self.pipeline_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline position (0 at pipeline-parallel size 1)."""
+        return self.rank // self.stage_size
+
+    @property
     def data_parallel_size(self) -> int:
-        """Ranks that see different batches: the world over the tensor-parallel size."""
-        return self.world_size // self.tensor_parallel_size
+        """Ranks that see different batches: the world over the tensor- and pipeline-parallel sizes."""
+        return self.stage_size // self.tensor_parallel_size
 
     @property
     def dp_rank(self) -> int:
         """This rank's place among the data-parallel ranks (its batch shard)."""
-        return self.rank // self.tensor_parallel_size
+        return self.rank % self.stage_size // self.tensor_parallel_size
 
     @property
     def ep_rank(self) -> int:
@@ -96,43 +114,61 @@ class ParallelLayout:
     def expert_ranges_by_rank(self) -> list[str]:
         """The experts every rank of the job holds, in rank order, as text (``0-4``; the banner's)."""
         ranges = describe_ranges(list(self.expert_counts))
-        return [ranges[(r // self.tensor_parallel_size) % self.expert_parallel_size] for r in range(self.world_size)]
+        return [ranges[(r % self.stage_size // self.tensor_parallel_size) % self.expert_parallel_size]
+                for r in range(self.world_size)]
 
     @property
     def node(self) -> int:
         return self.rank // self.local_world_size
 
     def ep_group_ranks(self) -> list[list[int]]:
-        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
-        return [[(g * ep + e) * tp + t for e in range(ep)] for g in range(self.expert_data_parallel_size)
-                for t in range(tp)]
+        ep, tp, n = self.expert_parallel_size, self.tensor_parallel_size, self.stage_size
+        return [[s * n + (g * ep + e) * tp + t for e in range(ep)] for s in range(self.pipeline_parallel_size)
+                for g in range(self.expert_data_parallel_size) for t in range(tp)]
 
     def edp_group_ranks(self) -> list[list[int]]:
-        ep, tp = self.expert_parallel_size, self.tensor_parallel_size
-        return [[(g * ep + e) * tp + t for g in range(self.expert_data_parallel_size)] for e in range(ep)
-                for t in range(tp)]
+        ep, tp, n = self.expert_parallel_size, self.tensor_parallel_size, self.stage_size
+        return [[s * n + (g * ep + e) * tp + t for g in range(self.expert_data_parallel_size)]
+                for s in range(self.pipeline_parallel_size) for e in range(ep) for t in range(tp)]
 
     def tp_group_ranks(self) -> list[list[int]]:
         tp = self.tensor_parallel_size
-        return [list(range(d * tp, (d + 1) * tp)) for d in range(self.data_parallel_size)]
+        return [list(range(d * tp, (d + 1) * tp)) for d in range(self.world_size // tp)]
 
     def data_group_ranks(self) -> list[list[int]]:
-        """The data-parallel groups: the ranks of each tp coordinate (all ranks at tp = 1)."""
-        tp = self.tensor_parallel_size
-        return [list(range(t, self.world_size, tp)) for t in range(tp)]
+        """The data-parallel groups: the ranks of each (stage, tp coordinate) (all ranks at tp = pp = 1)."""
+        tp, n = self.tensor_parallel_size, self.stage_size
+        return [list(range(s * n + t, (s + 1) * n, tp)) for s in range(self.pipeline_parallel_size)
+                for t in range(tp)]
+
+    def embedding_group_ranks(self, last_stage_pp_rank: int) -> list[list[int]]:
+        """Per pipeline, its first stage's rank and the rank of its last stage (pipeline position
+        ``last_stage_pp_rank``): the ranks holding the tied token embedding."""
+        return [[p[0], p[last_stage_pp_rank]] for p in self.pp_group_ranks()]
+
+    def pp_group_ranks(self) -> list[list[int]]:
+        """The pipelines: one rank of each stage, at the same place inside its stage."""
+        n = self.stage_size
+        return [list(range(i, self.world_size, n)) for i in range(n)]
 
     def my_ep_group(self) -> list[int]:
         """The ranks of this rank's expert-parallel group, in EP rank order."""
         return next(g for g in self.ep_group_ranks() if self.rank in g)
 
 
-def data_parallel_coordinates(world_size: int, rank: int, tensor_parallel_size: int) -> tuple[int, int]:
+def data_parallel_coordinates(world_size: int, rank: int, tensor_parallel_size: int,
+                              pipeline_parallel_size: int = 1) -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel size): the batch shard it reads. The
-    ranks of one tensor-parallel group (tp consecutive ranks) read the same shard."""
-    tp = tensor_parallel_size
-    if not isinstance(tp, int) or tp <= 0 or world_size % tp:
+    ranks of one tensor-parallel group (tp consecutive ranks) read the same shard, and so do the
+    ranks of one pipeline (every stage needs the micro-batches: the first embeds them, the last
+    scores their labels)."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if not isinstance(pp, int) or pp <= 0 or world_size % pp:
+        raise LayoutError(f"parallel.pipeline_parallel_size ({pp}) must divide the number of processes ({world_size})")
+    stage = world_size // pp
+    if not isinstance(tp, int) or tp <= 0 or stage % tp:
         raise LayoutError(f"parallel.tensor_parallel_size ({tp}) must divide the number of processes ({world_size})")
-    return rank // tp, world_size // tp
+    return rank % stage // tp, stage // tp
 
 
 def resolve_expert_parallel_size(setting: Union[int, str], world_size: int, num_experts: int) -> int:
@@ -146,7 +182,8 @@ def resolve_expert_parallel_size(setting: Union[int, str], world_size: int, num_
 
 def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
                  local_world_size: Optional[int] = None,
-                 rank_weights: Optional[list[float]] = None, tensor_parallel_size: int = 1) -> ParallelLayout:
+                 rank_weights: Optional[list[float]] = None, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1) -> ParallelLayout:
     """Validate the degrees and return this rank's layout (pure: no communication).
 
     ``tensor_parallel_size`` (parallel.tensor_parallel_size) must divide the world; expert
@@ -157,7 +194,10 @@ def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, st
     """
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    tp = tensor_parallel_size
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    if pp != 1:
+        return _pipeline_parallel_layout(world_size, rank, expert_parallel_size, num_experts, local_world_size,
+                                         rank_weights, tp, pp)
     if tp != 1:
         return _tensor_parallel_layout(world_size, rank, expert_parallel_size, num_experts, local_world_size,
                                        rank_weights, tp)
@@ -201,8 +241,33 @@ def _tensor_parallel_layout(world_size: int, rank: int, expert_parallel_size: Un
     return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tensor_parallel_size=tp)
 
 
+def _pipeline_parallel_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
+                              local_world_size: int, rank_weights: Optional[list[float]], tp: int,
+                              pp: int) -> ParallelLayout:
+    """build_layout at parallel.pipeline_parallel_size > 1: even experts over each stage's ranks."""
+    if not isinstance(pp, int) or pp <= 0 or world_size % pp:
+        raise LayoutError(f"parallel.pipeline_parallel_size ({pp}) must divide the number of processes ({world_size})")
+    if tp != 1:
+        raise LayoutError(f"parallel.pipeline_parallel_size={pp} with parallel.tensor_parallel_size={tp}: not built "
+                          f"together yet")
+    if world_size % local_world_size:
+        raise LayoutError(f"LOCAL_WORLD_SIZE ({local_world_size}) must divide WORLD_SIZE ({world_size})")
+    if rank_weights is not None:
+        raise LayoutError(f"parallel.balance={rank_weights} with parallel.pipeline_parallel_size={pp} is not "
+                          f"supported: use parallel.balance=even")
+    stage = world_size // pp
+    ep = resolve_expert_parallel_size(expert_parallel_size, stage, num_experts)
+    if stage % ep:
+        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the ranks of a pipeline stage ({stage} = "
+                          f"{world_size} processes / parallel.pipeline_parallel_size {pp})")
+    if num_experts % ep:
+        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide model.moe.num_experts ({num_experts})")
+    return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, pipeline_parallel_size=pp)
+
+
 MESH_DIMS = ("edp", "ep")  # expert-data-parallel (same experts), expert-parallel (all-to-all)
 TP_MESH_DIMS = ("edp", "ep", "tp")  # parallel.tensor_parallel_size > 1: tensor-parallel innermost
+PP_MESH_DIMS = ("pp", "edp", "ep")  # parallel.pipeline_parallel_size > 1: pipeline-parallel outermost
 
 
 @dataclass(frozen=True)
@@ -215,7 +280,10 @@ class ProcessGroups:
     checkpoint: object = None  # a gloo group of all ranks for checkpoint coordination (see below)
     node_aware: Optional["NodeAwareGroups"] = None  # made only for model.moe.a2a_dispatch: node_aware
 
-    data_group: object = None  # tensor parallel only: this rank's data-parallel group (see ``data``)
+    data_group: object = None  # tensor or pipeline parallel: this rank's data-parallel group (see ``data``)
+    # pipeline parallel with a tied head on another rank than the embedding: this rank's first- and
+    # last-stage pair (Megatron's embedding group), None elsewhere
+    embedding: object = None
 
     @property
     def world(self):
@@ -227,6 +295,13 @@ class ProcessGroups:
         """The ranks that see different batches and hold the same replicated and tensor-parallel
         shards: the gradient sync group of every parameter but the experts (all ranks at tp 1)."""
         return self.data_group if self.data_group is not None else self.world
+
+    @property
+    def pipeline(self):
+        """This rank's pipeline (one rank of each stage; None at pipeline-parallel size 1)."""
+        if self.mesh is None or self.layout.pipeline_parallel_size == 1:
+            return None
+        return self.mesh.get_group("pp")
 
     @property
     def tensor(self):
@@ -288,13 +363,15 @@ def node_aware_groups(layout: ParallelLayout) -> NodeAwareGroups:
 
 
 def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = None,
-                          node_aware: bool = False) -> ProcessGroups:
+                          node_aware: bool = False, tied_last_stage: Optional[int] = None) -> ProcessGroups:
     """Build the job's device mesh (a collective: every rank calls it at the same point).
 
     One process without torch.distributed gets no mesh; under torch.distributed, even at world
     size 1, the mesh is built on the default group's device type (cuda for NCCL, cpu for gloo).
     ``timeout_s`` (parallel.timeout_s): how long a collective of the gloo checkpoint group waits
-    for a peer (None: torch's default for gloo, 30 minutes).
+    for a peer (None: torch's default for gloo, 30 minutes). ``tied_last_stage``: at pipeline
+    parallel with tied embeddings, the pipeline position of the last stage; when it is not the
+    first stage's (0), each pipeline's pair of them gets a group (``ProcessGroups.embedding``).
     """
     if not dist.is_initialized():
         if layout.world_size == 1:
@@ -302,20 +379,30 @@ def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = N
         raise RuntimeError("torch.distributed is not initialised; call m6.parallel.init_distributed() first")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     data_group = None
-    if layout.tensor_parallel_size == 1:
-        mesh = init_device_mesh(device_type, (layout.expert_data_parallel_size, layout.expert_parallel_size),
-                                mesh_dim_names=MESH_DIMS)
+    if layout.pipeline_parallel_size > 1:
+        shape, names = (layout.pipeline_parallel_size, layout.expert_data_parallel_size,
+                        layout.expert_parallel_size), PP_MESH_DIMS
+    elif layout.tensor_parallel_size > 1:
+        shape, names = (layout.expert_data_parallel_size, layout.expert_parallel_size,
+                        layout.tensor_parallel_size), TP_MESH_DIMS
     else:
-        mesh = init_device_mesh(device_type, (layout.expert_data_parallel_size, layout.expert_parallel_size,
-                                              layout.tensor_parallel_size), mesh_dim_names=TP_MESH_DIMS)
-        for ranks in layout.data_group_ranks():  # every rank creates every group, in the same order
+        shape, names = (layout.expert_data_parallel_size, layout.expert_parallel_size), MESH_DIMS
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if names != MESH_DIMS:  # the data-parallel group is not the world: every rank creates every one, in order
+        for ranks in layout.data_group_ranks():
             group = dist.new_group(ranks)
             if layout.rank in ranks:
                 data_group = group
+    embedding = None
+    if tied_last_stage:
+        for ranks in layout.embedding_group_ranks(tied_last_stage):
+            group = dist.new_group(ranks)
+            if layout.rank in ranks:
+                embedding = group
     # Checkpoints coordinate over a group of their own: DCP exchanges plans and results as
     # pickled objects (host memory: gloo serves them whatever the training backend), and a save
     # running in a background thread must never interleave with the training collectives.
     checkpoint = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     # node_aware: the subgroups node-aware dispatch needs (model.moe.a2a_dispatch: node_aware).
     aware = node_aware_groups(layout) if node_aware and layout.expert_parallel_size > 1 else None
-    return ProcessGroups(layout, mesh, checkpoint, aware, data_group)
+    return ProcessGroups(layout, mesh, checkpoint, aware, data_group, embedding)

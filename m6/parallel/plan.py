@@ -55,6 +55,8 @@ class ShardedModel:
     # name -> how it is split over the tensor-parallel group (m6.parallel.tensor_parallel.TensorSplit);
     # these are among replicated_params too (synced over the data-parallel group like them)
     tensor_split: dict[str, object] = field(default_factory=dict)
+    # pipeline parallel: this rank's stages (m6.parallel.pipeline.PipelineStageModule), in schedule order
+    stages: list = field(default_factory=list)
 
     def first_expert(self, name: str) -> int:
         return self.expert_offsets[name]

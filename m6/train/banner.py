@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from m6 import __version__
-from m6.config import Config, expert_ffn_dim, num_patches
+from m6.config import Config, expert_ffn_dim, num_patches, pipeline_stages_per_rank
 from m6.data.make_sample import is_sample_corpus_path, is_sample_corpus_statistics
 from m6.data.sources import relative_to_cwd_note
 from m6.model.architecture import block_options
@@ -162,19 +162,20 @@ def compile_time_line(step: int, seconds: float, step_seconds: float, first: boo
 def startup_banner(cfg: Config, facts: RunFacts) -> str:
     """The block a run prints before its first step: what trains, where, on what, from where."""
     t, mem = cfg.train, cfg.memory
-    tp = cfg.parallel.tensor_parallel_size
-    dp = facts.world_size // tp // facts.expert_parallel_size
-    data_ranks = facts.world_size // tp
+    tp, pp = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+    dp = facts.world_size // tp // pp // facts.expert_parallel_size
+    data_ranks = facts.world_size // tp // pp
     ranks = f"{facts.world_size} process{'es' if facts.world_size > 1 else ''}"
     # At tensor parallel a batch shard feeds a tp group: data_ranks shards, not one per process.
     split = (f"micro-batch {facts.micro_batch} x accumulation {facts.accumulation} x {data_ranks} "
-             f"{'rank' if tp == 1 else 'tp group'}{'s' if data_ranks > 1 else ''}") if facts.balance is None else (
+             f"{'rank' if tp == 1 and pp == 1 else 'tp group' if pp == 1 else 'pipeline'}{'s' if data_ranks > 1 else ''}") if facts.balance is None else (
              f"shares by parallel.balance in {facts.accumulation} micro-batch(es) per rank of at most {facts.micro_batch}")
     lines = [
         f"m6 {__version__} | torch {torch.__version__} | {ranks} on {device_label(facts.device)} | {facts.precision}"
         f"{' | deterministic' if t.deterministic else ''}",
         f"model    {_model_line(cfg, facts.size, facts.moe_blocks, facts.device)}",
-        f"parallel world {facts.world_size} = {f'tensor-parallel {tp} x ' if tp > 1 else ''}expert-parallel "
+        f"parallel world {facts.world_size} = {pipeline_words(cfg)}{f'tensor-parallel {tp} x ' if tp > 1 else ''}"
+        f"expert-parallel "
         f"{facts.expert_parallel_size} x expert-data-parallel "
         f"{dp}{'' if cfg.parallel.shard == 'none' else f', sharded {_SHARD_WORDS[cfg.parallel.shard]}'}; batch {t.global_batch_size} = {split}; per sample {cfg.data.seq_len} text tokens + "
         f"{num_patches(cfg.model)} image patches",
@@ -206,6 +207,16 @@ def zero_layout_words(cfg: Config) -> str:
     grads = dtype if mem.host_grad_dtype == "compute" else "fp32"
     return (f" (ZeRO-Offload's layout: {dtype} weights on the device (routers' gates fp32), {where}; fp32 masters "
             f"and optimizer state on the host, {dtype} gradients to {grads} host buffers, {dtype} weights back)")
+
+
+def pipeline_words(cfg: Config) -> str:
+    """The parallel line's words for the pipeline dim ('' at parallel.pipeline_parallel_size 1)."""
+    p = cfg.parallel
+    if p.pipeline_parallel_size == 1:
+        return ""
+    per_rank = pipeline_stages_per_rank(p)
+    stages = f", {per_rank} stages per rank" if per_rank > 1 else ""
+    return f"pipeline-parallel {p.pipeline_parallel_size} ({p.pipeline_schedule}{stages}) x "
 
 
 def delayed_update_words(cfg: Config) -> str:

@@ -43,6 +43,11 @@ class ExpertBiasUpdate:
         counts = torch.stack([layer.stats.routed_local for layer in self.layers.values()])
         self.counts_LE = counts if self.counts_LE is None else self.counts_LE + counts
 
+    def add_counts(self, counts_LE: torch.Tensor) -> None:
+        """Add routed counts [L, E] (this rank's layers, in ``layers`` order) gathered elsewhere: a
+        pipeline stage's micro-batches, recorded by its forward (m6.train.pipeline_step)."""
+        self.counts_LE = counts_LE if self.counts_LE is None else self.counts_LE + counts_LE
+
     def step(self, apply: bool) -> None:
         """Total the step's counts over all ranks and update every bias (``apply=False``: a skipped,
         non-finite step leaves the biases as they were, like the weights). Every rank calls it."""

@@ -44,6 +44,7 @@ from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss
 from m6.train.metrics import device_peak_tflops, expert_load
 from m6.train.optim import schedule_change_note
+from m6.train.pipeline_step import PipelineStep
 from m6.train.no_target_steps import NoTargetSteps
 from m6.train.preemption import StopOnSignal
 from m6.train.pseudo_to_real import train_pseudo_to_real
@@ -101,8 +102,10 @@ class Trainer:
         self.rank, self.world_size = self.env.rank, self.env.world_size
         # Batches are split over the data-parallel ranks: all of them, or world / tp at tensor
         # parallel, where a tp group's ranks read the same batch (m6.parallel.layout).
-        self.tp_size = cfg.parallel.tensor_parallel_size
-        self.data_rank, self.data_world = data_parallel_coordinates(self.world_size, self.rank, self.tp_size)
+        # ... and at pipeline parallel every stage of a pipeline reads its batch.
+        self.tp_size, self.pp_size = cfg.parallel.tensor_parallel_size, cfg.parallel.pipeline_parallel_size
+        self.data_rank, self.data_world = data_parallel_coordinates(self.world_size, self.rank, self.tp_size,
+                                                                    self.pp_size)
         # Names a dead or hung peer even while this rank's main thread waits inside a device sync.
         self.peer_watch = PeerWatch.for_job(self.rank, self.world_size, cfg.parallel.timeout_s) \
             if self.world_size > 1 else None
@@ -164,9 +167,14 @@ class Trainer:
         # gradient sync off), so the plan is completed here, after the update.
         self._use_batch_plan(self.batch_plan or self._measure_balance())
         self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.data, self.device)
+        self.pipeline = PipelineStep(self.sharded, cfg, self.update, self.expert_bias, self.device, self.accum,
+                                     self.aux_ranks) if self.pp_size > 1 else None
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN.
-        self.flop_rates = forward_flop_rates(self.model if self.tp_size == 1 else build_meta_model(cfg.model))
+        # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN, a
+        # pipeline rank its stages' blocks.
+        self.flop_rates = forward_flop_rates(self.model if self.tp_size == self.pp_size == 1
+                                             else build_meta_model(cfg.model))
         self.peak_tflops = device_peak_tflops(self.device, self.autocast_dtype or torch.float32, cfg.train.peak_tflops)
 
         self.counters = TrainerCounters()
@@ -307,12 +315,14 @@ class Trainer:
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sum scalars over the data-parallel ranks (one collective, on the compute device); identity
         on one process. At tensor parallel the ranks of a tp group hold the same values (one batch,
-        replicated losses): the sum over all ranks counts each tp group tp times."""
+        replicated losses): the sum over all ranks counts each tp group tp times; so at pipeline
+        parallel, whose stages agree on the step's values (m6.train.pipeline_step), each pipeline pp times."""
         if self.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return (t / self.tp_size).tolist() if self.tp_size > 1 else t.tolist()
+        copies = self.tp_size * self.pp_size
+        return (t / copies).tolist() if copies > 1 else t.tolist()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -335,18 +345,23 @@ class Trainer:
         (num_targets,) = self.all_reduce_sum([float(sum(b.num_target_tokens for b in batches))])
         self.no_targets.check(num_targets, self.step + 1)  # every record skipped, step after step: stop
         self._ensure_recompute_plan(batches[0], num_targets)
-        losses = StepLosses(self.model)
         self.compute_timer.start()
-        for i, batch in enumerate(batches):
-            self.update.begin_micro_batch(last=i == len(batches) - 1)
-            with self.activations.micro_batch(batch.num_target_tokens, measure=self.is_logging_step(self.step + 1)):
-                lm_sum, aux = self.forward_loss(batch)
-            self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
-            self.expert_bias.add_micro_batch()
-            losses.add(lm_sum, aux)
-        self.compute_timer.stop()  # before the gradient sync's wait for the other ranks
-        self.update.finish()
-        local = losses.read(self.accum, self.aux_ranks, self.all_reduce_sum)  # the step's one host sync
+        if self.pipeline is not None:  # the micro-batches through the pipeline's schedule, gradients reduced
+            local = self.pipeline.step(batches, num_targets, self._autocast(), self.all_reduce_sum,
+                                       on_compute_done=self.compute_timer.stop)
+        else:
+            losses = StepLosses(self.model)
+            for i, batch in enumerate(batches):
+                self.update.begin_micro_batch(last=i == len(batches) - 1)
+                with self.activations.micro_batch(batch.num_target_tokens,
+                                                  measure=self.is_logging_step(self.step + 1)):
+                    lm_sum, aux = self.forward_loss(batch)
+                self.update.backward(micro_batch_loss(lm_sum, aux, num_targets, self.accum, self.aux_ranks))
+                self.expert_bias.add_micro_batch()
+                losses.add(lm_sum, aux)
+            self.compute_timer.stop()  # before the gradient sync's wait for the other ranks
+            self.update.finish()
+            local = losses.read(self.accum, self.aux_ranks, self.all_reduce_sum)  # the step's one host sync
         grad_norm = self.update.clip(self.cfg.train.grad_clip)
         totals = self.step_reduction.reduce(self.all_reduce_sum, loaded, local, new_skips, grad_norm,
                                             self.compute_timer.rank_slots())
@@ -413,9 +428,13 @@ class Trainer:
     def evaluate(self) -> dict:
         """Caption loss on held-out image samples with their true and with shuffled images."""
         self.model.eval()
+        if self.pipeline is not None:  # through the pipeline's stages
+            loss_sum = lambda batch: self.pipeline.eval_loss_sum(self.to_device(batch), self._autocast())  # noqa: E731
+        else:
+            loss_sum = lambda batch: self.forward_loss(self.to_device(batch))[0]  # noqa: E731
         try:
             return evaluate_captions(
-                loss_sum=lambda batch: self.forward_loss(self.to_device(batch))[0],
+                loss_sum=loss_sum,
                 eval_batch=lambda indices: self.held_out_batch(indices, on_device=False),
                 num_samples=len(self.eval_set), global_batch_size=self.cfg.train.global_batch_size,
                 num_batches=self.cfg.train.eval_batches, micro_batch_size=self.micro_batch,
@@ -449,6 +468,8 @@ class Trainer:
             if str(self.cfg.checkpoint.resume).strip().lower() == "auto" else ""
         saved_tp = meta.get("config", {}).get("parallel", {}).get("tensor_parallel_size", 1)
         tp = "" if saved_tp == self.tp_size == 1 else f", tensor-parallel size {saved_tp} -> {self.tp_size}"
+        saved_pp = meta.get("config", {}).get("parallel", {}).get("pipeline_parallel_size", 1)
+        tp += "" if saved_pp == self.pp_size == 1 else f", pipeline-parallel size {saved_pp} -> {self.pp_size}"
         self.start = (f"resumed from {path} at step {self.step} (saved at world size {saved_world}, "
                       f"expert-parallel size {meta.get('expert_parallel_size', 1)}; now {self.world_size}, "
                       f"{self.sharded.groups.layout.expert_parallel_size}{tp}{rng}){auto}")
@@ -493,6 +514,9 @@ class Trainer:
                 if self.is_logging_step(self.step):
                     load_scalars, load_counts = expert_load(self.model.moe_layers())
                     bias_scalars, biases = self.expert_bias.log_values()
+                    if self.pipeline is not None:  # every stage's layers
+                        load_scalars, load_counts, bias_scalars, biases = self.pipeline.gather_over_stages(
+                            load_scalars, load_counts, bias_scalars, biases)
                     self.logger.log(self.step, {**metrics, **load_scalars, **bias_scalars}, expert_tokens=load_counts,
                                     expert_bias=biases)
                 self._report_compile(metrics["step_time_s"])

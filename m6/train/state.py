@@ -338,8 +338,11 @@ class TrainingState:
         on with its own seeded streams and says so.
         """
         saved = checkpoint_keys(manager.resolve(path))
+        # Pipeline parallel: the other stages' weights are in the checkpoint, not this rank's model.
+        elsewhere = getattr(self.model.sharded.model, "other_stages_state", frozenset())
         diffs = shape_differences(self.model.global_shapes(), {k[len("model/"):]: v for k, v in saved.items()
-                                                               if k.startswith("model/")})
+                                                               if k.startswith("model/")
+                                                               and k[len("model/"):] not in elsewhere})
         if diffs:
             step_dir = manager.resolve(path)
             saved_config = read_values(step_dir, load_metadata(step_dir), ("meta/",)).get("meta", {}).get("config", {})

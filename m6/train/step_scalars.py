@@ -67,11 +67,17 @@ class StepLosses:
     def read(self, accumulation: int, aux_ranks: int, all_reduce_sum: AllReduceSum) -> LocalLosses:
         """The step's one host sync; aux_loss_scope=local (``aux_ranks`` > 1): the aux terms'
         mean over ranks, as trained (one more all-reduce)."""
-        lm_sum, aux_sum, balance_sum, z_sum, kept = torch.stack(self._parts).sum(0).tolist()
-        aux, balance, z = aux_sum / accumulation, balance_sum / accumulation, z_sum / accumulation
-        if aux_ranks > 1:
-            aux, balance, z = (v / aux_ranks for v in all_reduce_sum([aux, balance, z]))
-        return LocalLosses(lm_sum, aux, balance, z, kept)
+        return local_losses(torch.stack(self._parts).sum(0).tolist(), accumulation, aux_ranks, all_reduce_sum)
+
+
+def local_losses(sums: list[float], accumulation: int, aux_ranks: int, all_reduce_sum: AllReduceSum) -> LocalLosses:
+    """LocalLosses from the step's [lm sum, aux, balance, z, kept] summed over its micro-batches;
+    aux_loss_scope=local (``aux_ranks`` > 1): the aux terms' mean over ranks (one more all-reduce)."""
+    lm_sum, aux_sum, balance_sum, z_sum, kept = sums
+    aux, balance, z = aux_sum / accumulation, balance_sum / accumulation, z_sum / accumulation
+    if aux_ranks > 1:
+        aux, balance, z = (v / aux_ranks for v in all_reduce_sum([aux, balance, z]))
+    return LocalLosses(lm_sum, aux, balance, z, kept)
 
 
 @dataclass(frozen=True)

@@ -75,15 +75,21 @@ class ParameterUpdate:
         # train.weight_copy=per_step: bf16 module weights, fp32 masters here (config.py allows it only
         # unsharded, without offload). Built before the sync: its gradient hooks must run first.
         self.masters = MasterWeights(model, compute_dtype) if cfg.train.weight_copy == "per_step" else None
-        self.sync = ShardedGradientSync(model) if self.sharded_dp else GradientSync(
+        self.sync = ShardedGradientSync(model, sharded.stages or None) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self.offload.grads_final if self.offload else None,
             grad_holder=self.masters.grad_holder if self.masters else None)
         # Tensor-parallel shards count once per tp group in the norm (tp 1: none).
         split = [p for n, p in sharded.replicated_params.items() if n in sharded.tensor_split]
-        replicated = [p for n, p in sharded.replicated_params.items() if n not in sharded.tensor_split]
+        # Pipeline parallel, tied head: the last stage's copy of the token embedding is clipped and
+        # updated like its first-stage original, and counted in the norm there only.
+        copies = {"text_embed.tokens.weight"} if getattr(model, "tied_embedding_copy", False) else set()
+        self.uncounted = [p for n, p in sharded.replicated_params.items() if n in copies]
+        replicated = [p for n, p in sharded.replicated_params.items() if n not in sharded.tensor_split
+                      and n not in copies]
         experts = list(sharded.expert_params.values())
         self.split, self.tensor_group = split, sharded.groups.tensor
+        self.pipeline_group = sharded.groups.pipeline  # the norm spans every pipeline stage
         if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
         # Where the gradients are after a backward (the per-step weight copy's masters, or the params).
@@ -113,7 +119,7 @@ class ParameterUpdate:
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
             if t.precision == "fp16" else None
-        self.apply = GroupedApply(self.optimizer, replicated + split, experts, cfg.optim.apply_groups)
+        self.apply = GroupedApply(self.optimizer, replicated + split + self.uncounted, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         # optim.delayed_update (config.py allows it with m6's unsharded fp32-gradient offload): step t's
         # host update runs in the background during step t+1's forward/backward.
@@ -177,7 +183,7 @@ class ParameterUpdate:
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         if self.sharded_dp:
             return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device,
-                                          grad_scale=scale)
+                                          grad_scale=scale, uncounted=self.uncounted)
         if self.offload is not None and self.offload.half_grads:
             # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
             # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in
@@ -189,7 +195,8 @@ class ParameterUpdate:
             self.offload.grad_multiplier = clip_coefficient(total, limit) / scale
             return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale,
-                              split=self.split, tensor_group=self.tensor_group)
+                              split=self.split, tensor_group=self.tensor_group, pipeline_group=self.pipeline_group,
+                              uncounted=self.uncounted)
 
     def overflow_is_normal(self) -> bool:
         """Whether a non-finite gradient now is the loss scale's normal search (fp16, scale above

@@ -417,8 +417,8 @@ def _materialized(device: torch.device, redirect_all: bool = False, redirected: 
         from m6.model import host_drawn_init
         original = host_drawn_init.HostDrawnInit.__init__
 
-        def patched(self, redirect=None):
-            original(self, redirect=lambda t: redirected.append(tuple(t.shape)) or True)
+        def patched(self, redirect=None, **kwargs):
+            original(self, redirect=lambda t: redirected.append(tuple(t.shape)) or True, **kwargs)
         host_drawn_init.HostDrawnInit.__init__ = patched
         try:
             model.materialize(device, seed=3)
