@@ -1,0 +1,208 @@
+"""The planner's model of the offloaded layouts' bytes and copies: ZeRO-Offload's layout
+(``memory.offload: zero``) beside m6's fp32 ones (``optimizer``, ``optimizer+params``), and what
+each copy overlaps, with and without the delayed update (``optim.delayed_update``).
+
+zero (ZeRO-Offload's layout, PREDICTED; c = the compute dtype's bytes, 2):
+  device  c B per resident parameter (the blocks not in ``memory.offload_blocks``; the streamed
+          ones: the two adjacent blocks in use, as optimizer+params), the 16-bit gradients while
+          they are on the device: at one micro-batch per step each leaves once final (a gradient
+          other ranks share once its bucket's all-reduce is done: the backward walk of
+          m6.memory.estimate, its buckets and gradients at c bytes); with accumulation all of
+          them, c B per parameter, accumulate on the device and leave in the last micro-batch
+          (ASSUMED: summed in the compute dtype there, as ZeRO-Offload's fp16 gradients).
+  host    4 B fp32 master + the optimizer's state (m6.memory.estimate.optimizer_state_sizes) + c B
+          per parameter of pinned 16-bit gradients (twice with the delayed update: the next
+          backward streams into a second set) + pinned 16-bit weight staging: the streamed blocks'
+          16-bit homes (what their forward and backward fetch) and a double buffer of the largest
+          update group's 16-bit weights (the copy back, group by group) + the update's
+          temporaries (one update group's gradients read back in fp32; torch's foreach optimizers'
+          own) + the checkpoint staging copy (checkpoint.async_save), as the fp32 layouts.
+  copies  16-bit gradients device -> host once per step (as their buckets are final, during the
+          last micro-batch's backward); the streamed blocks' 16-bit weights host -> device twice
+          per micro-batch (forward and backward, the next block prefetched); after the host update
+          the resident blocks' 16-bit weights host -> device once. All on CUDA copy streams beside
+          compute, over one PCIe link (ASSUMED, as for the fp32 layouts: the two directions share
+          the PCIe figure): the gradients hide behind the last backward (2/3 of its micro-batch's
+          compute) except the last bucket's copy, the fetches and gradients together behind the
+          step's compute, what exceeds either shows.
+
+The host update and its copy back (every offloaded layout):
+  synchronous  the update runs after the device's step (clip, agree, update), the weights going
+          back group by group (``optim.apply_groups``) while the next group updates: the last
+          group's copy, or what exceeds the update, shows.
+  delayed (``optim.delayed_update``, GPUs; m6.memory.delayed_update) step t's host update runs
+          while step t+1's forward/backward run on the device; the device waits for it after its
+          backward, then for the whole copy back of the new weights (the device's own weights are
+          in use until that backward ends, so nothing is copied earlier), then launches step
+          t+1's update: a step is max(device phase, host update) + the copy back, where the
+          device phase is compute + exposed all-to-all + exposed gradient sync + small collectives
+          + the copies during compute that show. ASSUMED: the update's host cores are not slowed
+          by the training thread nor by the next step's gradient copies into host memory. The
+          first ``optim.delayed_update_after`` steps run synchronously (their step time is the
+          synchronous one, printed beside).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from m6.config import Config, MemoryConfig, accumulation_steps
+from m6.memory.estimate import (MemoryReport, ModelFacts, activation_report, compute_bytes, kept_activations,
+                                optimizer_state_sizes, recomputed_parts, staging_bytes)
+
+ZERO = "zero"
+FP32_LAYOUTS = ("optimizer", "optimizer+params")  # m6's offload of fp32 weights (m6.memory.offload)
+PLANNED_OFFLOAD = ("none", *FP32_LAYOUTS, ZERO)  # every memory.offload the planner models
+# What the printed plan names as ASSUMED when it shows these layouts (see the module docstring).
+ZERO_ASSUMED = ("zero: copies on CUDA copy streams beside compute, both directions sharing the PCIe figure; "
+                "with accumulation the 16-bit gradients summed on the device")
+DELAYED_ASSUMED = ("delayed update: the host update runs beside the next step's forward/backward unslowed by it, "
+                   "the weights copied back after both")
+
+
+def runnable_offload_modes() -> tuple[str, ...]:
+    """The memory.offload settings this checkout's config accepts (train.py runs them): the planner
+    models zero whether or not the runtime that trains it is installed, and proposes it only where
+    it is (or when asked: ``python -m m6.plan --offload-modes all``)."""
+    accepted = typing.get_args(typing.get_type_hints(MemoryConfig)["offload"])
+    return tuple(m for m in PLANNED_OFFLOAD if m in accepted)
+WEIGHT_STAGING = "16-bit weight staging"  # the zero layout's pinned host homes and copy-back buffers
+
+
+def streamed_blocks(cfg: Config, num_blocks: int) -> list[int]:
+    """The blocks whose weights live on the host and stream in (memory.offload_blocks; all: every
+    one; auto counted as all, the least the device can hold)."""
+    chosen = cfg.memory.offload_blocks
+    return sorted(chosen) if isinstance(chosen, list) else list(range(num_blocks))
+
+
+def _window(sizes: list[int]) -> int:
+    """Elements of the two adjacent streamed blocks on the device at once (running + prefetched)."""
+    return sum(sizes) if len(sizes) < 2 else max(a + b for a, b in zip(sizes, sizes[1:]))
+
+
+def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[int], world_size: int, ep: int,
+                device_type: str = "cuda") -> MemoryReport:
+    """Device and host bytes of one rank in ZeRO-Offload's layout (see the module docstring),
+    named as m6.memory.estimate names its components; the peaks taken as it takes them.
+    ``no_decay``: the ids of the optimizer's no-decay parameters (a foreach call per group)."""
+    c = compute_bytes(cfg, device_type)
+    numel = facts.numel
+    accum = accumulation_steps(cfg.train, world_size)
+    acts = activation_report(cfg, world_size, ep, device_type)
+    chosen = recomputed_parts(cfg, acts)
+    kept, redo = kept_activations(cfg, acts)
+    # The walk lays buckets out by fp32 bytes: a 16-bit bucket of bucket_size_mb holds 4/c as many
+    # elements, and every gradient and bucket it sums weighs c/4 of its fp32 bytes.
+    scale = c / 4.0
+    walk = facts.walk(world_size, ep, cfg.parallel.bucket_size_mb * 2**20 / scale)
+    buckets = scale * walk.most_in_flight()
+    sizes = [facts.block_numels[i] for i in streamed_blocks(cfg, len(facts.block_numels))]
+    params = float(c * (numel - sum(sizes) + _window(sizes)))
+    held = float(c * numel) if accum > 1 else 0.0  # accumulated on the device until the last micro-batch
+    largest = c * max((p.numel() for p in facts.params), default=0)  # one gradient being written and copied
+    transient = max(acts.a2a_buffers, acts.backward_transient, redo, largest)
+    by_unit = {unit: b / scale for unit, b in acts.kept_by_unit(chosen).items()}
+    backward = held + transient + scale * walk.peak(by_unit, grads_made=accum == 1, offloaded=True)
+    device = {"params": params, "grads": held, "activations (per micro-batch)": kept,
+              "all-to-all buffers": acts.a2a_buffers,
+              "backward transients": max(acts.backward_transient, redo, largest), "gradient-sync buckets": buckets}
+    group = facts.largest_group(cfg.optim.apply_groups)
+    foreach = 0.0 if cfg.memory.host_optimizer == "deepspeed" else \
+        4.0 * facts.largest_call(cfg.optim.apply_groups, no_decay)
+    host = {"params": 4.0 * numel,
+            "grads": float(c * numel) * (2 if cfg.optim.delayed_update else 1),
+            "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
+            WEIGHT_STAGING: float(c * sum(sizes) + 2 * c * group),
+            "optimizer step temporaries": foreach + 4.0 * group}
+    staging = staging_bytes(cfg, model, facts.params, facts.state_sizes)
+    if staging:
+        host["checkpoint staging"] = staging
+    peak_device = params + max(backward, held + buckets)
+    peak_host = sum(host.values())
+    return MemoryReport(device=device, host=host, peak_device=peak_device, peak_host=peak_host,
+                        peak_shared=peak_device + peak_host)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One host<->device copy of a step: its seconds over the link and those the step waits for."""
+
+    name: str
+    seconds: float
+    exposed: float
+
+
+@dataclass(frozen=True)
+class OffloadStep:
+    """The offloaded layout's share of a step: copies and host update, exposed and overlapped."""
+
+    offload: float  # copies the step waits for
+    offload_hidden: float  # copies beside compute or the update
+    update: float  # host update the step waits for
+    update_hidden: float  # host update behind the next step's forward/backward (delayed)
+    copies: tuple[Copy, ...]
+    synchronous_total_extra: Optional[float] = None  # delayed: offload + update of the first, synchronous steps
+
+
+def _copy_back_exposed(back_s: float, update_s: float, groups: int) -> float:
+    """The weights going back group by group while the next group updates: the last group's copy,
+    or what exceeds the update."""
+    return max(back_s / groups, back_s - update_s * (groups - 1) / groups)
+
+
+def offload_step(cfg: Config, numel: int, numel_exp: int, streamed: int, world_size: int, ep: int,
+                 compute_s: float, device_other_s: float, update_s: float, copy_Bps: float,
+                 c: int, delayed: bool = False) -> OffloadStep:
+    """Copies and host update of an unsharded offloaded step (memory.offload optimizer,
+    optimizer+params or zero), see the module docstring. ``numel``: the rank's trainable elements,
+    ``numel_exp`` of them experts; ``streamed``: the streamed blocks' elements (0 for optimizer);
+    ``compute_s``: forward+backward of all micro-batches; ``device_other_s``: the rest of the
+    device phase (exposed all-to-all, gradient sync, small collectives); ``update_s``: the host
+    update; ``c``: the compute dtype's bytes; ``delayed``: the update overlaps the next step
+    (optim.delayed_update on a GPU)."""
+    accum = accumulation_steps(cfg.train, world_size)
+    groups = max(1, cfg.optim.apply_groups)
+    if cfg.memory.offload == ZERO:
+        grads = c * numel / copy_Bps
+        fetch = 2.0 * c * streamed * accum / copy_Bps
+        last_backward = 2 / 3 * compute_s / accum
+        last_bucket = min(c * numel, cfg.parallel.bucket_size_mb * 2**20) / copy_Bps
+        during = max(last_bucket if numel else 0.0, fetch + grads - compute_s, grads - last_backward)
+        back = c * (numel - streamed) / copy_Bps
+        names = ("gradients out (16-bit)", "streamed blocks' weights in (16-bit)", "weights back (16-bit)")
+    else:
+        # Gradients out: the unshared ones (the experts at EP = world, everything at world 1) in
+        # every micro-batch, the shared ones once after their all-reduce; all during backward.
+        local = numel if world_size == 1 else (numel_exp if world_size // ep == 1 else 0)
+        grad_bytes = 2.0 if cfg.memory.host_grad_dtype == "compute" and c < 4 else 4.0
+        grads = grad_bytes * (local * accum + numel - local) / copy_Bps
+        fetch = 2 * 4.0 * streamed * accum / copy_Bps  # fetched for forward and for backward, prefetched
+        during = max(0.0, grads + fetch - compute_s)
+        back = 4.0 * numel / copy_Bps  # new weights, group by group while the next group updates
+        names = (f"gradients out ({'16-bit' if grad_bytes == 2 else 'fp32'})", "streamed blocks' weights in (fp32)",
+                 "weights back (fp32)")
+    sync_back = _copy_back_exposed(back, update_s, groups)
+    # Split what shows during compute between the gradients and the fetches, gradients first
+    # (they are what the last backward waits on).
+    grads_exposed = min(grads, during)
+    exposed_now = {names[0]: grads_exposed, names[1]: during - grads_exposed}
+    if not delayed:
+        copies = (Copy(names[0], grads, exposed_now[names[0]]), Copy(names[1], fetch, exposed_now[names[1]]),
+                  Copy(names[2], back, sync_back))
+        return OffloadStep(during + sync_back, grads + fetch + back - during - sync_back, update_s, 0.0,
+                           _nonzero(copies))
+    device_phase = compute_s + device_other_s + during
+    update_exposed = max(0.0, update_s - device_phase)
+    copies = (Copy(names[0], grads, exposed_now[names[0]]), Copy(names[1], fetch, exposed_now[names[1]]),
+              Copy(names[2], back, back))
+    return OffloadStep(during + back, grads + fetch - during, update_exposed, update_s - update_exposed,
+                       _nonzero(copies), synchronous_total_extra=during + sync_back + update_s)
+
+
+def _nonzero(copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
+    return tuple(c for c in copies if c.seconds > 0)
