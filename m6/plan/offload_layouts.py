@@ -172,7 +172,9 @@ def offload_step(cfg: Config, numel: int, numel_exp: int, streamed: int, world_s
         fetch = 2.0 * c * streamed * accum / copy_Bps
         last_backward = 2 / 3 * compute_s / accum
         last_bucket = min(c * numel, cfg.parallel.bucket_size_mb * 2**20) / copy_Bps
-        during = max(last_bucket if numel else 0.0, fetch + grads - compute_s, grads - last_backward)
+        # The gradients' own share: their last bucket, or what outlasts the last backward.
+        grads_own = min(grads, max(last_bucket if numel else 0.0, grads - last_backward))
+        during = max(grads_own, fetch + grads - compute_s)
         back = c * (numel - streamed) / copy_Bps
         names = ("gradients out (16-bit)", "streamed blocks' weights in (16-bit)", "weights back (16-bit)")
     else:
@@ -183,14 +185,13 @@ def offload_step(cfg: Config, numel: int, numel_exp: int, streamed: int, world_s
         grads = grad_bytes * (local * accum + numel - local) / copy_Bps
         fetch = 2 * 4.0 * streamed * accum / copy_Bps  # fetched for forward and for backward, prefetched
         during = max(0.0, grads + fetch - compute_s)
+        grads_own = during * grads / (grads + fetch) if grads + fetch else 0.0  # the link shared in proportion
         back = 4.0 * numel / copy_Bps  # new weights, group by group while the next group updates
         names = (f"gradients out ({'16-bit' if grad_bytes == 2 else 'fp32'})", "streamed blocks' weights in (fp32)",
                  "weights back (fp32)")
     sync_back = _copy_back_exposed(back, update_s, groups)
-    # Split what shows during compute between the gradients and the fetches, gradients first
-    # (they are what the last backward waits on).
-    grads_exposed = min(grads, during)
-    exposed_now = {names[0]: grads_exposed, names[1]: during - grads_exposed}
+    # What shows during compute, split between the gradients (their own share) and the fetches (the rest).
+    exposed_now = {names[0]: grads_own, names[1]: during - grads_own}
     if not delayed:
         copies = (Copy(names[0], grads, exposed_now[names[0]]), Copy(names[1], fetch, exposed_now[names[1]]),
                   Copy(names[2], back, sync_back))

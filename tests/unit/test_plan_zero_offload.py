@@ -101,6 +101,12 @@ def test_zero_moves_half_the_bytes_and_the_step_waits_only_for_what_compute_does
     assert fetch.seconds == pytest.approx(2 * 2 * (blocks[0] + blocks[1]) * 2 / bps)
     assert {c.name: c for c in s.copies}["weights back (16-bit)"].seconds == pytest.approx(
         2 * (numel - blocks[0] - blocks[1]) / bps)
+    # One link for both: what the step's compute does not cover shows, the gradients' own share
+    # (their last bucket, or what outlasts the last backward) named apart from the fetches'.
+    out = {c.name: c for c in s.copies}["gradients out (16-bit)"]
+    own = min(out.seconds, max(cfg.parallel.bucket_size_mb * 2**20 / bps, out.seconds - 2 / 3 * s.compute / 2))
+    assert out.exposed == pytest.approx(own)
+    assert out.exposed + fetch.exposed == pytest.approx(max(own, out.seconds + fetch.seconds - s.compute))
 
 
 @pytest.mark.parametrize("offload, host_grads", [(ZERO, "fp32"), ("optimizer", "fp32"), ("optimizer+params", "fp32")])
@@ -177,3 +183,12 @@ def test_the_cli_proposes_only_the_offload_settings_train_py_accepts(capsys):
     m6config.load(CONFIGS / "tiny.yaml", launch)  # a config train.py runs
     if ZERO not in accepted:
         assert "memory.offload=zero" not in printed
+
+
+def test_the_host_update_probe_counts_cpu_time_not_the_wait_for_a_core(monkeypatch):
+    """The per-core rate is the thread's work: a wall clock that runs on while the thread waits for
+    a core (here 10 s per reading) does not enter it."""
+    import m6.plan.timing as timing
+    wall = iter(range(0, 10**6, 10))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(wall)))
+    assert HostProfile._time_host_update(4, 2**12, "adamw", True, "torch", half_weights=True) < 1.0
