@@ -27,8 +27,11 @@ JOBS = {  # name -> (config and overrides, --gpus, target MFU of issue #46)
 }
 # Which layouts each plan may take: this checkout's offload settings, or all the planner models;
 # M6-T also with sharded data parallel (FSDP2's CPU offload of its expert replicas' shards).
+# M6-10T also on 2 TB hosts (not the target's 1 TB): where ZeRO-Offload's host bytes fit, what it would give.
 VARIANTS = {"runnable": ["--offload-modes", "runnable"], "all": ["--offload-modes", "all"],
-            "all, --shard any": ["--offload-modes", "all", "--shard", "any"]}
+            "all, --shard any": ["--offload-modes", "all", "--shard", "any"],
+            "all, 2 TB host per node": ["--offload-modes", "all", "--host-memory", "2TB"]}
+ONLY = {"all, --shard any": "M6-T", "all, 2 TB host per node": "M6-10T"}
 _STEP = re.compile(r"PREDICTED ([\d,]+) tokens/s, step ([\d.]+) s = (.*?); MFU ([\d.]+)%")
 _TERM = re.compile(r"(compute|all-to-all|grad sync|small collectives|offload|update) ([\d.]+)")
 
@@ -61,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     "a little between the commands (the ASSUMED line of each names its rates).", ""]
     for job, (config, gpus, target) in JOBS.items():
         for variant, flags in VARIANTS.items():
-            if "--shard" in flags and job != "M6-T":
-                continue  # M6-10T: EP 512 takes every rank, each expert one replica: nothing over edp to shard
+            # (M6-10T: EP 512 takes every rank, each expert one replica: nothing over edp to shard.)
+            if ONLY.get(variant, job) != job:
+                continue
             cmd = ["python", "-m", "m6.plan", *config, "--gpus", str(gpus), *V100, "--top", str(args.top), *flags]
             t0 = time.perf_counter()
             done = subprocess.run(cmd, capture_output=True, text=True)
