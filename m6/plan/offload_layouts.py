@@ -57,6 +57,7 @@ from m6.memory.estimate import (MemoryReport, ModelFacts, activation_report, com
 ZERO = "zero"
 FP32_LAYOUTS = ("optimizer", "optimizer+params")  # m6's offload of fp32 weights (m6.memory.offload)
 PLANNED_OFFLOAD = ("none", *FP32_LAYOUTS, ZERO)  # every memory.offload the planner models
+WEIGHT_STAGING = "16-bit weight staging"  # the zero layout's pinned host homes and copy-back buffers
 # What the printed plan names as ASSUMED when it shows these layouts (see the module docstring).
 ZERO_ASSUMED = ("zero: copies on CUDA copy streams beside compute, both directions sharing the PCIe figure; "
                 "with accumulation the 16-bit gradients summed on the device")
@@ -70,7 +71,6 @@ def runnable_offload_modes() -> tuple[str, ...]:
     it is (or when asked: ``python -m m6.plan --offload-modes all``)."""
     accepted = typing.get_args(typing.get_type_hints(MemoryConfig)["offload"])
     return tuple(m for m in PLANNED_OFFLOAD if m in accepted)
-WEIGHT_STAGING = "16-bit weight staging"  # the zero layout's pinned host homes and copy-back buffers
 
 
 def streamed_blocks(cfg: Config, num_blocks: int) -> list[int]:
