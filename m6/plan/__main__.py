@@ -2,7 +2,8 @@
 
     python -m m6.plan configs/m6-10t.yaml --gpus 512 --gpu-memory 80GB --gpus-per-node 8 --gpu h100 \\
         [--host-memory 1TB] [--host-cores-per-gpu 12] [--intra-node-GBps X --inter-node-GBps Y] [--top 5]
-        [--out plan.overrides]
+        [--out plan.overrides] [--shard config|any|...] [--delayed-update any|config|true|false]
+        [--offload-modes runnable|all]
 
 Every number printed is PREDICTED; the GPU figures rest on the assumptions printed with them.
 Layouts whose predictions are the same (settings the model says change nothing, such as the update
