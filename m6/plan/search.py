@@ -16,7 +16,7 @@ from m6.config import Config, num_patches
 from m6.memory.estimate import MemoryReport
 from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.plan.memory import RankMemory
-from m6.plan.offload_layouts import FP32_LAYOUTS, ZERO, runnable_offload_modes
+from m6.plan.offload_layouts import ZERO, runnable_offload_modes
 from m6.plan.timing import Hardware, HostProfile, StepTime, step_time
 
 RECOMPUTE = ("none", "auto", "full")
@@ -54,7 +54,7 @@ class Candidate:
     a2a_overlap_degree: Union[int, str] = 1  # model.moe.a2a_overlap_degree
     a2a_dispatch: str = "flat"  # model.moe.a2a_dispatch
     offload_blocks: Optional[list[int]] = None  # memory.offload_blocks (None: all, with optimizer+params; zero: a list)
-    host_grad_dtype: str = "fp32"  # memory.host_grad_dtype (zero: "compute", its gradients are 16-bit)
+    host_grad_dtype: str = "fp32"  # memory.host_grad_dtype
     delayed_update: bool = False  # optim.delayed_update
     # Settings of layouts with this one's predictions, collapsed into it: setting -> their values.
     equivalents_by_setting: dict[str, list[str]] = field(default_factory=dict)
@@ -99,7 +99,7 @@ class Candidate:
             out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
         if self.offload_blocks is not None:
             out.append(f"memory.offload_blocks=[{','.join(map(str, self.offload_blocks))}]")
-        if self.offload in FP32_LAYOUTS and self.shard == "none":
+        if self.offload != "none" and self.shard == "none":
             out.append(f"memory.host_grad_dtype={self.host_grad_dtype}")
         if self.delayed_update:
             out.append("optim.delayed_update=true")
@@ -113,10 +113,10 @@ def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, gr
     """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``,
     ``overlap`` and ``dispatch`` None keep cfg's parallel.shard, model.moe.a2a_overlap_degree and
     model.moe.a2a_dispatch; ``offload_blocks`` None: every block streams with optimizer+params,
-    none with zero; ``host_grads``: memory.host_grad_dtype, with offload (zero: compute);
-    ``delayed``: optim.delayed_update)."""
-    if offload == ZERO:
-        offload_blocks, host_grads = ([] if offload_blocks is None else offload_blocks), "compute"
+    none with zero; ``host_grads``: memory.host_grad_dtype, with offload; ``delayed``:
+    optim.delayed_update)."""
+    if offload == ZERO and offload_blocks is None:
+        offload_blocks = []
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard or cfg.parallel.shard),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
@@ -174,15 +174,16 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
             if groups in OFFLOAD_APPLY_GROUPS and (off == "none" or apply_groups != APPLY_GROUPS):
                 continue
             if off == ZERO:
-                # ZeRO-Offload's layout: 16-bit weights on a GPU, unsharded; its gradients are
-                # 16-bit by construction (one candidate, hg "compute").
-                if hw.peak_tflops is None or hw.precision == "fp32" or sh != "none" or hg != "compute":
+                # ZeRO-Offload's layout: 16-bit weights on a GPU, unsharded; host gradients fp32 or
+                # 16-bit (with accumulation these add up on the device in 16 bits).
+                if hw.peak_tflops is None or hw.precision == "fp32" or sh != "none":
                     continue
             # 16-bit host gradients: m6's own offload, one micro-batch per step, a 16-bit compute dtype.
             elif hg != "fp32" and (off == "none" or sh != "none" or mb != per_rank or hw.precision == "fp32"):
                 continue
-            # The delayed update: m6's unsharded offload on a GPU (fp32 host gradients in the fp32 layouts).
-            if dl and (off == "none" or sh != "none" or hw.peak_tflops is None or (off != ZERO and hg != "fp32")):
+            # The delayed update: m6's unsharded offload on a GPU, with fp32 host gradients (the
+            # double-buffered ones it runs on; a config error otherwise).
+            if dl and (off == "none" or sh != "none" or hw.peak_tflops is None or hg != "fp32"):
                 continue
             # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params), on a
             # GPU (on a CPU host it moves nothing); not with auto recompute (a config error);
@@ -207,8 +208,8 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 # first ones the device cannot keep, as memory.offload_blocks=auto would pick them.
                 def zero_peak(streamed: list[int]) -> float:
                     return rm.report(apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh,
-                                                  offload_blocks=streamed, delayed=dl)).peak_device
-                trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, delayed=dl,
+                                                  offload_blocks=streamed, host_grads=hg, delayed=dl)).peak_device
+                trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, host_grads=hg, delayed=dl,
                                      offload_blocks=blocks_to_stream(len(rm.model.blocks), zero_peak,
                                                                      AUTO_MEMORY_FRACTION * limit))
             considered += 1

@@ -717,13 +717,17 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     sharded = cfg.parallel.shard != "none"
     # Sharded, the update runs over this rank's shards only (FSDP2 pads each to whole rows).
     updated = _shard_layout_of(cfg, model, world_size, ep).shard_numel if sharded else numel
+    cast = 0.0  # zero: the host's cast of the masters to 16 bits (m6.plan.offload_layouts)
     if hw.peak_tflops is None:
         update = cpu_update
     elif cfg.memory.offload != "none":
-        zero = cfg.memory.offload == ZERO  # 16-bit gradients in, 16-bit weights out (m6.plan.offload_layouts)
-        update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name,
-                                  half_grads=zero or cfg.memory.host_grad_dtype == "compute",
+        zero = cfg.memory.offload == ZERO
+        half_grads = cfg.memory.host_grad_dtype == "compute"
+        update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name, half_grads=half_grads,
                                   host=host.host_update_of(cfg), half_weights=zero)
+        if zero and cfg.optim.delayed_update:  # the cast runs at the catch-up, not in the background update
+            cast = max(0.0, update - host.host_step_s(facts.num_trainable, updated, cfg.optim.name,
+                                                      half_grads=half_grads, host=host.host_update_of(cfg)))
     else:
         update = 28.0 * updated / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0
@@ -743,7 +747,8 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
                            for p in model.blocks[i].parameters())
         # The delayed update's overlap is a GPU's: on a CPU device the update thread shares the cores.
         step = offload_step(cfg, numel, numel_exp, streamed, world_size, ep, compute, a2a + sync + small, update,
-                            copy_Bps, c, delayed=cfg.optim.delayed_update and hw.peak_tflops is not None)
+                            copy_Bps, c, delayed=cfg.optim.delayed_update and hw.peak_tflops is not None,
+                            cast_s=cast)
         return StepTime(compute, a2a, sync, step.offload, step.update, flops_mb * accum * world_size, small,
                         all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden, offload_hidden=step.offload_hidden,
                         update_hidden=step.update_hidden, copies=step.copies,

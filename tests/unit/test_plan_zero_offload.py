@@ -32,7 +32,8 @@ def _cfg(*extra: str) -> m6config.Config:
 def _host() -> HostProfile:
     """Host update rates as if probed on one thread (no probe runs in the test)."""
     host = HostProfile(threads=1, host_cores_per_gpu=4)
-    for key in (("adamw", "torch", False), ("adamw", "torch", True), ("adamw", "torch", True, True)):
+    for key in (("adamw", "torch", False), ("adamw", "torch", True), ("adamw", "torch", False, True),
+                ("adamw", "torch", True, True)):
         host._step_costs[key] = (1e-6, 4e-9)
     return host
 
@@ -46,28 +47,33 @@ def test_zero_holds_16_bit_weights_on_the_device_and_fp32_masters_on_the_host():
     cfg = _cfg()
     rm = RankMemory(cfg, 1, 1, "cuda")
     numel, blocks = rm.facts.numel, rm.facts.block_numels
-    zero = rm.report(_zero(cfg, 16))  # one micro-batch per step: every block resident
+    zero = rm.report(_zero(cfg, 16, host_grads="compute"))  # one micro-batch per step: every block resident
     fp32 = rm.report(apply_choice(cfg, 16, "none", "optimizer", 1, None, None, V100.precision, "none"))
     assert zero.device["params"] == 2 * numel == fp32.device["params"] / 2
     assert zero.device["grads"] == 0  # each leaves once final, nothing accumulates
     assert zero.peak_device < fp32.peak_device
     assert zero.host["params"] == 4 * numel and zero.host["grads"] == 2 * numel
     assert zero.host["optimizer state"] == fp32.host["optimizer state"]
-    assert zero.host[WEIGHT_STAGING] == 2 * 2 * numel  # the copy back's double buffer of one (the only) group
+    assert zero.host[WEIGHT_STAGING] == 2 * 2 * numel  # the copy back's two buffers (the rank is under 2^25)
+    assert rm.report(_zero(cfg, 16)).host["grads"] == 4 * numel  # fp32 host buffers
     # Blocks 0 and 1 streamed: their 16-bit weights live on the host, two blocks' worth on the device.
     streamed = rm.report(_zero(cfg, 16, blocks=[0, 1]))
     assert streamed.device["params"] == 2 * (numel - blocks[0] - blocks[1]) + 2 * (blocks[0] + blocks[1])
     streamed = rm.report(_zero(cfg, 16, blocks=[0, 1, 2], groups=4))
     assert streamed.device["params"] == 2 * (numel - sum(blocks[:3])) + 2 * max(blocks[0] + blocks[1],
                                                                                 blocks[1] + blocks[2])
-    assert streamed.host[WEIGHT_STAGING] == 2 * sum(blocks[:3]) + 2 * 2 * rm.facts.largest_group(4)
-    # Accumulation: the 16-bit gradients stay on the device until the last micro-batch.
-    accum = rm.report(_zero(cfg, 4))
+    assert streamed.host[WEIGHT_STAGING] == 2 * sum(blocks[:3]) + 2 * 2 * numel
+    # Accumulation: with 16-bit host gradients they stay on the device until the last micro-batch;
+    # with fp32 host buffers the unshared ones (at world 1 all) leave in every micro-batch.
+    accum = rm.report(_zero(cfg, 4, host_grads="compute"))
     assert accum.device["grads"] == 2 * numel and accum.peak_device > zero.peak_device - zero.device[
         "activations (per micro-batch)"]
-    # The delayed update: a second set of 16-bit host gradients for the next backward.
+    assert rm.report(_zero(cfg, 4)).device["grads"] == 0
+    # Two ranks replicating everything (EP 1): the shared gradients wait on the device in 16 bits.
+    assert RankMemory(cfg, 2, 1, "cuda").report(_zero(cfg, 4)).device["grads"] == 2 * numel
+    # The delayed update: a second set of host gradients for the next backward.
     delayed = rm.report(_zero(cfg, 16, delayed=True))
-    assert delayed.host["grads"] == 4 * numel and delayed.peak_host == zero.peak_host + 2 * numel
+    assert delayed.host["grads"] == 8 * numel and delayed.peak_host == rm.report(_zero(cfg, 16)).peak_host + 4 * numel
 
 
 def test_zero_moves_half_the_bytes_and_the_step_waits_only_for_what_compute_does_not_hide():
@@ -75,7 +81,7 @@ def test_zero_moves_half_the_bytes_and_the_step_waits_only_for_what_compute_does
     host = _host()
     rm = RankMemory(cfg, 1, 1, "cuda")
     numel, bps = rm.facts.numel, V100.pcie_GBps * 1e9
-    t = step_time(_zero(cfg, 16, groups=4), 1, 1, 8, V100, host, model=rm.model)
+    t = step_time(_zero(cfg, 16, groups=4, host_grads="compute"), 1, 1, 8, V100, host, model=rm.model)
     copies = {c.name: c for c in t.copies}
     assert copies["gradients out (16-bit)"].seconds == pytest.approx(2 * numel / bps)
     assert copies["weights back (16-bit)"].seconds == pytest.approx(2 * numel / bps)
@@ -96,7 +102,7 @@ def test_zero_moves_half_the_bytes_and_the_step_waits_only_for_what_compute_does
     assert fp32_back.seconds == pytest.approx(2 * back)
     # Streamed blocks: their 16-bit weights in twice per micro-batch (forward, backward).
     blocks = rm.facts.block_numels
-    s = step_time(_zero(cfg, 8, blocks=[0, 1]), 1, 1, 8, V100, host, model=rm.model)
+    s = step_time(_zero(cfg, 8, blocks=[0, 1], host_grads="compute"), 1, 1, 8, V100, host, model=rm.model)
     fetch = {c.name: c for c in s.copies}["streamed blocks' weights in (16-bit)"]
     assert fetch.seconds == pytest.approx(2 * 2 * (blocks[0] + blocks[1]) * 2 / bps)
     assert {c.name: c for c in s.copies}["weights back (16-bit)"].seconds == pytest.approx(
@@ -136,6 +142,19 @@ def test_the_delayed_update_overlaps_the_next_step_and_the_first_steps_stay_sync
                   model=rm.model)
     assert t.update > 0 and t.update_hidden > 0
     assert t.total < t.synchronous_total
+    if offload == ZERO:
+        # zero casts its masters to 16 bits at the catch-up, beside the copy back (the longer shows).
+        casting = _host()
+        casting._step_costs[("adamw", "torch", False, True)] = (1e-6, 4e-9 + 1e-3)
+        t = step_time(_zero(cfg, 4, offload=offload, delayed=True), 2, 2, 8, V100, casting, model=rm.model)
+        cast = casting.host_step_s(*_count(rm), "adamw", False, "torch", True) - casting.host_step_s(*_count(rm))
+        back = [c for c in t.copies if "back" in c.name][0]
+        assert cast > back.seconds and back.exposed == pytest.approx(cast)
+        assert t.update + t.update_hidden == pytest.approx(casting.host_step_s(*_count(rm)))
+
+
+def _count(rm: RankMemory) -> tuple[int, int]:
+    return len(rm.facts.params), rm.facts.numel
 
 
 def test_search_plans_zero_and_the_delayed_update_on_gpus_only():
@@ -145,11 +164,12 @@ def test_search_plans_zero_and_the_delayed_update_on_gpus_only():
     gpu = search(cfg, 1, 8, V100, _host(), 4096.0, delayed=(False, True), offload=PLANNED_OFFLOAD, **narrow).feasible
     layouts = {(c.offload, c.delayed_update) for c in gpu}
     assert {(ZERO, False), (ZERO, True), ("optimizer", True), ("optimizer+params", True)} <= layouts
-    # The delayed update with the fp32 layouts only with fp32 host gradients (a config error otherwise).
-    assert all(c.host_grad_dtype == "fp32" for c in gpu if c.delayed_update and c.offload != ZERO)
+    # The delayed update only with fp32 host gradients (a config error otherwise); zero with both.
+    assert all(c.host_grad_dtype == "fp32" for c in gpu if c.delayed_update)
+    assert {c.host_grad_dtype for c in gpu if c.offload == ZERO} == {"fp32", "compute"}
     zero = next(c for c in gpu if c.offload == ZERO and c.delayed_update)
-    assert {"memory.offload=zero", "memory.offload_blocks=[]", "optim.delayed_update=true"} <= set(zero.overrides())
-    assert not any(o.startswith("memory.host_grad_dtype") for o in zero.overrides())
+    assert {"memory.offload=zero", "memory.offload_blocks=[]", "optim.delayed_update=true",
+            "memory.host_grad_dtype=fp32"} <= set(zero.overrides())
     printed = describe(zero, 1, 8, cfg.optim.delayed_update_after)
     assert "offload zero (every block resident), delayed update (one step stale from step 41)" in printed
     assert "overlaps: " in printed and "steps 1-40 update synchronously" in printed
@@ -159,7 +179,8 @@ def test_search_plans_zero_and_the_delayed_update_on_gpus_only():
     half = rm.report(_zero(cfg, 16, blocks=[0, 1, 2])).peak_device
     assert half < rm.report(_zero(cfg, 16, blocks=[0, 1])).peak_device == rm.report(_zero(cfg, 16)).peak_device
     small = dataclasses.replace(V100, memory_gib=half / 0.9 / GiB * 1.0001)
-    zero_small = [c for c in search(cfg, 1, 8, small, _host(), 4096.0, offload=(ZERO,), **narrow).feasible]
+    zero_small = [c for c in search(cfg, 1, 8, small, _host(), 4096.0, offload=(ZERO,), **narrow).feasible
+                  if c.host_grad_dtype == "fp32"]
     assert zero_small and zero_small[0].offload_blocks == [0, 1, 2]
     # Not on a CPU device (no 16-bit weights apart from the host's; the update thread shares the cores)
     # nor without offload.
