@@ -2,7 +2,8 @@
 
     python -m m6.plan configs/m6-10t.yaml --gpus 512 --gpu-memory 80GB --gpus-per-node 8 --gpu h100 \\
         [--host-memory 1TB] [--host-cores-per-gpu 12] [--intra-node-GBps X --inter-node-GBps Y] [--top 5]
-        [--out plan.overrides]
+        [--out plan.overrides] [--shard config|any|...] [--delayed-update any|config|true|false]
+        [--offload-modes runnable|all]
 
 Every number printed is PREDICTED; the GPU figures rest on the assumptions printed with them.
 Layouts whose predictions are the same (settings the model says change nothing, such as the update
@@ -23,7 +24,9 @@ import time
 from m6 import config as m6config
 from m6.config_loader import ConfigError
 from m6.plan.mixed import describe_mixed, parse_inventory, plan_mixed, read_inventory
-from m6.plan.search import SHARD, Candidate, search
+from m6.plan.offload_layouts import DELAYED_ASSUMED, PLANNED_OFFLOAD, ZERO, ZERO_ASSUMED, runnable_offload_modes
+from m6.plan.search import DELAYED, SHARD, Candidate, search
+from m6.plan.step_breakdown import describe_overlaps, describe_streamed
 from m6.plan.sizes import parse_size
 from m6.plan.timing import GPUS, HostProfile, cpu_hardware
 
@@ -35,12 +38,14 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.2f}"
 
 
-def describe(c: Candidate, rank: int, ranks_per_node: int = 1) -> str:
+def describe(c: Candidate, rank: int, ranks_per_node: int = 1, delayed_after: int = 40) -> str:
+    """A layout's lines: its settings, the step by component, what overlaps what, its memory;
+    ``delayed_after``: optim.delayed_update_after (the synchronous steps before the delayed ones)."""
     t, mem = c.time, c.memory
     lines = [f"#{rank}  EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}"
              + (f" (budget {c.budget_gb:.2f} GiB)" if c.budget_gb is not None else "")
-             + f", offload {c.offload}"
-             + (f" (blocks {c.offload_blocks[0]}-{c.offload_blocks[-1]} streamed)" if c.offload_blocks else "")
+             + f", offload {c.offload}" + describe_streamed(c.offload, c.offload_blocks)
+             + (f", delayed update (one step stale from step {delayed_after + 1})" if c.delayed_update else "")
              + f", shard {c.shard}, apply_groups {c.apply_groups}, a2a {c.a2a_dtype or 'compute dtype'}"
              + (f", overlap {c.a2a_overlap_degree}, dispatch {c.a2a_dispatch}" if c.expert_parallel_size > 1 else "")
              + (f" (the same prediction with {'; '.join(c.equivalents)})" if c.equivalents else ""),
@@ -48,8 +53,10 @@ def describe(c: Candidate, rank: int, ranks_per_node: int = 1) -> str:
              f"all-to-all {t.all_to_all:.3f}" + (f" exposed ({t.all_to_all_hidden:.3f} hidden)" if t.all_to_all_hidden else "")
              + f" + grad sync {t.grad_sync:.3f}" + (f" exposed ({t.grad_sync_hidden:.3f} hidden)" if t.grad_sync_hidden else "")
              + " + small collectives "
-             f"{t.small_collectives:.3f} + offload {t.offload:.3f} + "
-             f"update {t.update:.3f}" + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
+             f"{t.small_collectives:.3f} + offload {t.offload:.3f}" + (" exposed" if t.offload_hidden else "")
+             + f" + update {t.update:.3f}" + (" exposed" if t.update_hidden else "")
+             + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
+             *describe_overlaps(t, delayed_after),
              f"    per-GPU device memory peak {_gib(mem.peak_device)} GiB: "
              + ", ".join(f"{k} {_gib(v)}" for k, v in mem.device.items() if v),
              f"    host memory per rank {_gib(mem.peak_host)} GiB, per node of {ranks_per_node} ranks "
@@ -113,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                         "8-GPU server); the update is timed here per core and divided by them")
     p.add_argument("--shard", choices=("config", "any", "none", "optimizer", "full"), default="config",
                    help="parallel.shard settings to consider: the config's (default), all three (any), or one")
+    p.add_argument("--delayed-update", choices=("any", "config", "true", "false"), default="any",
+                   help="optim.delayed_update settings to consider with offload on GPUs: both (any, the default), "
+                        "the config's, or one")
+    p.add_argument("--offload-modes", choices=("runnable", "all"), default="runnable",
+                   help="memory.offload settings to consider: those this checkout's train.py accepts (default), or "
+                        "all the planner models (" + ", ".join(PLANNED_OFFLOAD) + ")")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--out", default=None, metavar="FILE",
                    help="write the best layout's key=value lines to FILE (for train.py --overrides FILE); "
@@ -148,11 +161,16 @@ def main(argv: list[str] | None = None) -> int:
         profile = HostProfile(threads, concurrent=min(args.gpus, args.gpus_per_node) if args.gpu == "cpu" else 1,
                               host_cores_per_gpu=None if args.gpu == "cpu" else args.host_cores_per_gpu)
         shards = SHARD if args.shard == "any" else (cfg.parallel.shard if args.shard == "config" else args.shard,)
-        result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1, shard=shards)
+        delayed = DELAYED if args.delayed_update == "any" else \
+            (cfg.optim.delayed_update if args.delayed_update == "config" else args.delayed_update == "true",)
+        offload = PLANNED_OFFLOAD if args.offload_modes == "all" else runnable_offload_modes()
+        result = search(cfg, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1, shard=shards,
+                        delayed=delayed, offload=offload)
         first, changes = result, []
         for extra in memory_light_changes(cfg, result):
             lighter = m6config.load(args.config, [*args.overrides, *extra])
-            found = search(lighter, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1, shard=shards)
+            found = search(lighter, args.gpus, args.gpus_per_node, hw, profile, host_gib, args.cores or 1, shard=shards,
+                           delayed=delayed, offload=offload)
             if found.feasible:
                 cfg, result, changes = lighter, found, extra
                 break
@@ -173,15 +191,22 @@ def main(argv: list[str] | None = None) -> int:
         rates = ", ".join(f"{name} {ns:.2f} ns/parameter" for name, ns in profile.host_rates().items())
         assumed.append(f"offloaded host update: a per-core rate timed on this host (1 thread{': ' + rates if rates else ''}) "
                        f"x {args.host_cores_per_gpu} cores per GPU (--host-cores-per-gpu), scaling linearly")
+    shown = result.feasible[:args.top]
+    assumed += [ZERO_ASSUMED] if any(c.offload == ZERO for c in shown) else []
+    assumed += [DELAYED_ASSUMED] if any(c.delayed_update for c in shown) else []
     for note in profile.notes:
         print(f"NOTE: {note}")
+    unrunnable = sorted({c.offload for c in shown} - set(runnable_offload_modes()))
+    if unrunnable:
+        print(f"NOTE: memory.offload={', '.join(unrunnable)} is planned (--offload-modes all) but this checkout's "
+              "config does not accept it: train.py refuses the launch command below until its runtime is installed")
     if assumed:
         print("ASSUMED (not measured): " + "; ".join(assumed))
     if changes:
         print(f"NOTE: no layout fits with the config as given ({first.considered} layouts considered); these do with "
               f"{' '.join(changes)} (" + "; ".join(MEMORY_LIGHT_WHY[c.split('=')[0]] for c in changes) + ")")
     for i, c in enumerate(result.feasible[:args.top], 1):
-        print(describe(c, i, min(args.gpus, args.gpus_per_node)))
+        print(describe(c, i, min(args.gpus, args.gpus_per_node), cfg.optim.delayed_update_after))
     best = result.feasible[0]
     # The planning command's own overrides first: the layout's come after them and win, as they did in the search.
     overrides = [*args.overrides, *changes, *best.overrides()]

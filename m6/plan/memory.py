@@ -13,6 +13,7 @@ from m6.model.m6_model import M6Model
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.layout import build_layout
 from m6.parallel.plan import default_plan, keep_local_experts
+from m6.plan.offload_layouts import ZERO, zero_memory
 
 
 def rank_model(cfg: Config, world_size: int, expert_parallel_size: int, rank: int = 0,
@@ -37,8 +38,12 @@ class RankMemory:
         self.facts = ModelFacts(self.model)
 
     def report(self, cfg: Config) -> MemoryReport:
-        """m6.memory.estimate for ``cfg`` (its train/memory/optim/moe settings) at this layout."""
+        """m6.memory.estimate for ``cfg`` (its train/memory/optim/moe settings) at this layout;
+        memory.offload=zero: the planner's model of ZeRO-Offload's layout (m6.plan.offload_layouts)."""
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     expert_parallel_size=self.expert_parallel_size))
+        if cfg.memory.offload == ZERO:
+            return zero_memory(cfg, self.model, self.facts, self.no_decay, self.world_size,
+                               self.expert_parallel_size, self.device_type)
         return estimate_memory(cfg, self.model, self.no_decay, self.world_size, self.expert_parallel_size,
                                self.device_type, self.facts)

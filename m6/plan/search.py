@@ -1,8 +1,9 @@
 """Exhaustive search over the layouts m6 can run: EP size, micro-batch x accumulation, recompute,
-offload, optim.apply_groups, the all-to-all dtype and (GPUs, EP > 1) its overlap degree;
-infeasible ones dropped, the rest ranked by predicted tokens/s, layouts that differ only in
-settings the predictions do not see (the update's groups, the all-to-all dtype where it is the
-compute dtype, an auto recompute budget that holds every activation) collapsed into the simplest."""
+offload (ZeRO-Offload's layout, zero, among them), the delayed update, optim.apply_groups, the
+all-to-all dtype and (GPUs, EP > 1) its overlap degree; infeasible ones dropped, the rest ranked
+by predicted tokens/s, layouts that differ only in settings the predictions do not see (the
+update's groups, the all-to-all dtype where it is the compute dtype, an auto recompute budget that
+holds every activation) collapsed into the simplest."""
 
 from __future__ import annotations
 
@@ -15,10 +16,16 @@ from m6.config import Config, num_patches
 from m6.memory.estimate import MemoryReport
 from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.plan.memory import RankMemory
+from m6.plan.offload_layouts import ZERO, runnable_offload_modes
 from m6.plan.timing import Hardware, HostProfile, StepTime, step_time
 
 RECOMPUTE = ("none", "auto", "full")
-OFFLOAD = ("none", "optimizer", "optimizer+params")
+# memory.offload settings searched: those m6.config accepts (zero, ZeRO-Offload's layout, on GPUs with
+# a 16-bit compute dtype, unsharded, once its runtime is there); PLANNED_OFFLOAD: all the planner models.
+OFFLOAD = runnable_offload_modes()
+# optim.delayed_update (GPUs, unsharded offload; with fp32 host gradients in the fp32 layouts).
+# search() tries the synchronous update unless asked; the CLI asks for both (--delayed-update).
+DELAYED = (False, True)
 SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding, offload none or (GPUs) optimizer+params
 APPLY_GROUPS = (1, 2, 4, 8)
 # With offload the update's temporaries are host memory, shared by a node's ranks: finer groups too.
@@ -46,8 +53,9 @@ class Candidate:
     shard: str = "none"  # parallel.shard
     a2a_overlap_degree: Union[int, str] = 1  # model.moe.a2a_overlap_degree
     a2a_dispatch: str = "flat"  # model.moe.a2a_dispatch
-    offload_blocks: Optional[list[int]] = None  # memory.offload_blocks (None: all, with optimizer+params)
+    offload_blocks: Optional[list[int]] = None  # memory.offload_blocks (None: all, with optimizer+params; zero: a list)
     host_grad_dtype: str = "fp32"  # memory.host_grad_dtype
+    delayed_update: bool = False  # optim.delayed_update
     # Settings of layouts with this one's predictions, collapsed into it: setting -> their values.
     equivalents_by_setting: dict[str, list[str]] = field(default_factory=dict)
 
@@ -65,7 +73,7 @@ class Candidate:
         """Everything but the free settings (_free_settings), and every prediction: equal keys are
         layouts the planner cannot tell apart."""
         mem = self.memory
-        return (self.expert_parallel_size, self.micro_batch, self.offload, self.shard,
+        return (self.expert_parallel_size, self.micro_batch, self.offload, self.shard, self.delayed_update,
                 str(self.a2a_overlap_degree), self.a2a_dispatch,
                 tuple(self.offload_blocks or ()), dataclasses.astuple(self.time), self.tokens_per_s,
                 mem.peak_device, mem.peak_host, mem.peak_shared, tuple(sorted(mem.device.items())),
@@ -93,27 +101,33 @@ class Candidate:
             out.append(f"memory.offload_blocks=[{','.join(map(str, self.offload_blocks))}]")
         if self.offload != "none" and self.shard == "none":
             out.append(f"memory.host_grad_dtype={self.host_grad_dtype}")
+        if self.delayed_update:
+            out.append("optim.delayed_update=true")
         return out
 
 
 def apply_choice(cfg: Config, micro_batch: int, recompute: str, offload: str, groups: int,
                  a2a: Optional[str], budget_gb: Optional[float], precision: str, shard: Optional[str] = None,
                  overlap: Optional[int] = None, dispatch: Optional[str] = None,
-                 offload_blocks: Optional[list[int]] = None, host_grads: str = "fp32") -> Config:
+                 offload_blocks: Optional[list[int]] = None, host_grads: str = "fp32", delayed: bool = False) -> Config:
     """``cfg`` with one candidate's settings (the config sections it touches replaced; ``shard``,
     ``overlap`` and ``dispatch`` None keep cfg's parallel.shard, model.moe.a2a_overlap_degree and
-    model.moe.a2a_dispatch; ``offload_blocks`` None: every block streams with optimizer+params;
-    ``host_grads``: memory.host_grad_dtype, with offload)."""
+    model.moe.a2a_dispatch; ``offload_blocks`` None: every block streams with optimizer+params,
+    none with zero; ``host_grads``: memory.host_grad_dtype, with offload; ``delayed``:
+    optim.delayed_update)."""
+    if offload == ZERO and offload_blocks is None:
+        offload_blocks = []
     return dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, shard=shard or cfg.parallel.shard),
         train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch, precision=precision),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing=recompute, offload=offload,
-                                   offload_blocks="all" if offload_blocks is None or offload != "optimizer+params"
-                                   else offload_blocks,
+                                   offload_blocks="all" if offload_blocks is None
+                                   or offload not in ("optimizer+params", ZERO) else offload_blocks,
                                    host_grad_dtype=host_grads if offload != "none" else "fp32",
                                    activation_budget_gb=budget_gb if recompute == "auto" else None,
                                    activation_budget_fraction=None),
-        optim=dataclasses.replace(cfg.optim, apply_groups=groups),
+        optim=dataclasses.replace(cfg.optim, apply_groups=groups, delayed_update=delayed and offload != "none",
+                                  delayed_update_after=cfg.optim.delayed_update_after),
         model=dataclasses.replace(cfg.model, moe=dataclasses.replace(
             cfg.model.moe, a2a_dtype=a2a,
             a2a_overlap_degree=cfg.model.moe.a2a_overlap_degree if overlap is None else overlap,
@@ -138,9 +152,10 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
            recompute: tuple[str, ...] = RECOMPUTE, offload: tuple[str, ...] = OFFLOAD,
            apply_groups: tuple[int, ...] = APPLY_GROUPS, a2a: tuple[Optional[str], ...] = (None, "bf16"),
            micro_batches: Optional[list[int]] = None, shard: tuple[str, ...] = SHARD,
-           overlap: tuple[int, ...] = OVERLAP) -> SearchResult:
+           overlap: tuple[int, ...] = OVERLAP, delayed: tuple[bool, ...] = (False,)) -> SearchResult:
     """Every combination; the ones whose device peak fits hw.memory_gib and host peak (all ranks
-    of a node) fits ``host_memory_gib``, fastest first."""
+    of a node) fits ``host_memory_gib``, fastest first. ``delayed``: the optim.delayed_update
+    settings to try."""
     E = cfg.model.moe.num_experts
     per_rank = cfg.train.global_batch_size // world_size
     eps = eps or [d for d in divisors(world_size) if E % d == 0]
@@ -151,15 +166,24 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
     feasible, smallest, considered, fitting = [], None, 0, 0
     for ep in eps:
         rm = RankMemory(cfg, world_size, ep, "cpu" if hw.peak_tflops is None else "cuda")
-        for mb, rc, off, groups, wire, sh, hg in itertools.product(micro_batches, recompute, offload,
-                                                                   (*apply_groups, *OFFLOAD_APPLY_GROUPS), a2a,
-                                                                   shard, HOST_GRADS):
+        for mb, rc, off, groups, wire, sh, hg, dl in itertools.product(micro_batches, recompute, offload,
+                                                                       (*apply_groups, *OFFLOAD_APPLY_GROUPS), a2a,
+                                                                       shard, HOST_GRADS, delayed):
             if wire is not None and ep == 1:
                 continue  # no all-to-all to compress
             if groups in OFFLOAD_APPLY_GROUPS and (off == "none" or apply_groups != APPLY_GROUPS):
                 continue
+            if off == ZERO:
+                # ZeRO-Offload's layout: 16-bit weights on a GPU, unsharded; host gradients fp32 or
+                # 16-bit (with accumulation these add up on the device in 16 bits).
+                if hw.peak_tflops is None or hw.precision == "fp32" or sh != "none":
+                    continue
             # 16-bit host gradients: m6's own offload, one micro-batch per step, a 16-bit compute dtype.
-            if hg != "fp32" and (off == "none" or sh != "none" or mb != per_rank or hw.precision == "fp32"):
+            elif hg != "fp32" and (off == "none" or sh != "none" or mb != per_rank or hw.precision == "fp32"):
+                continue
+            # The delayed update: m6's unsharded offload on a GPU, with fp32 host gradients (the
+            # double-buffered ones it runs on; a config error otherwise).
+            if dl and (off == "none" or sh != "none" or hw.peak_tflops is None or hg != "fp32"):
                 continue
             # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params), on a
             # GPU (on a CPU host it moves nothing); not with auto recompute (a config error);
@@ -168,19 +192,31 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                                  or rc == "auto" or world_size == 1):
                 continue
             budget = None
-            trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, host_grads=hg)
+            trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, host_grads=hg, delayed=dl)
             if rc == "auto":
                 # The budget: what the device has left after the step's other memory (half the
                 # no-recompute activations when that is less: auto between none and full).
                 none = rm.report(apply_choice(cfg, mb, "none", off, groups, wire, None, hw.precision, sh,
-                                              host_grads=hg))
+                                              host_grads=hg, delayed=dl))
                 spare = limit - (none.peak_device - none.device["activations (per micro-batch)"])
                 budget = max(min(0.95 * spare, none.device["activations (per micro-batch)"]), 2**20) / 2**30
-                trial = apply_choice(cfg, mb, rc, off, groups, wire, budget, hw.precision, sh, host_grads=hg)
+                trial = apply_choice(cfg, mb, rc, off, groups, wire, budget, hw.precision, sh, host_grads=hg,
+                                     delayed=dl)
+            elif off == ZERO:
+                # ZeRO-Offload's layout keeps every block's 16-bit weights on the device that fit
+                # (with auto recompute all of them, the budget taking the rest), streaming the
+                # first ones the device cannot keep, as memory.offload_blocks=auto would pick them.
+                def zero_peak(streamed: list[int]) -> float:
+                    return rm.report(apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh,
+                                                  offload_blocks=streamed, host_grads=hg, delayed=dl)).peak_device
+                trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, host_grads=hg, delayed=dl,
+                                     offload_blocks=blocks_to_stream(len(rm.model.blocks), zero_peak,
+                                                                     AUTO_MEMORY_FRACTION * limit))
             considered += 1
             mem = rm.report(trial)
             cand = Candidate(ep, mb, rc, off, groups, wire, mem, None, 0.0, None, budget, shard=sh,  # type: ignore[arg-type]
-                             host_grad_dtype=hg if off != "none" else "fp32")
+                             host_grad_dtype=hg if off != "none" else "fp32", delayed_update=dl,
+                             offload_blocks=list(trial.memory.offload_blocks) if off == ZERO else None)
             cand.shortfall = max(mem.peak_device / limit, mem.peak_host * ranks_per_node / (host_memory_gib * 2**30))
             if smallest is None or cand.shortfall < smallest.shortfall:
                 smallest = cand
@@ -192,11 +228,11 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 # memory.offload_blocks=auto picks at start-up, as an explicit list), the rest resident.
                 def peak(streamed: list[int]) -> float:
                     return rm.report(apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh,
-                                                  offload_blocks=streamed, host_grads=hg)).peak_device
+                                                  offload_blocks=streamed, host_grads=hg, delayed=dl)).peak_device
                 streamed = blocks_to_stream(len(rm.model.blocks), peak, AUTO_MEMORY_FRACTION * limit)
                 if 0 < len(streamed) < len(rm.model.blocks):
                     trial = apply_choice(cfg, mb, rc, off, groups, wire, None, hw.precision, sh, offload_blocks=streamed,
-                                         host_grads=hg)
+                                         host_grads=hg, delayed=dl)
                     cand.memory, cand.offload_blocks = rm.report(trial), streamed
             # The exchange's form changes only the time (not the memory estimate): each overlap
             # degree a candidate, of the flat exchange and, where the expert-parallel group spans
@@ -210,7 +246,7 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 timed = dataclasses.replace(cand)
                 timed.a2a_overlap_degree, timed.a2a_dispatch = degree, dispatch
                 run = apply_choice(trial, mb, rc, off, groups, wire, budget, hw.precision, sh, degree, dispatch,
-                                   cand.offload_blocks, host_grads=hg)
+                                   cand.offload_blocks, host_grads=hg, delayed=dl)
                 timed.time = step_time(run, world_size, ep, gpus_per_node, hw, host, cores, rm.model)
                 timed.tokens_per_s = tokens / timed.time.total
                 if hw.peak_tflops:

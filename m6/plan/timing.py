@@ -87,6 +87,7 @@ from m6.parallel.grad_sync import clip_coefficient, clip_grad_norm, global_grad_
 from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.host_update import HOST_UPDATE_NAMES, probe_optimizer, resolve_host_update
 from m6.plan.memory import rank_model
+from m6.plan.offload_layouts import ZERO, Copy, offload_step, streamed_blocks
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,11 @@ class StepTime:
     small_collectives: float = 0.0
     all_to_all_hidden: float = 0.0  # behind the expert compute (model.moe.a2a_overlap_degree > 1)
     grad_sync_hidden: float = 0.0  # behind the last micro-batch's backward (GPUs)
+    offload_hidden: float = 0.0  # host<->device copies beside compute or the host update
+    update_hidden: float = 0.0  # host update behind the next step's forward/backward (optim.delayed_update)
+    copies: tuple[Copy, ...] = ()  # the offloaded layout's copies, each with its exposed seconds
+    # optim.delayed_update: the step of the first delayed_update_after steps, which update synchronously
+    synchronous_total: Optional[float] = None
 
     @property
     def total(self) -> float:
@@ -458,11 +464,12 @@ class HostProfile:
     def host_rates(self) -> dict[str, float]:
         """What the offloaded update was timed on so far: its name -> ns per parameter on one core
         (the per-element cost of the probe)."""
-        return {HOST_UPDATE_NAMES[(k[0], k[1])] + (" (16-bit host gradients)" if k[2] else ""): v[1] * 1e9
+        return {HOST_UPDATE_NAMES[(k[0], k[1])] + (" (16-bit gradients in, 16-bit weights out: zero)" if len(k) > 3
+                                                   else " (16-bit host gradients)" if k[2] else ""): v[1] * 1e9
                 for k, v in self._step_costs.items()}
 
     def host_step_s(self, num_tensors: int, numel: int, optimizer: str = "adamw", half_grads: bool = False,
-                    host: str = "torch") -> float:
+                    host: str = "torch", half_weights: bool = False) -> float:
         """Seconds of the host's clip + foreach ``optimizer`` step over ``num_tensors`` tensors
         holding ``numel`` elements: a per-element and a per-tensor cost, fitted to two measured
         shapes (8 tensors of 512K elements; 512 of 1K), since a real model's many small tensors
@@ -470,14 +477,16 @@ class HostProfile:
         ``host_cores_per_gpu``: timed on one thread, divided by the cores. ``half_grads``: the
         gradients are 16-bit host buffers (memory.host_grad_dtype=compute), their norm taken from
         them and each read back in fp32 before the step. ``host``: which implementation runs
-        ``optimizer`` (host_update_of: torch's, DeepSpeed's CPU Adam, m6's C++ Adafactor)."""
-        key = (optimizer, host, half_grads)
+        ``optimizer`` (host_update_of: torch's, DeepSpeed's CPU Adam, m6's C++ Adafactor).
+        ``half_weights`` (memory.offload=zero): each updated fp32 master is also copied out into
+        its 16-bit staging buffer (what goes back to the device)."""
+        key = (optimizer, host, half_grads) + ((True,) if half_weights else ())
         if key not in self._step_costs:
             previous = torch.get_num_threads()
             torch.set_num_threads(1 if self.host_cores_per_gpu else self.threads)
             try:
-                big = self._time_host_update(8, 2**19, optimizer, half_grads, host)
-                small = self._time_host_update(512, 2**10, optimizer, half_grads, host)
+                big = self._time_host_update(8, 2**19, optimizer, half_grads, host, half_weights)
+                small = self._time_host_update(512, 2**10, optimizer, half_grads, host, half_weights)
             finally:
                 torch.set_num_threads(previous)
             # big = 8 a + 8*2^19 b ; small = 512 a + 512*2^10 b
@@ -490,26 +499,35 @@ class HostProfile:
 
     @staticmethod
     def _time_host_update(num_tensors: int, size: int, optimizer: str = "adamw", half_grads: bool = False,
-                          host: str = "torch") -> float:
+                          host: str = "torch", half_weights: bool = False) -> float:
         """Median of 3 (after one warm-up) host steps as the run makes them: m6's own gradient
         clipping (a norm per tensor) and a foreach AdamW (or Adafactor) step. Adafactor's state is
         factored per matrix: the tensors are timed as 512-row matrices. ``half_grads``: the norm
-        from bf16 buffers, each read back in fp32 (times the clip) before the step."""
+        from bf16 buffers, each read back in fp32 (times the clip) before the step. ``half_weights``:
+        each master then copied into a bf16 buffer (the zero layout's weights going back).
+
+        Timed in the process's CPU seconds, not wall time: the probe runs on one thread (the
+        per-core rate), and on a shared planning host the wall clock also counts the time the
+        thread waits for a core (under a load of 13 on 2 cores, 1.4-4x its CPU time); the
+        CPU time keeps what the cores do, memory stalls included."""
         shape = (512, size // 512) if optimizer == "adafactor" and size >= 512 * 2 else (size,)
         params = [torch.zeros(shape, requires_grad=True) for _ in range(num_tensors)]
         halves = [torch.randn(shape).to(torch.bfloat16) for _ in params] if half_grads else []
+        staged = [torch.empty(shape, dtype=torch.bfloat16) for _ in params] if half_weights else []
         for p in params:
             p.grad = torch.randn_like(p)
         opt = probe_optimizer(params, optimizer, host)
         times = []
         for _ in range(4):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             if half_grads:
                 _clip_from_half_grads(params, halves)
             else:
                 clip_grad_norm(params, [], 1.0)
             opt.step()
-            times.append(time.perf_counter() - t0)
+            for w, p in zip(staged, params):
+                w.copy_(p.detach())
+            times.append(time.process_time() - t0)
         return statistics.median(times[1:])
 
 
@@ -674,9 +692,10 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         sync = sharded_sync_s(cfg, model, world_size, ep, gpus_per_node, hw)
     all_reduced = ((numel_rep, world_size), (numel_exp, world_size // ep)) if cfg.parallel.shard == "none" else ()
     last_bucket = 0.0
+    grad_bytes = c if cfg.memory.offload == ZERO else 4.0  # zero: the 16-bit weights' 16-bit gradients
     for numel, n in all_reduced:
         if n > 1 and numel:
-            nbytes = 4.0 * numel
+            nbytes = grad_bytes * numel
             sync += 2 * (n - 1) / n * (_exchange_s(nbytes, hw, n, gpus_per_node) - hw.latency_s) \
                 + hw.latency_s * max(1, round(nbytes / bucket))
             last_bucket = max(last_bucket, 2 * (n - 1) / n * (_exchange_s(min(nbytes, bucket), hw, n, gpus_per_node)
@@ -698,11 +717,17 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     sharded = cfg.parallel.shard != "none"
     # Sharded, the update runs over this rank's shards only (FSDP2 pads each to whole rows).
     updated = _shard_layout_of(cfg, model, world_size, ep).shard_numel if sharded else numel
+    cast = 0.0  # zero: the host's cast of the masters to 16 bits (m6.plan.offload_layouts)
     if hw.peak_tflops is None:
         update = cpu_update
     elif cfg.memory.offload != "none":
-        update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name,
-                                  half_grads=cfg.memory.host_grad_dtype == "compute", host=host.host_update_of(cfg))
+        zero = cfg.memory.offload == ZERO
+        half_grads = cfg.memory.host_grad_dtype == "compute"
+        update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name, half_grads=half_grads,
+                                  host=host.host_update_of(cfg), half_weights=zero)
+        if zero and cfg.optim.delayed_update:  # the cast runs at the catch-up, not in the background update
+            cast = max(0.0, update - host.host_step_s(facts.num_trainable, updated, cfg.optim.name,
+                                                      half_grads=half_grads, host=host.host_update_of(cfg)))
     else:
         update = 28.0 * updated / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0
@@ -716,19 +741,19 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         offload = max(0.0, 4.0 * updated * (gathers + 1) / copy_Bps - compute)
     elif cfg.memory.offload != "none":
         copy_Bps = (hw.pcie_GBps if hw.pcie_GBps else 10.0) * 1e9
-        # Gradients out: the unshared ones (the experts at EP = world, everything at world 1) in
-        # every micro-batch, the shared ones once after their all-reduce; all during backward.
-        local = numel if world_size == 1 else (numel_exp if world_size // ep == 1 else 0)
-        grad_bytes = 2.0 if cfg.memory.host_grad_dtype == "compute" and cfg.train.precision != "fp32" else 4.0
-        during_compute = grad_bytes * (local * accum + numel - local)
-        if cfg.memory.offload == "optimizer+params":
-            chosen = cfg.memory.offload_blocks  # auto: counted as all (the most the run may stream)
-            blocks = [model.blocks[i] for i in chosen] if isinstance(chosen, list) else model.blocks
-            streamed = sum(p.numel() for b in blocks for p in b.parameters())
-            during_compute += 2 * 4.0 * streamed * accum  # fetched for forward and for backward, prefetched
-        back = 4.0 * numel / copy_Bps  # new weights, group by group while the next group updates
-        groups = max(1, cfg.optim.apply_groups)
-        offload = max(0.0, during_compute / copy_Bps - compute) + max(back / groups, back - update * (groups - 1) / groups)
+        streamed = 0
+        if cfg.memory.offload in ("optimizer+params", ZERO):
+            streamed = sum(p.numel() for i in streamed_blocks(cfg, len(model.blocks))
+                           for p in model.blocks[i].parameters())
+        # The delayed update's overlap is a GPU's: on a CPU device the update thread shares the cores.
+        step = offload_step(cfg, numel, numel_exp, streamed, world_size, ep, compute, a2a + sync + small, update,
+                            copy_Bps, c, delayed=cfg.optim.delayed_update and hw.peak_tflops is not None,
+                            cast_s=cast)
+        return StepTime(compute, a2a, sync, step.offload, step.update, flops_mb * accum * world_size, small,
+                        all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden, offload_hidden=step.offload_hidden,
+                        update_hidden=step.update_hidden, copies=step.copies,
+                        synchronous_total=None if step.synchronous_total_extra is None
+                        else compute + a2a + sync + small + step.synchronous_total_extra)
     return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small,
                     all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden)
 

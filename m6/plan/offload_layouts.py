@@ -1,0 +1,233 @@
+"""The planner's model of the offloaded layouts' bytes and copies: ZeRO-Offload's layout
+(``memory.offload: zero``) beside m6's fp32 ones (``optimizer``, ``optimizer+params``), and what
+each copy overlaps, with and without the delayed update (``optim.delayed_update``).
+
+zero (ZeRO-Offload's layout, PREDICTED; c = the compute dtype's bytes, 2):
+  device  c B per resident parameter (the blocks not in ``memory.offload_blocks``; the streamed
+          ones: the two adjacent blocks in use, as optimizer+params), the 16-bit gradients while
+          they are on the device: at one micro-batch per step each leaves once final (a gradient
+          other ranks share once its bucket's all-reduce is done: the backward walk of
+          m6.memory.estimate, its buckets and gradients at c bytes); with accumulation those that
+          wait add up on the device in 16 bits (a 16-bit weight's .grad is 16-bit): every one
+          with 16-bit host gradients (memory.host_grad_dtype=compute: they leave once, in the last
+          micro-batch), the shared ones with fp32 host buffers (the others leave in every
+          micro-batch, widened to fp32 on the device one at a time, and are summed on the host).
+  host    4 B fp32 master + the optimizer's state (m6.memory.estimate.optimizer_state_sizes) + the
+          gradients' pinned host buffers, 4 B (fp32) or c B (compute) per parameter (twice with
+          the delayed update: the next backward streams into a second set) + pinned 16-bit weight
+          staging: the streamed blocks' 16-bit homes (what their forward and backward fetch) and
+          the copy back's two 16-bit buffers of at most 2^25 elements + the update's temporaries
+          (with 16-bit host gradients one update group's read back in fp32; torch's foreach
+          optimizers' own) + the checkpoint staging copy (checkpoint.async_save), as the fp32
+          layouts.
+  copies  gradients device -> host: 16-bit ones once per step (as their buckets are final, during
+          the last micro-batch's backward); fp32 buffers receive 4 B per parameter, the unshared
+          gradients in every micro-batch; the streamed blocks' 16-bit weights host -> device twice
+          per micro-batch (forward and backward, the next block prefetched); after the host update
+          the resident blocks' 16-bit weights host -> device once, each group cast to 16 bits on
+          the host first. All on CUDA copy streams beside
+          compute, over one PCIe link (ASSUMED, as for the fp32 layouts: the two directions share
+          the PCIe figure): the gradients hide behind the last backward (2/3 of its micro-batch's
+          compute) except the last bucket's copy, the fetches and gradients together behind the
+          step's compute, what exceeds either shows.
+
+The host update and its copy back (every offloaded layout):
+  synchronous  the update runs after the device's step (clip, agree, update), the weights going
+          back group by group (``optim.apply_groups``) while the next group updates: the last
+          group's copy, or what exceeds the update, shows.
+  delayed (``optim.delayed_update``, GPUs, fp32 host gradients; m6.memory.delayed_update) step
+          t's host update runs while step t+1's forward/backward run on the device; the device
+          waits for it after its backward, then for the whole copy back of the new weights (the
+          device's own weights are in use until that backward ends, so nothing is copied earlier;
+          zero casts its masters to 16 bits then too, chunk by chunk beside the copy: the longer
+          of the two), then launches step
+          t+1's update: a step is max(device phase, host update) + the copy back, where the
+          device phase is compute + exposed all-to-all + exposed gradient sync + small collectives
+          + the copies during compute that show. ASSUMED: the update's host cores are not slowed
+          by the training thread nor by the next step's gradient copies into host memory. The
+          first ``optim.delayed_update_after`` steps run synchronously (their step time is the
+          synchronous one, printed beside).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import nn
+
+from m6.config import Config, MemoryConfig, accumulation_steps
+from m6.memory.estimate import (MemoryReport, ModelFacts, activation_report, compute_bytes, kept_activations,
+                                optimizer_state_sizes, recomputed_parts, staging_bytes)
+
+ZERO = "zero"
+FP32_LAYOUTS = ("optimizer", "optimizer+params")  # m6's offload of fp32 weights (m6.memory.offload)
+PLANNED_OFFLOAD = ("none", *FP32_LAYOUTS, ZERO)  # every memory.offload the planner models
+WEIGHT_STAGING = "16-bit weight staging"  # the zero layout's pinned host homes and copy-back buffers
+STAGING_CHUNK = 2**25  # elements of each of the copy back's two pinned 16-bit buffers (m6.memory.half_weight_push)
+# What the printed plan names as ASSUMED when it shows these layouts (see the module docstring).
+ZERO_ASSUMED = ("zero: copies on CUDA copy streams beside compute, both directions sharing the PCIe figure; "
+                "with accumulation the 16-bit gradients summed on the device")
+DELAYED_ASSUMED = ("delayed update: the host update runs beside the next step's forward/backward unslowed by it, "
+                   "the weights copied back after both")
+
+
+def runnable_offload_modes() -> tuple[str, ...]:
+    """The memory.offload settings this checkout's config accepts (train.py runs them): the planner
+    models zero whether or not the runtime that trains it is installed, and proposes it only where
+    it is (or when asked: ``python -m m6.plan --offload-modes all``)."""
+    accepted = typing.get_args(typing.get_type_hints(MemoryConfig)["offload"])
+    return tuple(m for m in PLANNED_OFFLOAD if m in accepted)
+
+
+def streamed_blocks(cfg: Config, num_blocks: int) -> list[int]:
+    """The blocks whose weights live on the host and stream in (memory.offload_blocks; all: every
+    one; auto counted as all, the least the device can hold)."""
+    chosen = cfg.memory.offload_blocks
+    return sorted(chosen) if isinstance(chosen, list) else list(range(num_blocks))
+
+
+def _window(sizes: list[int]) -> int:
+    """Elements of the two adjacent streamed blocks on the device at once (running + prefetched)."""
+    return sum(sizes) if len(sizes) < 2 else max(a + b for a, b in zip(sizes, sizes[1:]))
+
+
+def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[int], world_size: int, ep: int,
+                device_type: str = "cuda") -> MemoryReport:
+    """Device and host bytes of one rank in ZeRO-Offload's layout (see the module docstring),
+    named as m6.memory.estimate names its components; the peaks taken as it takes them.
+    ``no_decay``: the ids of the optimizer's no-decay parameters (a foreach call per group)."""
+    c = compute_bytes(cfg, device_type)
+    numel = facts.numel
+    accum = accumulation_steps(cfg.train, world_size)
+    acts = activation_report(cfg, world_size, ep, device_type)
+    chosen = recomputed_parts(cfg, acts)
+    kept, redo = kept_activations(cfg, acts)
+    # The walk lays buckets out by fp32 bytes: a 16-bit bucket of bucket_size_mb holds 4/c as many
+    # elements, and every gradient and bucket it sums weighs c/4 of its fp32 bytes.
+    scale = c / 4.0
+    walk = facts.walk(world_size, ep, cfg.parallel.bucket_size_mb * 2**20 / scale)
+    buckets = scale * walk.most_in_flight()
+    sizes = [facts.block_numels[i] for i in streamed_blocks(cfg, len(facts.block_numels))]
+    params = float(c * (numel - sum(sizes) + _window(sizes)))
+    half_grads = cfg.memory.host_grad_dtype == "compute"
+    # With accumulation the gradients that wait add up on the device in 16 bits (a 16-bit weight's
+    # .grad is 16-bit): all of them with 16-bit host gradients (they leave once, in the last
+    # backward); with fp32 host buffers only the shared ones (the others leave in every
+    # micro-batch and are summed on the host in fp32).
+    edp = world_size // ep
+    local = sum(p.numel() for p in facts.params
+                if world_size == 1 or (id(p) in facts.expert_ids and edp == 1))
+    held = float(c * (numel if half_grads else numel - local)) if accum > 1 else 0.0
+    # One gradient being written and copied: fp32 host buffers widen it to fp32 on the device first.
+    largest = (c if half_grads else 4) * max((p.numel() for p in facts.params), default=0)
+    transient = max(acts.a2a_buffers, acts.backward_transient, redo, largest)
+    by_unit = {unit: b / scale for unit, b in acts.kept_by_unit(chosen).items()}
+    backward = held + transient + scale * walk.peak(by_unit, grads_made=accum == 1, offloaded=True)
+    device = {"params": params, "grads": held, "activations (per micro-batch)": kept,
+              "all-to-all buffers": acts.a2a_buffers,
+              "backward transients": max(acts.backward_transient, redo, largest), "gradient-sync buckets": buckets}
+    group = facts.largest_group(cfg.optim.apply_groups)
+    foreach = 0.0 if cfg.memory.host_optimizer == "deepspeed" else \
+        4.0 * facts.largest_call(cfg.optim.apply_groups, no_decay)
+    host = {"params": 4.0 * numel,
+            "grads": float((c if half_grads else 4) * numel) * (2 if cfg.optim.delayed_update else 1),
+            "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
+            WEIGHT_STAGING: float(c * sum(sizes) + 2 * c * min(numel, STAGING_CHUNK)),
+            "optimizer step temporaries": foreach + (4.0 * group if half_grads else 0.0)}
+    staging = staging_bytes(cfg, model, facts.params, facts.state_sizes)
+    if staging:
+        host["checkpoint staging"] = staging
+    peak_device = params + max(backward, held + buckets)
+    peak_host = sum(host.values())
+    return MemoryReport(device=device, host=host, peak_device=peak_device, peak_host=peak_host,
+                        peak_shared=peak_device + peak_host)
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One host<->device copy of a step: its seconds over the link and those the step waits for."""
+
+    name: str
+    seconds: float
+    exposed: float
+
+
+@dataclass(frozen=True)
+class OffloadStep:
+    """The offloaded layout's share of a step: copies and host update, exposed and overlapped."""
+
+    offload: float  # copies the step waits for
+    offload_hidden: float  # copies beside compute or the update
+    update: float  # host update the step waits for
+    update_hidden: float  # host update behind the next step's forward/backward (delayed)
+    copies: tuple[Copy, ...]
+    synchronous_total_extra: Optional[float] = None  # delayed: offload + update of the first, synchronous steps
+
+
+def _copy_back_exposed(back_s: float, update_s: float, groups: int) -> float:
+    """The weights going back group by group while the next group updates: the last group's copy,
+    or what exceeds the update."""
+    return max(back_s / groups, back_s - update_s * (groups - 1) / groups)
+
+
+def offload_step(cfg: Config, numel: int, numel_exp: int, streamed: int, world_size: int, ep: int,
+                 compute_s: float, device_other_s: float, update_s: float, copy_Bps: float,
+                 c: int, delayed: bool = False, cast_s: float = 0.0) -> OffloadStep:
+    """Copies and host update of an unsharded offloaded step (memory.offload optimizer,
+    optimizer+params or zero), see the module docstring. ``numel``: the rank's trainable elements,
+    ``numel_exp`` of them experts; ``streamed``: the streamed blocks' elements (0 for optimizer);
+    ``compute_s``: forward+backward of all micro-batches; ``device_other_s``: the rest of the
+    device phase (exposed all-to-all, gradient sync, small collectives); ``update_s``: the host
+    update; ``c``: the compute dtype's bytes; ``delayed``: the update overlaps the next step
+    (optim.delayed_update on a GPU); ``cast_s`` (zero): the host's cast of the masters to 16 bits,
+    part of ``update_s`` when synchronous, done at the catch-up when delayed."""
+    accum = accumulation_steps(cfg.train, world_size)
+    groups = max(1, cfg.optim.apply_groups)
+    if cfg.memory.offload == ZERO:
+        if cfg.memory.host_grad_dtype == "compute":
+            grads, window = c * numel / copy_Bps, 2 / 3 * compute_s / accum  # once, in the last backward
+        else:  # fp32 buffers: the unshared gradients in every backward, widened to 4 B
+            local = numel if world_size == 1 else (numel_exp if world_size // ep == 1 else 0)
+            grads, window = 4.0 * (local * accum + numel - local) / copy_Bps, 2 / 3 * compute_s
+        fetch = 2.0 * c * streamed * accum / copy_Bps
+        last_bucket = min(c * numel, cfg.parallel.bucket_size_mb * 2**20) / copy_Bps
+        # The gradients' own share: their last bucket, or what outlasts the last backward.
+        grads_own = min(grads, max(last_bucket if numel else 0.0, grads - window))
+        during = max(grads_own, fetch + grads - compute_s)
+        back = c * (numel - streamed) / copy_Bps
+        names = (f"gradients out ({'16-bit' if cfg.memory.host_grad_dtype == 'compute' else 'to fp32'})",
+                 "streamed blocks' weights in (16-bit)", "weights back (16-bit)")
+    else:
+        # Gradients out: the unshared ones (the experts at EP = world, everything at world 1) in
+        # every micro-batch, the shared ones once after their all-reduce; all during backward.
+        local = numel if world_size == 1 else (numel_exp if world_size // ep == 1 else 0)
+        grad_bytes = 2.0 if cfg.memory.host_grad_dtype == "compute" and c < 4 else 4.0
+        grads = grad_bytes * (local * accum + numel - local) / copy_Bps
+        fetch = 2 * 4.0 * streamed * accum / copy_Bps  # fetched for forward and for backward, prefetched
+        during = max(0.0, grads + fetch - compute_s)
+        grads_own = during * grads / (grads + fetch) if grads + fetch else 0.0  # the link shared in proportion
+        back = 4.0 * numel / copy_Bps  # new weights, group by group while the next group updates
+        names = (f"gradients out ({'16-bit' if grad_bytes == 2 else 'fp32'})", "streamed blocks' weights in (fp32)",
+                 "weights back (fp32)")
+    sync_back = _copy_back_exposed(back, update_s, groups)
+    # What shows during compute, split between the gradients (their own share) and the fetches (the rest).
+    exposed_now = {names[0]: grads_own, names[1]: during - grads_own}
+    if not delayed:
+        copies = (Copy(names[0], grads, exposed_now[names[0]]), Copy(names[1], fetch, exposed_now[names[1]]),
+                  Copy(names[2], back, sync_back))
+        return OffloadStep(during + sync_back, grads + fetch + back - during - sync_back, update_s, 0.0,
+                           _nonzero(copies))
+    device_phase = compute_s + device_other_s + during
+    background = update_s - cast_s  # zero casts at the catch-up, beside the copy back
+    update_exposed = max(0.0, background - device_phase)
+    catch_up = max(back, cast_s)
+    copies = (Copy(names[0], grads, exposed_now[names[0]]), Copy(names[1], fetch, exposed_now[names[1]]),
+              Copy(names[2], back, catch_up))
+    return OffloadStep(during + catch_up, grads + fetch - during, update_exposed, background - update_exposed,
+                       _nonzero(copies), synchronous_total_extra=during + sync_back + update_s)
+
+
+def _nonzero(copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
+    return tuple(c for c in copies if c.seconds > 0)
