@@ -1,5 +1,6 @@
-"""The MoE combine and the expert-parallel reordering (m6.moe.dispatch: combine_tokens, ungroup)
-keep only what their backward reads, with gradients bitwise those of the plain autograd graph.
+"""The MoE combine and the expert-parallel reordering (m6.moe.dispatch: combine_tokens, ungroup, and
+sum_rows, the node-aware dispatcher's sums) keep only what their backward reads, with gradients
+bitwise those of the plain autograd graph.
 
 The reference below is that plain graph (``zeros.index_add(idx, y * w)``, ``index_copy``), whose
 autograd keeps the weighted [N, D] rows in fp32 and ungroup's [N, D] source. A real forward and
@@ -23,7 +24,7 @@ from m6.moe.dispatch import KeptAssignments
 from tests.unit.test_plan_memory import CONFIGS, SMALL, densest_inputs
 
 NARROW = ["model.d_model=32", "model.ffn_dim=64", "model.num_heads=2", "model.num_layers=2"]
-# Every module that imports combine_tokens or ungroup by name.
+# Every module that calls combine_tokens, ungroup or sum_rows by name.
 MODULES = ["m6.moe.dispatch", "m6.moe.all_to_all", "m6.moe.chunked_all_to_all", "m6.moe.loopback",
            "m6.moe.node_aware_all_to_all"]
 
@@ -34,8 +35,13 @@ class ReferenceOps:
 
     def __init__(self) -> None:
         self.extra_bytes = 0
+        self.calls: dict[str, int] = {}
+
+    def _called(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
 
     def combine_tokens(self, y_ND: torch.Tensor, kept: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
+        self._called("combine_tokens")
         acc_dtype = torch.promote_types(y_ND.dtype, kept.weights_N.dtype)
         weighted_ND = y_ND * kept.weights_N.to(acc_dtype).unsqueeze(-1)
         self.extra_bytes += weighted_ND.numel() * weighted_ND.element_size()
@@ -43,8 +49,24 @@ class ReferenceOps:
         return out_TD.index_add(0, kept.token_idx_N, weighted_ND).to(out_dtype)
 
     def ungroup(self, y_MD: torch.Tensor, order_M: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+        self._called("ungroup")
         self.extra_bytes += y_MD.numel() * y_MD.element_size()
         return torch.empty_like(y_MD).index_copy(0, order_M, y_MD).to(wire_dtype)
+
+    def sum_rows(self, y_ND: torch.Tensor, idx_N: torch.Tensor, num_rows: int, acc_dtype: torch.dtype,
+                 out_dtype: torch.dtype, weights_N: torch.Tensor | None = None) -> torch.Tensor:
+        """The node-aware dispatcher's relay and source sums as they were: y cast to the
+        accumulation dtype (kept by the multiply or by index_add), then weighted (kept by index_add)."""
+        self._called("sum_rows")
+        y_acc = y_ND.to(acc_dtype)
+        self.extra_bytes += y_acc.numel() * y_acc.element_size()
+        if weights_N is None:
+            rows = y_acc
+        else:
+            rows = y_acc * weights_N.to(acc_dtype).unsqueeze(-1)
+            self.extra_bytes += rows.numel() * rows.element_size()
+            self.extra_bytes -= y_ND.numel() * y_ND.element_size()  # y itself, which sum_rows keeps
+        return rows.new_zeros(num_rows, y_ND.shape[-1]).index_add(0, idx_N, rows).to(out_dtype)
 
     @contextlib.contextmanager
     def installed(self):
@@ -54,7 +76,7 @@ class ReferenceOps:
         saved = []
         for name in MODULES:
             module = importlib.import_module(name)
-            for op in ("combine_tokens", "ungroup"):
+            for op in ("combine_tokens", "ungroup", "sum_rows"):
                 if hasattr(module, op):
                     saved.append((module, op, getattr(module, op)))
                     setattr(module, op, getattr(self, op))
@@ -109,5 +131,5 @@ def test_combine_keeps_less_with_bitwise_the_same_gradients(kernel, precision):
     assert grads, "no gradients"
     assert_bitwise((loss, grads), (ref_loss, ref_grads), f"{kernel} {precision}")
     # One weighted fp32 [N, D] per MoE layer fewer: N*D*4 bytes each, in any precision.
-    assert reference.extra_bytes > 0
+    assert reference.calls == {"combine_tokens": 1}, reference.calls  # one MoE layer
     assert ref_held - held == reference.extra_bytes, (ref_held, held, reference.extra_bytes)
