@@ -242,7 +242,7 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
                 dispatch += (c * T * D if c != 4 else 0.0) + expert_kernel_saved(kernel, moe.activation, N, D, Fe, c)
             else:
                 # The combine keeps the expert outputs it weighs (for the router weights'
-                # gradient; m6.moe.dispatch._WeightedCombine), not their weighted fp32 copy: the
+                # gradient; m6.moe.dispatch.sum_rows), not their weighted fp32 copy: the
                 # compute dtype locally, the payload dtype of the rows received back under expert
                 # parallelism (ungroup, which puts the experts' outputs back in arrival order,
                 # keeps only its index).
