@@ -241,12 +241,12 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
                 # the pre-activations; no [N, D] tensor, no weight copy.
                 dispatch += (c * T * D if c != 4 else 0.0) + expert_kernel_saved(kernel, moe.activation, N, D, Fe, c)
             else:
-                # The combine keeps the expert outputs (compute dtype, for the router weights'
-                # gradient) and their weighted copy in the fp32 accumulation dtype (index_add
-                # saves its source). Under expert parallelism the outputs it weighs are those
-                # received back (the payload dtype), and ungroup's index_copy, which puts the
-                # experts' outputs back in arrival order, keeps its source too (compute dtype).
-                dispatch += (c + max(c, 4)) * N * D if ep == 1 else (shape.a2a_bytes + max(c, 4) + c) * N * D
+                # The combine keeps the expert outputs it weighs (for the router weights'
+                # gradient; m6.moe.dispatch.sum_rows), not their weighted fp32 copy: the
+                # compute dtype locally, the payload dtype of the rows received back under expert
+                # parallelism (ungroup, which puts the experts' outputs back in arrival order,
+                # keeps only its index).
+                dispatch += (c if ep == 1 else shape.a2a_bytes) * N * D
                 # The experts part: its rows and the kernel's hidden tensors; plain autocast casts
                 # each whole expert weight stack once per layer (the fused kernels cast tiles).
                 weights = 0 if kernel == "fused" else \

@@ -2,7 +2,10 @@
 and the Dispatcher protocol that every dispatcher (local or expert-parallel) implements.
 
 No one-hot [tokens, experts, capacity] tensors: everything is argsort + gather + index_add, so the
-cost grows with the number of assignments, not with the number of experts.
+cost grows with the number of assignments, not with the number of experts. The combine and the
+expert-parallel reordering are autograd Functions that keep only what their backward reads (the
+index, the expert outputs once, the weights), not the [N, D] rows autograd's index_add and
+index_copy would keep.
 
 Host syncs: planning is all on the device; the only copy to the host is the split sizes
 (``host_ints``, at most once per layer forward), which the loop of expert GEMMs, the capacity
@@ -200,19 +203,61 @@ def permute_tokens(x_TD: torch.Tensor, kept: KeptAssignments, dtype: Optional[to
     return _GatherRowsCast.apply(x_TD, kept.token_idx_N, dtype)
 
 
+class _WeightedRowSum(torch.autograd.Function):
+    """out[r] = sum of w_n * y_n (w_n = 1 without weights) over the rows n with idx_N[n] = r,
+    accumulated in ``acc_dtype``, returned in ``out_dtype``. Autograd of the plain
+    ``zeros.index_add(idx, y * w)`` would keep the weighted [N, D] copy in ``acc_dtype`` (index_add
+    saves its source) beside y (the multiply's); this keeps y as given only where the weights need
+    a gradient, the weights and the index. The backward computes what that autograd graph computes,
+    op for op, so the gradients are bitwise the same: g = dout.to(acc); dweighted = g[idx];
+    dy = (dweighted * w).to(y's dtype); dw = (dweighted * y).sum(-1) (as autograd reduces a
+    broadcast operand's gradient)."""
+
+    @staticmethod
+    def forward(ctx, y_ND, weights_N, idx_N, num_rows, acc_dtype, out_dtype):
+        if weights_N is None:
+            weighted_ND = y_ND.to(acc_dtype)
+        else:
+            weighted_ND = y_ND * weights_N.to(acc_dtype).unsqueeze(-1)
+        out = weighted_ND.new_zeros(num_rows, y_ND.shape[-1]).index_add(0, idx_N, weighted_ND)
+        keep_y = weights_N is not None and ctx.needs_input_grad[1]
+        ctx.save_for_backward(y_ND if keep_y else None, weights_N, idx_N)
+        ctx.acc_dtype, ctx.y_dtype = acc_dtype, y_ND.dtype
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y_ND, weights_N, idx_N = ctx.saved_tensors
+        dweighted_ND = dout.to(ctx.acc_dtype).index_select(0, idx_N)
+        dy = dw = None
+        if ctx.needs_input_grad[0]:
+            dy = dweighted_ND if weights_N is None else dweighted_ND * weights_N.to(ctx.acc_dtype).unsqueeze(-1)
+            dy = dy.to(ctx.y_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (dweighted_ND * y_ND).sum(-1, keepdim=True).squeeze(-1).to(weights_N.dtype)
+        return dy, dw, None, None, None, None
+
+
+def sum_rows(y_ND: torch.Tensor, idx_N: torch.Tensor, num_rows: int, acc_dtype: torch.dtype,
+             out_dtype: torch.dtype, weights_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[N, D] -> [num_rows, D]: row n (times ``weights_N[n]``, where given) added into row
+    ``idx_N[n]``, in ``acc_dtype``, returned in ``out_dtype``. For the backward it keeps the index,
+    the weights and (where the weights need a gradient) y itself: never the [N, D] rows in
+    ``acc_dtype`` that a plain ``index_add`` would keep. Gradients bitwise as that plain graph's."""
+    return _WeightedRowSum.apply(y_ND, weights_N, idx_N, num_rows, acc_dtype, out_dtype)
+
+
 def combine_tokens(y_ND: torch.Tensor, kept: KeptAssignments, out_dtype: torch.dtype) -> torch.Tensor:
     """Weighted sum of expert outputs back into token order: [N, D] -> [T, D].
 
     Accumulates in at least fp32 (router weights are fp32) so low-precision expert outputs of a
     token's K experts are summed without extra rounding; tokens with every assignment dropped get 0.
-    The multiply promotes y as it reads it (no [N, D] copy of y in the accumulation dtype, and
-    autograd keeps y itself for the router weights' gradient): the same values as casting first.
+    The multiply promotes y as it reads it (no [N, D] copy of y in the accumulation dtype), and
+    for the backward only y itself (its dtype), the weights and the index are kept: not the
+    weighted [N, D] rows in the accumulation dtype (``sum_rows``).
     """
     acc_dtype = torch.promote_types(y_ND.dtype, kept.weights_N.dtype)
-    weighted_ND = y_ND * kept.weights_N.to(acc_dtype).unsqueeze(-1)
-    out_TD = weighted_ND.new_zeros(kept.num_tokens, y_ND.shape[-1])
-    out_TD = out_TD.index_add(0, kept.token_idx_N, weighted_ND)
-    return out_TD.to(out_dtype)
+    return sum_rows(y_ND, kept.token_idx_N, kept.num_tokens, acc_dtype, out_dtype, kept.weights_N)
 
 
 def local_expert_order(counts_SL: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -236,10 +281,26 @@ def group_received(x_MD: torch.Tensor, counts_SL: torch.Tensor, compute_dtype: t
     return (x_local if compute_dtype is None else x_local.to(compute_dtype)), order_M
 
 
+class _ScatterRows(torch.autograd.Function):
+    """out[order_M[m]] = y_MD[m] for a permutation ``order_M``; the backward gathers the output
+    gradient at the same index (as index_copy's does), keeping only the index, not y (autograd's
+    index_copy keeps its source for nothing but its shape)."""
+
+    @staticmethod
+    def forward(ctx, y_MD, order_M):
+        ctx.save_for_backward(order_M)
+        return torch.empty_like(y_MD).index_copy(0, order_M, y_MD)
+
+    @staticmethod
+    def backward(ctx, dout_MD):
+        (order_M,) = ctx.saved_tensors
+        return dout_MD.index_select(0, order_M), None
+
+
 def ungroup(y_MD: torch.Tensor, order_M: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
     """``group_received`` undone for the experts' outputs: [M, D] grouped by local expert -> arrival
-    order, in ``wire_dtype``, ready for the exchange back."""
-    return torch.empty_like(y_MD).index_copy(0, order_M, y_MD).to(wire_dtype)
+    order, in ``wire_dtype``, ready for the exchange back. Keeps only the order for the backward."""
+    return _ScatterRows.apply(y_MD, order_M).to(wire_dtype)
 
 
 @runtime_checkable

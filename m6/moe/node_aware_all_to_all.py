@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 from m6.moe.all_to_all import AllToAllDispatcher, all_to_all, received_compute_dtype, wire_dtype
 from m6.moe.chunked_all_to_all import chunk_cuts, chunk_of, start_exchange, wait_exchange
-from m6.moe.dispatch import DispatchPlan, group_received, host_ints, ungroup
+from m6.moe.dispatch import DispatchPlan, group_received, host_ints, sum_rows, ungroup
 
 # A relayed assignment's row index travels bit-cast into its router weight's dtype, as the second
 # column of one (weight, index) exchange: one collective per chunk instead of two. Backward sends
@@ -289,15 +289,12 @@ class NodeAwareDispatcher(AllToAllDispatcher):
         y_B = ungroup(y_local, chunk.local_order_M, chunk.wire_dtype)
         y_relay = all_to_all(y_B, chunk.b_send, chunk.b_recv, self.node_group)
         acc = torch.promote_types(y_relay.dtype, chunk.weights.dtype)
-        weighted = y_relay.to(acc) * chunk.weights.to(acc).unsqueeze(-1)
-        summed = weighted.new_zeros(chunk.num_rows, y_local.shape[-1]).index_add(0, chunk.relay_row, weighted)
-        return summed.to(chunk.wire_dtype)
+        return sum_rows(y_relay, chunk.relay_row, chunk.num_rows, acc, chunk.wire_dtype, chunk.weights)
 
     def _finish(self, src: _Source, y_rows: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """The summed rows back at the source (chunk-major, as sent) -> [T, D], one sum per token."""
         acc = torch.promote_types(y_rows.dtype, src.meta.dtype)
-        out = y_rows.new_zeros(src.num_tokens, y_rows.shape[-1], dtype=acc)
-        return out.index_add(0, src.token_row, y_rows.to(acc)).to(out_dtype)
+        return sum_rows(y_rows, src.token_row, src.num_tokens, acc, out_dtype)
 
     def _host_counts(self, counts_flat: list[int], rows_flat: list[int], recv_flat: list[int], C: int) -> _Counts:
         """Every split size of the dispatch, per chunk, from the counts exchange's host ints:

@@ -1,7 +1,7 @@
 """The activation formula under expert parallelism (m6.model.activation_bytes with
 expert_parallel_size 2) against the saved-tensor meter on 2 real gloo ranks running the
-AllToAllDispatcher: the rows received back and the experts' outputs ungroup keeps, in fp32, in
-bf16 (the payload in the compute dtype) and with a bf16 payload of an fp32 run."""
+AllToAllDispatcher: the rows received back, which the combine keeps (ungroup keeps only its
+index), in fp32, in bf16 (the payload in the compute dtype) and with a bf16 payload of an fp32 run."""
 
 from __future__ import annotations
 

@@ -69,10 +69,10 @@ CASES += [pytest.param("fused", "gelu", "bf16", marks=fused_on_cpu)]
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 @pytest.mark.parametrize("kernel,activation,precision", CASES)
 def test_formula_equals_the_meter_for_each_expert_kernel_and_precision(kernel, activation, precision):
-    """Below fp32 the combine keeps the expert outputs in the compute dtype AND their weighted
-    copy in fp32 (index_add saves its source), the router keeps its fp32 input, and the head's GEMM
-    its input rows in the compute dtype; the fused kernel keeps only its pre-activations (and,
-    below fp32, the cast token rows); plain autocast keeps every weight copy."""
+    """The combine keeps the expert outputs in the compute dtype (not their weighted fp32 copy),
+    the router keeps its fp32 input, and the head's GEMM its input rows in the compute dtype; the
+    fused kernel keeps only its pre-activations (and, below fp32, the cast token rows); plain
+    autocast keeps every weight copy."""
     held, predicted = measured_and_predicted([*NARROW, f"model.moe.expert_kernel={kernel}",
                                               f"model.moe.activation={activation}"], precision)
     assert abs(predicted - held) <= TOLERANCE * held, (predicted, held)
