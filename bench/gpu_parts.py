@@ -148,7 +148,10 @@ def part_moe_kernels(args, device: torch.device, out: Path) -> tuple[dict, list[
     from bench.moe_layer import KERNEL_TINY_SHAPES, run_kernels
 
     if args.smoke or device.type == "cpu":
-        return run_kernels(device, tiny=True, out=out, warmup=1, reps=3, shapes=KERNEL_TINY_SHAPES[:1])
+        # Triton's interpreter: a harness check, not a measurement. No warmup (nothing compiles) and
+        # two reps (the median and spread still come from several calls): each fused call of the
+        # tiny shape is ~0.5 s of interpreted kernels on a quiet core, 4 calls per timed variant before.
+        return run_kernels(device, tiny=True, out=out, warmup=0, reps=2, shapes=KERNEL_TINY_SHAPES[:1])
     # No new shape starts after 200 s: the part ends inside a 5-minute call (the first shape pays the
     # Triton compiles, ~1.5 min; the others ~30 s each).
     return run_kernels(device, tiny=False, out=out, budget_s=200.0)

@@ -26,6 +26,9 @@ chooses per @triton.jit function when the function is defined, triton.language's
 imports triton (unless set already); set later, an interpreted kernel would call a compiled
 helper ("Cannot call @triton.jit'd outside of the scope of a kernel") whichever test imported
 triton first.
+
+py-cpuinfo asked once per process (tests/cpuinfo_once.py): DeepSpeed asks it at every op load and
+every DeepSpeedCPUAdam, and each ask sleeps a second to time the clock.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import os
 
 import pytest
 import torch
+
+import cpuinfo_once
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,6 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
     if not os.environ.get("TORCH_EXTENSIONS_DIR") and getattr(config, "cache", None) is not None:
         os.environ["TORCH_EXTENSIONS_DIR"] = str(config.cache.mkdir("torch_extensions"))
+    cpuinfo_once.install()
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import cpuinfo_once
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -54,10 +56,17 @@ def _entry(rank: int, fn, world_size: int, port: int, timeout_s: float | None, a
             dist.destroy_process_group()
 
 
+def _with_cpu_info(rank: int, entry, cpu_info: dict | None, args: tuple) -> None:
+    cpuinfo_once.install(cpu_info)
+    entry(rank, *args)
+
+
 def _start(entry, world_size: int, args: tuple, limit_s: float | None) -> None:
     """Run ``entry(rank, *args)`` on ``world_size`` ranks from the fork server; re-raises a rank's
-    failure; with ``limit_s``, terminates the ranks and raises after that long."""
-    context = mp.start_processes(entry, args=args, nprocs=world_size, join=False, start_method="forkserver")
+    failure; with ``limit_s``, terminates the ranks and raises after that long. Each rank gets the
+    session's py-cpuinfo answer (tests/cpuinfo_once.py) instead of waiting a second for its own."""
+    context = mp.start_processes(_with_cpu_info, args=(entry, cpuinfo_once.answer(), args), nprocs=world_size,
+                                 join=False, start_method="forkserver")
     deadline = None if limit_s is None else time.monotonic() + limit_s
     while not context.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic())):
         if deadline is not None and time.monotonic() >= deadline:
