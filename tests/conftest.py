@@ -27,7 +27,7 @@ imports triton (unless set already); set later, an interpreted kernel would call
 helper ("Cannot call @triton.jit'd outside of the scope of a kernel") whichever test imported
 triton first.
 
-py-cpuinfo asked once per process (tests/cpuinfo_once.py): DeepSpeed asks it at every op load and
+py-cpuinfo asked once per process (m6/memory/cpu_info_once.py): DeepSpeed asks it at every op load and
 every DeepSpeedCPUAdam, and each ask sleeps a second to time the clock.
 """
 
@@ -38,7 +38,7 @@ import os
 import pytest
 import torch
 
-import cpuinfo_once
+from m6.memory import cpu_info_once as cpuinfo_once
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -22,6 +22,10 @@ import torch
 from deepspeed.ops.adam import DeepSpeedCPUAdam
 from torch.distributed.tensor import DTensor
 
+from m6.memory.cpu_info_once import install as install_cpu_info_once
+
+install_cpu_info_once()  # DeepSpeedCPUAdam asks py-cpuinfo (~1 s) in every constructor
+
 
 class DeepSpeedHostAdamW(DeepSpeedCPUAdam):
     """AdamW on host (CPU, fp32, contiguous) tensors through DeepSpeed's cpu_adam op.

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 
 from m6.config import ConfigError
+from m6.memory.cpu_info_once import install as install_cpu_info_once
 
 HOST_OPTIMIZERS = ("auto", "deepspeed", "torch")
 OP_NAME = "cpu_adam"
@@ -73,6 +74,8 @@ def load_cpu_adam(log: Log) -> ModuleType:
     root = extensions_dir()
     # Imported here: importing deepspeed takes ~2 s, which a run without offload does not pay.
     from deepspeed.ops.op_builder import CPUAdamBuilder
+
+    install_cpu_info_once()  # DeepSpeed asks py-cpuinfo (~1 s each) at every op load and optimizer
 
     if not _is_built(root):
         log(f"building DeepSpeed's {OP_NAME} op into {root} (once per machine and torch/deepspeed version, ~1-2 min)")

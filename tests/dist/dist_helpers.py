@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import cpuinfo_once
+from m6.memory import cpu_info_once as cpuinfo_once
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,7 +64,7 @@ def _with_cpu_info(rank: int, entry, cpu_info: dict | None, args: tuple) -> None
 def _start(entry, world_size: int, args: tuple, limit_s: float | None) -> None:
     """Run ``entry(rank, *args)`` on ``world_size`` ranks from the fork server; re-raises a rank's
     failure; with ``limit_s``, terminates the ranks and raises after that long. Each rank gets the
-    session's py-cpuinfo answer (tests/cpuinfo_once.py) instead of waiting a second for its own."""
+    session's py-cpuinfo answer (m6/memory/cpu_info_once.py) instead of waiting a second for its own."""
     context = mp.start_processes(_with_cpu_info, args=(entry, cpuinfo_once.answer(), args), nprocs=world_size,
                                  join=False, start_method="forkserver")
     deadline = None if limit_s is None else time.monotonic() + limit_s

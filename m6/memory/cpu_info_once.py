@@ -1,15 +1,17 @@
-"""py-cpuinfo asked once per test session instead of at every DeepSpeed op load and optimizer.
+"""py-cpuinfo asked once per process instead of at every DeepSpeed op load and optimizer.
 
 DeepSpeed reads the CPU's vendor and flags through ``cpuinfo.get_cpu_info()`` each time it loads
 an op (``OpBuilder.cpu_arch`` / ``simd_width``) and each time it constructs a ``DeepSpeedCPUAdam``.
 Each call starts a Python process that times the clock around a one-second sleep: ~1.1 s on a
-quiet machine, 55 calls in tests/unit alone (the planner probes the host update several times per
-search). The answer is this machine's CPU and cannot change while the tests run, so the first call
-asks for real and later calls get a copy of that answer: DeepSpeed still builds, loads and runs its
-real op with the real CPU description; only the repeated question is gone.
+quiet machine: 2-3 per training process that uses DeepSpeed's CPU Adam, ~9 in a planner search
+(it probes the host update once per layout), 55 in tests/unit. The answer is this machine's CPU
+and cannot change while the process runs, so the first call asks for real and later calls get a
+copy of that answer: DeepSpeed still builds, loads and runs its real op with the real CPU
+description; only the repeated question is gone.
 
-tests/conftest.py installs it in the pytest process; tests/dist/dist_helpers.py hands each rank
-the session's answer (a rank that asked itself would wait that second in every run).
+m6.memory.host_optimizer installs it before DeepSpeed loads an op; tests/conftest.py installs it
+in the pytest process and tests/dist/dist_helpers.py hands each rank the session's answer (a rank
+that asked itself would wait that second in every run).
 """
 
 from __future__ import annotations
