@@ -158,10 +158,14 @@ class StepTime:
     small_collectives: float = 0.0
     all_to_all_hidden: float = 0.0  # behind the expert compute (model.moe.a2a_overlap_degree > 1)
     grad_sync_hidden: float = 0.0  # behind the last micro-batch's backward (GPUs)
+    tensor_parallel: float = 0.0  # the split regions' collectives (m6.plan.tensor_parallel)
+    pipeline_bubble: float = 0.0  # a pipeline rank's idle time (m6.plan.pipeline)
+    pipeline_p2p: float = 0.0  # stage-boundary sends on its critical path
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.grad_sync + self.small_collectives + self.offload + self.update
+        return (self.compute + self.all_to_all + self.grad_sync + self.small_collectives + self.offload + self.update
+                + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p)
 
 
 def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:
