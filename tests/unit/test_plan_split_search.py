@@ -76,3 +76,17 @@ def test_split_degrees_left_out_say_why():
     result = _search(cfg, 2, tps=(1, 2), pps=(1,), recompute=("none",), shard=("none",), micro_batches=[16])
     assert "model.dropout" in result.skipped_splits["tp 2"]
     assert all(c.tensor_parallel_size == 1 for c in result.feasible)
+
+
+def test_cli_prints_whether_tp_or_pp_wins(capsys):
+    from m6.plan.__main__ import main
+    from m6.plan.search import pipeline_builds
+
+    rc = main(["configs/tiny.yaml", *SMALL, "memory.host_optimizer=torch", "train.global_batch_size=4", "--gpus", "2",
+               "--gpu", "h100", "--top", "1", "--shard", "none"])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    tp_line = next(line for line in printed.splitlines() if line.startswith("TP "))
+    assert ("TP wins" in tp_line or "TP loses" in tp_line) and "tp collectives" in tp_line
+    if not pipeline_builds():
+        assert "PP: no fitting layout with it; left out: pp: this m6 has no parallel.pipeline_parallel_size" in printed
