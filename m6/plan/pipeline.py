@@ -20,7 +20,10 @@ and weight-gradient time on a rank:
                Parallelism" (ICLR 2024, section 6; torch's docstring cites it): v = 2 chunks in a V
                (rank 0 holds the first and the last stage: the embeddings and the head), the
                weight gradients deferred into the bubble; idle (p - 1) (F + B - 2W) per chunk,
-               peak activations those of 1F1B (p micro-batches on rank 0). F, B and W from FLOPs:
+               peak activations those of 1F1B (p micro-batches on rank 0: torch's schedule runs
+               2p - 1 first-chunk forwards, then one second-chunk forward, before its first
+               backward). torch lays the schedule out for max(m, 2p - 1) micro-batches, so with
+               m < 2p - 1 the missing ones' slots (F + B + W each) are idle too. F, B and W from FLOPs:
                each linear layer's backward is one matmul for the input gradient and one for the
                weight gradient, each the forward's cost, while attention's QK^T and PV have no
                weights (their backward is all B): with a the share of the forward in those,
@@ -76,8 +79,8 @@ def in_flight(schedule: str, pp: int, v: int, m: int, rank: int = 0) -> float:
     micro-batch of its blocks)."""
     if schedule == "interleaved":
         return min(v * m, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
-    if schedule == "zero_bubble":
-        return float(min(m, pp))
+    if schedule == "zero_bubble":  # rank 0: up to 2p - 1 first-chunk forwards, then one of its second chunk
+        return (min(m, 2 * pp - 1) + 1) / 2
     return float(min(m, pp - rank))
 
 
@@ -87,7 +90,8 @@ def bubble_s(schedule: str, pp: int, v: int, m: int, micro_s: float, attention_s
         return 0.0
     if schedule == "zero_bubble":
         forward = micro_s / 3 / v  # one chunk's F; backward = 2 F
-        return (pp - 1) * max(0.0, 3 * attention_share * forward)
+        # torch lays ZB-V out for at least 2p - 1 micro-batches: the slots of those missing stay idle.
+        return (pp - 1) * max(0.0, 3 * attention_share * forward) + max(0, 2 * pp - 1 - m) * micro_s
     return (pp - 1) * micro_s / v  # share (p-1)/(v m + p - 1) of (v m + p - 1) chunk slots
 
 

@@ -30,6 +30,9 @@ def test_schedule_bubbles_by_their_formulas():
     # ZB-V: idle (p-1) 3 a F per chunk pair; no attention-core FLOPs, no bubble.
     assert bubble_s("zero_bubble", 4, 2, 8, 3.0, 0.0) == 0.0
     assert bubble_s("zero_bubble", 4, 2, 8, 3.0, 0.2) == pytest.approx(3 * 3 * 0.2 * 0.5)
+    # torch lays ZB-V out for 2p - 1 micro-batches at least: fewer leave those slots idle.
+    assert bubble_s("zero_bubble", 4, 2, 5, 3.0, 0.0) == pytest.approx(2 * 3.0)
+    assert in_flight("zero_bubble", 4, 2, 8) == 4 and in_flight("zero_bubble", 4, 2, 3) == 2
     assert in_flight("1f1b", 4, 1, 8) == 4 and in_flight("1f1b", 4, 1, 8, rank=3) == 1
     assert in_flight("1f1b", 4, 1, 2) == 2
     assert in_flight("interleaved", 4, 2, 8) == pytest.approx((2 * 3 + 4 + 1) / 2)
