@@ -48,6 +48,9 @@ CASES = [
     Case("m6-dense-7b-moe", "configs/m6-dense-7b-moe.yaml", [], 16, "h100", 80),
     Case("m6-dense-7b-moe-v100", "configs/m6-dense-7b-moe.yaml", [], 16, "v100", 32),
     Case("mixtral-8x7b", "configs/mixtral-8x7b.yaml", [], 16, "h100", 80),
+    # As shipped the states' async checkpoint staging fills the hosts unless the model is split;
+    # with synchronous saves (what python -m m6.plan adds by itself) FSDP2 + offload fits too.
+    Case("mixtral-8x7b sync saves", "configs/mixtral-8x7b.yaml", ["checkpoint.async_save=false"], 16, "h100", 80),
     Case("olmoe-1b-7b", "configs/olmoe-1b-7b.yaml", [], 8, "h100", 80),
     Case("qwen3-moe-30b-a3b", "configs/qwen3-moe-30b-a3b.yaml", [], 16, "h100", 80),
     Case("m6-100b", "configs/m6-100b.yaml", [], 64, "h100", 80),
