@@ -53,6 +53,29 @@ def stages_per_rank(schedule: str) -> int:
     return {"1f1b": 1, "interleaved": INTERLEAVED_CHUNKS, "zero_bubble": 2}[schedule]
 
 
+# What pipelines compose with in the search: recompute and offload none (refused with a pipeline),
+# no tensor parallel, and no sharding (its per-stage memory is not modelled here).
+PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none",), ("none",), ("none",)
+
+
+def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int) -> str | None:
+    """The config check's own refusal of ``cfg`` at this pipeline (m6.config.check_pipeline, where
+    this m6 has it), with the search's settings for pipelines (recompute and offload none)."""
+    from m6 import config as m6config
+    check = getattr(m6config, "check_pipeline", None)
+    if check is None:
+        return None
+    trial = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_parallel_size=pp, pipeline_schedule=schedule,
+                                          pipeline_stages_per_rank=v, tensor_parallel_size=1, shard="none"),
+        memory=dataclasses.replace(cfg.memory, activation_checkpointing="none", offload="none"))
+    try:
+        check(trial)
+    except m6config.ConfigError as e:
+        return str(e)
+    return None
+
+
 def pipeline_refusal(cfg: Config, pp: int, v: int, micro_batches: int) -> str | None:
     """Why ``cfg`` cannot be cut into pp x v stages run over ``micro_batches``, or None."""
     L = cfg.model.num_layers

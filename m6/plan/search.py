@@ -18,8 +18,8 @@ from m6.memory.estimate import MemoryReport, activation_report, recomputed_parts
 from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.model.flops import step_flops
 from m6.plan.memory import RankMemory, rank_model
-from m6.plan.pipeline import (SCHEDULES, bubble_s, p2p_s, pipeline_refusal, stage_config, stage_memory,
-                              stages_per_rank)
+from m6.plan.pipeline import (PP_OFFLOAD, PP_RECOMPUTE, PP_SHARD, SCHEDULES, bubble_s, p2p_s,
+                              pipeline_check_refusal, pipeline_refusal, stage_config, stage_memory, stages_per_rank)
 from m6.plan.tensor_parallel import (TP_OFFLOAD, TP_RECOMPUTE, TP_SHARD, rank_config, sequence_parallel_saving,
                                      tensor_parallel_refusal, tensor_parallel_s)
 from m6.plan.timing import Hardware, HostProfile, StepTime, densest_counts, model_facts, step_time
@@ -188,7 +188,7 @@ def model_splits(cfg: Config, world_size: int, gpus_per_node: int, tps: tuple[in
             skipped[f"tp {tp}"] = why
             continue
         for pp in pps:
-            if world_size % (tp * pp):
+            if world_size % (tp * pp) or (tp > 1 and pp > 1):  # pipelines refuse tensor parallel
                 continue
             for schedule in (SCHEDULES if pp > 1 else (None,)):
                 if schedule is not None and schedule not in schedules:
@@ -197,6 +197,9 @@ def model_splits(cfg: Config, world_size: int, gpus_per_node: int, tps: tuple[in
                 if pp > 1 and cfg.model.num_layers % (pp * v):
                     skipped[f"pp {pp} {schedule}"] = (f"model.num_layers ({cfg.model.num_layers}) is not a multiple "
                                                       f"of {pp} ranks x {v} stages per rank")
+                    continue
+                if pp > 1 and (why := pipeline_check_refusal(cfg, pp, schedule, v)):
+                    skipped[f"pp {pp} {schedule}"] = why
                     continue
                 for sp in ((False, True) if tp > 1 else (False,)):
                     splits.append(ModelSplit(tp, sp, pp, schedule, v))
@@ -266,11 +269,10 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 if sh != "none" and ((off != "none" and (off != "optimizer+params" or hw.peak_tflops is None))
                                      or rc == "auto" or dp == 1):
                     continue
-                # Tensor and pipeline parallel: with what they are built with (TP_*; pipelines: no
-                # offload, no sharding, recompute none or full).
+                # Tensor and pipeline parallel: with what they are built with (TP_*, PP_*).
                 if split.tp > 1 and (rc not in TP_RECOMPUTE or off not in TP_OFFLOAD or sh not in TP_SHARD):
                     continue
-                if split.pp > 1 and (rc == "auto" or off != "none" or sh != "none"
+                if split.pp > 1 and (rc not in PP_RECOMPUTE or off not in PP_OFFLOAD or sh not in PP_SHARD
                                      or pipeline_refusal(cfg, split.pp, split.v, per_rank // mb)):
                     continue
                 budget = None

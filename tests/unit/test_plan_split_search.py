@@ -93,3 +93,12 @@ def test_cli_prints_whether_tp_or_pp_wins(capsys):
     assert ("TP wins" in tp_line or "TP loses" in tp_line) and "tp collectives" in tp_line
     if not pipeline_builds():
         assert "PP: no fitting layout with it; left out: pp: this m6 has no parallel.pipeline_parallel_size" in printed
+
+
+def test_pipelines_only_with_what_they_are_built_with():
+    """Pipelines refuse tensor parallel, recompute and offload: the search does not combine them."""
+    cfg = load("configs/tiny.yaml", SMALL)
+    result = _search(cfg, 4, tps=(1, 2), pps=(1, 2), recompute=("none", "full"), shard=("none",), micro_batches=[2])
+    pp = [c for c in result.feasible if c.pipeline_parallel_size > 1]
+    assert pp and all(c.tensor_parallel_size == 1 and c.recompute == "none" for c in pp)
+    assert any(c.recompute == "full" for c in result.feasible if c.pipeline_parallel_size == 1)
