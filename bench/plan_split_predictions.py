@@ -134,7 +134,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"see docs/planning.md), none measured on these GPUs. Host: {info['host']}; torch {info['torch']}; "
              f"{info['date']}. 1 TB host memory per node, 8 GPUs per node. Searched: tp 1/2/4/8 inside a node "
              f"(with and without sequence parallel; with recompute, offload and sharding none, as m6 builds tensor "
-             f"parallel today), pp 1/2/4/8 with each schedule (no offload or sharding), beside EP, micro-batch, "
+             f"parallel today), pp 1/2/4/8 with each schedule (recompute, offload and sharding none, no tensor parallel, "
+             f"as pipelines are built), beside EP, micro-batch, "
              f"recompute, offload and parallel.shard none/optimizer/full.",
              f"Pipelines: {info['pipelines']}", "",
              "| config | GPUs | fastest fitting plan | tokens/s | MFU | best without tp/pp | best with tp | "
@@ -159,6 +160,18 @@ def markdown(rows: list[dict], info: dict) -> str:
     wins = [r["case"]["name"] for r in rows if r["plans"]["best"] and (r["plans"]["best"]["tp"] > 1
                                                                          or r["plans"]["best"]["pp"] > 1)]
     lines += ["", "Configs whose fastest fitting plan splits the model: " + (", ".join(wins) if wins else "none") + "."]
+    needs = []
+    for r in rows:
+        best, p = r["plans"]["best"], r["plans"]
+        if best and p["best with tp"] is None and not any(v for k, v in p.items() if k.startswith("best with pp")):
+            used = [f"{what} {best[key]}" for what, key in (("recompute", "recompute"), ("offload", "offload"),
+                                                           ("shard", "shard")) if best[key] != "none"]
+            if used:
+                needs.append(f"{r['case']['name']} ({', '.join(used)})")
+    if needs:
+        lines += ["", "Where neither split fits, the fastest plan needs memory features that tensor parallel and "
+                  "pipelines are not built with (recompute, offload, sharding): " + "; ".join(needs) + ". At those "
+                  "scales the model states, not the compute or the links, decide the layout."]
     return "\n".join(lines) + "\n"
 
 
