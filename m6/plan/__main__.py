@@ -42,7 +42,9 @@ def describe(c: Candidate, rank: int, ranks_per_node: int = 1, delayed_after: in
     """A layout's lines: its settings, the step by component, what overlaps what, its memory;
     ``delayed_after``: optim.delayed_update_after (the synchronous steps before the delayed ones)."""
     t, mem = c.time, c.memory
-    lines = [f"#{rank}  EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}"
+    layout = c.layout_name()
+    lines = [f"#{rank}  " + (f"{layout}, " if layout else "")
+             + f"EP {c.expert_parallel_size}, micro-batch {c.micro_batch}, recompute {c.recompute}"
              + (f" (budget {c.budget_gb:.2f} GiB)" if c.budget_gb is not None else "")
              + f", offload {c.offload}" + describe_streamed(c.offload, c.offload_blocks)
              + (f", delayed update (one step stale from step {delayed_after + 1})" if c.delayed_update else "")
@@ -53,14 +55,46 @@ def describe(c: Candidate, rank: int, ranks_per_node: int = 1, delayed_after: in
              f"all-to-all {t.all_to_all:.3f}" + (f" exposed ({t.all_to_all_hidden:.3f} hidden)" if t.all_to_all_hidden else "")
              + f" + grad sync {t.grad_sync:.3f}" + (f" exposed ({t.grad_sync_hidden:.3f} hidden)" if t.grad_sync_hidden else "")
              + " + small collectives "
-             f"{t.small_collectives:.3f} + offload {t.offload:.3f}" + (" exposed" if t.offload_hidden else "")
-             + f" + update {t.update:.3f}" + (" exposed" if t.update_hidden else "")
-             + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
+             f"{t.small_collectives:.3f} + offload {t.offload:.3f}" + (" exposed" if t.offload_hidden else "") + " + "
+             f"update {t.update:.3f}" + (" exposed" if t.update_hidden else "")
+             + (f" + tp collectives {t.tensor_parallel:.3f}" if c.tensor_parallel_size > 1 else "")
+             + (f" + pipeline bubble {t.pipeline_bubble:.3f} + stage sends {t.pipeline_p2p:.3f}"
+                if c.pipeline_parallel_size > 1 else "") + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
              *describe_overlaps(t, delayed_after),
              f"    per-GPU device memory peak {_gib(mem.peak_device)} GiB: "
              + ", ".join(f"{k} {_gib(v)}" for k, v in mem.device.items() if v),
              f"    host memory per rank {_gib(mem.peak_host)} GiB, per node of {ranks_per_node} ranks "
              f"{_gib(mem.peak_host * ranks_per_node)} GiB: " + ", ".join(f"{k} {_gib(v)}" for k, v in mem.host.items() if v)]
+    return "\n".join(lines)
+
+
+def split_verdict(result) -> str:
+    """Whether tensor or pipeline parallel wins, and why: the best layout against the best without
+    either (and the best with each), by the parts of their steps that differ."""
+    best = result.feasible[0]
+    plain = next((c for c in result.feasible if c.tensor_parallel_size == 1 and c.pipeline_parallel_size == 1), None)
+    lines = []
+    for name, pick in (("TP", lambda c: c.tensor_parallel_size > 1), ("PP", lambda c: c.pipeline_parallel_size > 1)):
+        top = next((c for c in result.feasible if pick(c)), None)
+        if top is None:
+            lines.append(f"{name}: no fitting layout with it" + (
+                "; left out: " + "; ".join(f"{k}: {v}" for k, v in result.skipped_splits.items()
+                                           if k.startswith(name.lower())) if any(
+                    k.startswith(name.lower()) for k in result.skipped_splits) else ""))
+        elif plain is None:
+            lines.append(f"{name} wins: only layouts with a model split fit ({top.layout_name()} predicted "
+                         f"{top.tokens_per_s:,.0f} tokens/s)")
+        else:
+            t, p = top.time, plain.time
+            verdict = "wins" if top.tokens_per_s > plain.tokens_per_s else "loses"
+            lines.append(f"{name} {verdict}: best with it ({top.layout_name()}, EP {top.expert_parallel_size}, micro-batch "
+                         f"{top.micro_batch}, recompute {top.recompute}) {top.tokens_per_s:,.0f} tokens/s vs "
+                         f"{plain.tokens_per_s:,.0f} without (EP {plain.expert_parallel_size}, micro-batch "
+                         f"{plain.micro_batch}, recompute {plain.recompute}, offload {plain.offload}, shard {plain.shard}): "
+                         f"compute {t.compute:.3f} vs {p.compute:.3f} s, tp collectives {t.tensor_parallel:.3f}, bubble "
+                         f"{t.pipeline_bubble:.3f} + sends {t.pipeline_p2p:.3f}, all-to-all {t.all_to_all:.3f} vs "
+                         f"{p.all_to_all:.3f}, grad sync {t.grad_sync:.3f} vs {p.grad_sync:.3f}, offload "
+                         f"{t.offload:.3f} vs {p.offload:.3f}, update {t.update:.3f} vs {p.update:.3f}")
     return "\n".join(lines)
 
 
@@ -139,9 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     args.gpus = int(args.gpus)
     try:
         cfg = m6config.load(args.config, args.overrides)
-        if cfg.parallel.tensor_parallel_size > 1:  # planned as tp 1 would be a wrong answer, silently
-            raise ConfigError(f"parallel.tensor_parallel_size={cfg.parallel.tensor_parallel_size}: the planner does "
-                              "not model tensor parallelism yet; plan the config at parallel.tensor_parallel_size=1")
+        # The search picks the tensor-parallel degree (and sequence parallel) itself, as it picks EP.
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel_size=1,
+                                                                    sequence_parallel=False))
         if args.gpus <= 0 or cfg.train.global_batch_size % args.gpus:
             raise ConfigError(f"train.global_batch_size ({cfg.train.global_batch_size}) must be divisible by "
                               f"--gpus ({args.gpus})")
@@ -207,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{' '.join(changes)} (" + "; ".join(MEMORY_LIGHT_WHY[c.split('=')[0]] for c in changes) + ")")
     for i, c in enumerate(result.feasible[:args.top], 1):
         print(describe(c, i, min(args.gpus, args.gpus_per_node), cfg.optim.delayed_update_after))
+    print(split_verdict(result))
     best = result.feasible[0]
     # The planning command's own overrides first: the layout's come after them and win, as they did in the search.
     overrides = [*args.overrides, *changes, *best.overrides()]

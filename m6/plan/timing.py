@@ -164,10 +164,14 @@ class StepTime:
     copies: tuple[Copy, ...] = ()  # the offloaded layout's copies, each with its exposed seconds
     # optim.delayed_update: the step of the first delayed_update_after steps, which update synchronously
     synchronous_total: Optional[float] = None
+    tensor_parallel: float = 0.0  # the split regions' collectives (m6.plan.tensor_parallel)
+    pipeline_bubble: float = 0.0  # a pipeline rank's idle time (m6.plan.pipeline)
+    pipeline_p2p: float = 0.0  # stage-boundary sends on its critical path
 
     @property
     def total(self) -> float:
-        return self.compute + self.all_to_all + self.grad_sync + self.small_collectives + self.offload + self.update
+        return (self.compute + self.all_to_all + self.grad_sync + self.small_collectives + self.offload + self.update
+                + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p)
 
 
 def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:

@@ -115,7 +115,7 @@ def test_layouts_of_the_same_prediction_are_collapsed_into_the_simplest():
     cfg = m6config.load(CONFIGS / "tiny.yaml", ["train.global_batch_size=64", "train.micro_batch_size=2",
                                                 "data.seq_len=64", "train.precision=bf16"])
     only = dict(recompute=("none",), offload=("none",), apply_groups=(1, 2), a2a=(None, "bf16"), micro_batches=[2],
-                shard=("none",), overlap=(1,))
+                shard=("none",), overlap=(1,), tps=(1,), pps=(1,))
     found = search(cfg, 16, 8, GPUS["h100"], HostProfile(1), 1e6, eps=[8], **only)
     assert found.timed == 4 and len(found.feasible) == 1, [c.equivalents for c in found.feasible]
     best = found.feasible[0]

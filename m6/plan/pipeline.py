@@ -1,0 +1,166 @@
+"""Pipeline parallel in the planner (parallel.pipeline_parallel_size = p, parallel.pipeline_schedule,
+parallel.pipeline_stages_per_rank = v): the block stack cut into p x v even stages, the image and
+text embeddings in the first and the head and loss in the last; the accumulation micro-batches
+are the pipeline's (m of them per step).
+
+A rank is sized and timed as an M6 model of its num_layers / p blocks with the embeddings and the
+head (``stage_config``): its compute per micro-batch is then that of the slowest stage plus the
+cheaper end's (the patch projection, or the head), an upper bound; its memory is corrected for
+the end it does not hold (``stage_memory``). ASSUMED: the blocks of a stage are as dense or MoE as
+the model's on average (moe.every divides the blocks per rank).
+
+Schedules (torch.distributed.pipelining), F / B / W: one micro-batch's forward, input-gradient
+and weight-gradient time on a rank:
+  1f1b         Schedule1F1B: idle share of a rank (p - 1) / (m + p - 1) (Narayanan et al., SC'21,
+               section 2.2); stage s holds min(m, p - s) micro-batches' activations, stage 0 p.
+  interleaved  ScheduleInterleaved1F1B, v chunks per rank: idle share (p - 1) / (v m + p - 1)
+               (ibid., section 2.2.2); rank 0 holds 2 (p - 1) + (v - 1) p + 1 chunks (Megatron's
+               warm-up count), each 1/v of its micro-batch activations.
+  zero_bubble  ScheduleZBVZeroBubble, the ZB-V schedule of Qi et al., "Zero Bubble Pipeline
+               Parallelism" (ICLR 2024, section 6; torch's docstring cites it): v = 2 chunks in a V
+               (rank 0 holds the first and the last stage: the embeddings and the head), the
+               weight gradients deferred into the bubble; idle (p - 1) (F + B - 2W) per chunk,
+               peak activations those of 1F1B (p micro-batches on rank 0: torch's schedule runs
+               2p - 1 first-chunk forwards, then one second-chunk forward, before its first
+               backward). torch lays the schedule out for max(m, 2p - 1) micro-batches, so with
+               m < 2p - 1 the missing ones' slots (F + B + W each) are idle too. F, B and W from FLOPs:
+               each linear layer's backward is one matmul for the input gradient and one for the
+               weight gradient, each the forward's cost, while attention's QK^T and PV have no
+               weights (their backward is all B): with a the share of the forward in those,
+               B = (1 + a) F and W = (1 - a) F, so the idle time is (p - 1) 3 a F / 2 per chunk
+               pair. ASSUMED: each part runs at the same efficiency (the paper measures B and W
+               apart; real kernels differ).
+Point-to-point: each micro-batch's fp32 residual stream [B, S, D] crosses every stage boundary
+forward and its gradient backward; ASSUMED not overlapped with compute, (v m + p - 1) x 2 sends on
+a rank's critical path, on the intra-node link when adjacent stages share a node (pp is the
+outermost mesh dim: stages are world / p ranks apart), else the inter-node one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from m6.config import Config, num_patches
+from m6.memory.estimate import MemoryReport, optimizer_state_sizes
+from m6.model.activation_bytes import RESIDUAL_BYTES
+
+SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
+INTERLEAVED_CHUNKS = 2  # v the search tries for the interleaved schedule
+
+
+def stages_per_rank(schedule: str) -> int:
+    """v of each schedule as the search runs it (zero_bubble: ZB-V needs exactly 2)."""
+    return {"1f1b": 1, "interleaved": INTERLEAVED_CHUNKS, "zero_bubble": 2}[schedule]
+
+
+# What pipelines compose with in the search: recompute and offload none (refused with a pipeline),
+# no tensor parallel, and no sharding (its per-stage memory is not modelled here).
+PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none",), ("none",), ("none",)
+
+
+def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int) -> str | None:
+    """The config check's own refusal of ``cfg`` at this pipeline (m6.config.check_pipeline, where
+    this m6 has it), with the search's settings for pipelines (recompute and offload none)."""
+    from m6 import config as m6config
+    check = getattr(m6config, "check_pipeline", None)
+    if check is None:
+        return None
+    trial = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_parallel_size=pp, pipeline_schedule=schedule,
+                                          pipeline_stages_per_rank=v, tensor_parallel_size=1, shard="none"),
+        memory=dataclasses.replace(cfg.memory, activation_checkpointing="none", offload="none"))
+    try:
+        check(trial)
+    except m6config.ConfigError as e:
+        return str(e)
+    return None
+
+
+def pipeline_refusal(cfg: Config, pp: int, v: int, micro_batches: int) -> str | None:
+    """Why ``cfg`` cannot be cut into pp x v stages run over ``micro_batches``, or None."""
+    L = cfg.model.num_layers
+    if L % (pp * v):
+        return f"model.num_layers ({L}) is not a multiple of {pp} ranks x {v} stages per rank"
+    if micro_batches < pp:
+        return f"{micro_batches} micro-batches per step are fewer than the {pp} pipeline ranks"
+    if v > 1 and micro_batches % pp:
+        return f"{micro_batches} micro-batches per step are not a multiple of the {pp} pipeline ranks"
+    if cfg.model.share_layers > 1:
+        return f"model.share_layers={cfg.model.share_layers}: shared blocks cross stages"
+    return None
+
+
+def stage_config(cfg: Config, pp: int) -> Config:
+    """``cfg`` with the model of one pipeline rank's blocks (see the module docstring)."""
+    if pp == 1:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=cfg.model.num_layers // pp))
+
+
+def in_flight(schedule: str, pp: int, v: int, m: int, rank: int = 0) -> float:
+    """Micro-batches' activations pipeline rank ``rank`` holds at its peak (in units of one whole
+    micro-batch of its blocks)."""
+    if schedule == "interleaved":
+        return min(v * m, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
+    if schedule == "zero_bubble":  # rank 0: up to 2p - 1 first-chunk forwards, then one of its second chunk
+        return (min(m, 2 * pp - 1) + 1) / 2
+    return float(min(m, pp - rank))
+
+
+def bubble_s(schedule: str, pp: int, v: int, m: int, micro_s: float, attention_share: float) -> float:
+    """Idle seconds of a rank per step, ``micro_s`` its forward+backward of one micro-batch."""
+    if pp == 1:
+        return 0.0
+    if schedule == "zero_bubble":
+        forward = micro_s / 3 / v  # one chunk's F; backward = 2 F
+        # torch lays ZB-V out for at least 2p - 1 micro-batches: the slots of those missing stay idle.
+        return (pp - 1) * max(0.0, 3 * attention_share * forward) + max(0, 2 * pp - 1 - m) * micro_s
+    return (pp - 1) * micro_s / v  # share (p-1)/(v m + p - 1) of (v m + p - 1) chunk slots
+
+
+def idle_share(schedule: str, pp: int, v: int, m: int, attention_share: float = 0.0) -> float:
+    """The bubble as a share of the rank's step compute time (what docs and tests quote)."""
+    busy = m * 1.0
+    idle = bubble_s(schedule, pp, v, m, 1.0, attention_share)
+    return idle / (busy + idle)
+
+
+def p2p_s(cfg: Config, pp: int, v: int, m: int, micro_batch: int, world_size: int, gpus_per_node: int,
+          latency_s: float, intra_Bps: float, inter_Bps: float) -> float:
+    """Seconds per step of the rank's stage-boundary sends on its critical path."""
+    if pp == 1:
+        return 0.0
+    nbytes = micro_batch * (num_patches(cfg.model) + cfg.data.seq_len) * cfg.model.d_model * RESIDUAL_BYTES
+    bw = intra_Bps if world_size // pp < gpus_per_node else inter_Bps
+    return (v * m + pp - 1) * 2 * (latency_s + nbytes / bw)
+
+
+def _states_bytes(cfg: Config, params) -> float:
+    """Weight, gradient and optimizer state bytes of ``params`` (nothing offloaded or sharded)."""
+    return float(sum(8 * p.numel() + sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params))
+
+
+def stage_memory(cfg: Config, report: MemoryReport, model, units: dict[str, float], schedule: str, pp: int, v: int,
+                 m: int) -> MemoryReport:
+    """The worst pipeline rank's memory from ``report``, the estimate of ``stage_config``'s model
+    (its blocks, the embeddings and the head, one micro-batch's activations): the first rank with
+    its in-flight micro-batches and without the head's states, the last with one and without the
+    embeddings' (zero_bubble's rank 0 holds both ends). ``units``: the kept activation bytes of
+    one micro-batch by unit (ActivationBytes.kept_by_unit, recompute applied)."""
+    if pp == 1:
+        return report
+    blocks = sum(b for u, b in units.items() if u.startswith("blocks."))
+    named = dict(model.named_parameters())
+    head = [p for n, p in named.items() if n.startswith(("lm_head.", "final_norm."))]
+    tied = getattr(model, "lm_head", True) is None
+    ends = [p for n, p in named.items() if not n.startswith(("blocks.", "lm_head.", "final_norm."))
+            and not (tied and n == "text_embed.tokens.weight")]
+    first_extra = (in_flight(schedule, pp, v, m, 0) - 1) * (blocks + units.get("embeddings", 0.0))
+    if schedule == "zero_bubble":
+        extra = first_extra
+    else:
+        last_extra = (in_flight(schedule, pp, v, m, pp - 1) - 1) * blocks
+        extra = max(first_extra - _states_bytes(cfg, head), last_extra - _states_bytes(cfg, ends))
+    device = {**report.device, "pipeline: in-flight activations less the other end's states": extra}
+    return dataclasses.replace(report, device=device, peak_device=report.peak_device + extra,
+                               peak_shared=report.peak_shared + extra)
