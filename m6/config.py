@@ -785,8 +785,9 @@ def check_tensor_parallel(cfg: Config) -> None:
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
         (m.moe.a2a_dispatch == "node_aware", "model.moe.a2a_dispatch=node_aware"),
         (m.moe.aux_loss_scope == "local", "model.moe.aux_loss_scope=local"),
-        (cfg.memory.activation_checkpointing != "none",
-         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
+        # auto profiles a forward of the whole model, which no pipeline rank holds; full recomputes every stage's blocks
+        (cfg.memory.activation_checkpointing == "auto", "memory.activation_checkpointing=auto"),
+        (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
         (m.qk_norm == "full", "model.qk_norm=full"),  # an RMSNorm over all heads: a tp rank holds some
         (m.dropout > 0, f"model.dropout={m.dropout}"),  # replicated activations need one mask per tp group
         (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),
@@ -855,8 +856,9 @@ def check_pipeline(cfg: Config) -> None:
         (cfg.optim.delayed_update, "optim.delayed_update=true"),
         (p.balance != "even", f"parallel.balance={p.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
-        (cfg.memory.activation_checkpointing != "none",
-         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
+        # auto profiles a forward of the whole model, which no pipeline rank holds; full recomputes every stage's blocks
+        (cfg.memory.activation_checkpointing == "auto", "memory.activation_checkpointing=auto"),
+        (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
         (bool(cfg.train.compile), f"train.compile={cfg.train.compile}"),
         (cfg.train.weight_copy != "per_use", f"train.weight_copy={cfg.train.weight_copy}"),
         (bool(cfg.train.delink_at_step), f"train.delink_at_step={cfg.train.delink_at_step}"),

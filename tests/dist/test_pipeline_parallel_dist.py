@@ -74,6 +74,17 @@ def test_pp2_trains_like_one_process(tmp_path, reference_run, schedule):
         assert_same_eval(tmp_path, reference_dir)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pp2_with_full_recompute_trains_like_one_process(tmp_path, reference, schedule):
+    """memory.activation_checkpointing=full at pp 2: each stage recomputes its blocks' parts in the
+    schedule's backwards (zero_bubble: in its split input- and weight-gradient backwards); fp32
+    recompute is exact, so the curve is one process's without it."""
+    rows = run(tmp_path, 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", "memory.activation_checkpointing=full",
+               f"parallel.pipeline_schedule={schedule}", "data.eval_samples=0")
+    assert "recompute full" in run.stdout
+    assert_same_curve(rows, reference)
+
+
 def test_pp4_trains_like_one_process(tmp_path, reference_run):
     """Four stages of one block each; 4 micro-batches fill the 1F1B pipeline once."""
     reference_dir, reference = reference_run

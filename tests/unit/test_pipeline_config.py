@@ -25,6 +25,7 @@ def test_pp2_config_loads():
     cfg = load(None, [*PP2, "parallel.pipeline_stages=[0,3]"])
     assert cfg.parallel.pipeline_parallel_size == 2 and cfg.parallel.pipeline_stages == [0, 3]
     assert load(None, [*PP2, "parallel.shard=full"]).parallel.shard == "full"  # FSDP2 inside each stage
+    assert load(None, [*PP2, "memory.activation_checkpointing=full"]).memory.activation_checkpointing == "full"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -62,7 +63,8 @@ def test_stages_need_a_pipeline():
     (["memory.offload=optimizer", "optim.delayed_update=true"], "memory.offload=optimizer"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
-    (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
+    (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
+    (["memory.activation_checkpointing=full", "memory.check_checkpointing=true"], "memory.check_checkpointing=true"),
     (["train.compile=blocks"], "train.compile=blocks"),
     (["train.precision=bf16", "train.weight_copy=per_step"], "train.weight_copy=per_step"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
@@ -132,3 +134,15 @@ def test_stage_weights_equal_the_whole_models_and_keep_their_names(tied):
         assert all(isinstance(model.blocks[i], StageGap) for i in range(4) if not first <= i < end)
         assert {n for n, _ in modules[0].named_parameters()} and len(modules) == 1
         assert model.tied_embedding_copy == (tied and stage == 1)
+
+
+def test_a_stage_declares_its_blocks_recomputable_parts_under_the_whole_models_names():
+    """The stage's recompute (memory.activation_checkpointing=full at pipeline parallel) covers its
+    own blocks' parts, named as the whole model names them, and none of another stage's."""
+    cfg = load(None, PP2).model
+    with torch.device("meta"):
+        whole, model = M6Model(cfg), M6Model(cfg)
+    (stage,) = materialize_stages(model, [1], [0, 2, 4], torch.device("cpu"), seed=7)
+    names = [p.name for p in stage.recomputable_parts()]
+    assert names == [p.name for p in whole.recomputable_parts() if p.name.startswith(("blocks.2.", "blocks.3."))]
+    assert names == ["blocks.2.attention", "blocks.2.mlp", "blocks.3.attention", "blocks.3.experts"]
