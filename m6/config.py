@@ -785,9 +785,8 @@ def check_tensor_parallel(cfg: Config) -> None:
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
         (m.moe.a2a_dispatch == "node_aware", "model.moe.a2a_dispatch=node_aware"),
         (m.moe.aux_loss_scope == "local", "model.moe.aux_loss_scope=local"),
-        # auto profiles a forward of the whole model, which no pipeline rank holds; full recomputes every stage's blocks
-        (cfg.memory.activation_checkpointing == "auto", "memory.activation_checkpointing=auto"),
-        (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
+        (cfg.memory.activation_checkpointing != "none",
+         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
         (m.qk_norm == "full", "model.qk_norm=full"),  # an RMSNorm over all heads: a tp rank holds some
         (m.dropout > 0, f"model.dropout={m.dropout}"),  # replicated activations need one mask per tp group
         (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),
