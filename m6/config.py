@@ -850,7 +850,8 @@ def check_pipeline(cfg: Config) -> None:
         raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages}: every stage's first block must be below "
                           f"model.num_layers ({m.num_layers})")
     refused = [
-        (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}"),
+        # a stage's output would be its tp rank's sequence chunk: the sends are built for whole sequences
+        (p.sequence_parallel, "parallel.sequence_parallel=true"),
         (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
         (cfg.optim.delayed_update, "optim.delayed_update=true"),
         (p.balance != "even", f"parallel.balance={p.balance}"),

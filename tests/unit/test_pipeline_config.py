@@ -58,7 +58,7 @@ def test_stages_need_a_pipeline():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["parallel.tensor_parallel_size=2"], "parallel.tensor_parallel_size=2"),
+    (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
     (["memory.offload=optimizer"], "memory.offload=optimizer"),
     (["memory.offload=optimizer", "optim.delayed_update=true"], "memory.offload=optimizer"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
@@ -89,12 +89,26 @@ def test_pp_outermost_groups():
     assert data_parallel_coordinates(8, 6, 1, 2) == (2, 4)
 
 
+def test_pp_by_tp_groups():
+    """World 8 = pp 2 x edp 1 x ep 2 x tp 2: a stage's ranks are consecutive, its tp pairs
+    consecutive inside it; a pipeline, a data-parallel group and an EP group hold one tp coordinate."""
+    layout = build_layout(8, 6, 2, 4, local_world_size=8, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert layout.tp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.pp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.data_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.ep_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert (layout.pp_rank, layout.dp_rank, layout.ep_rank, layout.tp_rank) == (1, 1, 1, 0)
+    assert data_parallel_coordinates(8, 6, 2, 2) == (1, 2)
+    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size \(4\) must divide the ranks of a pipeline stage \(2"):
+        build_layout(4, 0, 1, 4, local_world_size=4, pipeline_parallel_size=2, tensor_parallel_size=4)
+
+
 def test_pp_must_divide_the_world_and_ep_the_stage():
     with pytest.raises(LayoutError, match=r"parallel.pipeline_parallel_size \(2\) must divide the number of processes \(3\)"):
         data_parallel_coordinates(3, 0, 1, 2)
     with pytest.raises(LayoutError, match=r"parallel.pipeline_parallel_size \(4\) must divide the number of processes \(6\)"):
         build_layout(6, 0, 1, 4, local_world_size=6, pipeline_parallel_size=4)
-    with pytest.raises(LayoutError, match=r"parallel.expert_parallel_size \(4\) must divide the ranks of a pipeline stage"):
+    with pytest.raises(LayoutError, match=r"parallel.expert_parallel_size \(4\) must divide the data-parallel ranks of a pipeline stage"):
         build_layout(4, 0, 4, 4, local_world_size=4, pipeline_parallel_size=2)
     assert build_layout(4, 0, "auto", 4, local_world_size=4, pipeline_parallel_size=2).expert_parallel_size == 2
 
