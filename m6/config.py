@@ -859,7 +859,6 @@ def check_pipeline(cfg: Config) -> None:
         # auto profiles a forward of the whole model, which no pipeline rank holds; full recomputes every stage's blocks
         (cfg.memory.activation_checkpointing == "auto", "memory.activation_checkpointing=auto"),
         (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
-        (bool(cfg.train.compile), f"train.compile={cfg.train.compile}"),
         (cfg.train.weight_copy != "per_use", f"train.weight_copy={cfg.train.weight_copy}"),
         (bool(cfg.train.delink_at_step), f"train.delink_at_step={cfg.train.delink_at_step}"),
         (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),

@@ -85,6 +85,16 @@ def test_pp2_with_full_recompute_trains_like_one_process(tmp_path, reference, sc
     assert_same_curve(rows, reference)
 
 
+def test_pp2_with_compiled_blocks_trains_like_one_process(tmp_path, reference):
+    """train.compile=blocks at pp 2 (1f1b): each rank compiles its own stage's blocks' dense parts
+    (the MoE layers and the stage's sends eager), on the one-process eager curve. About 15 s on 2
+    CPU cores, nearly all of it inductor compiling each rank's regions in the first step."""
+    rows = run(tmp_path, 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", "train.compile=blocks",
+               "data.eval_samples=0")
+    assert "compile: blocks compiled in" in run.stdout  # rank 0 (stage 0) compiled during step 1
+    assert_same_curve(rows, reference)
+
+
 def test_pp4_trains_like_one_process(tmp_path, reference_run):
     """Four stages of one block each; 4 micro-batches fill the 1F1B pipeline once."""
     reference_dir, reference = reference_run

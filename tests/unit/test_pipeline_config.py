@@ -26,6 +26,7 @@ def test_pp2_config_loads():
     assert cfg.parallel.pipeline_parallel_size == 2 and cfg.parallel.pipeline_stages == [0, 3]
     assert load(None, [*PP2, "parallel.shard=full"]).parallel.shard == "full"  # FSDP2 inside each stage
     assert load(None, [*PP2, "memory.activation_checkpointing=full"]).memory.activation_checkpointing == "full"
+    assert load(None, [*PP2, "train.compile=blocks"]).train.compile == "blocks"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -65,7 +66,6 @@ def test_stages_need_a_pipeline():
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
     (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
     (["memory.activation_checkpointing=full", "memory.check_checkpointing=true"], "memory.check_checkpointing=true"),
-    (["train.compile=blocks"], "train.compile=blocks"),
     (["train.precision=bf16", "train.weight_copy=per_step"], "train.weight_copy=per_step"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
 ])
