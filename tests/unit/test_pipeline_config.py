@@ -12,6 +12,7 @@ from m6.model import M6Model
 from m6.parallel import LayoutError, build_layout
 from m6.parallel.layout import data_parallel_coordinates
 from m6.parallel.pipeline import StageGap, materialize_stages, rank_stage_indices, stage_first_blocks
+from m6.parallel.tensor_parallel import apply_tensor_parallel
 
 TINY = ["model.d_model=32", "model.num_layers=4", "model.num_heads=4", "model.ffn_dim=64", "model.max_text_len=40",
         "model.image_size=16", "model.patch_size=8", "model.moe.num_experts=2", "model.moe.every=2",
@@ -160,3 +161,17 @@ def test_a_stage_declares_its_blocks_recomputable_parts_under_the_whole_models_n
     names = [p.name for p in stage.recomputable_parts()]
     assert names == [p.name for p in whole.recomputable_parts() if p.name.startswith(("blocks.2.", "blocks.3."))]
     assert names == ["blocks.2.attention", "blocks.2.mlp", "blocks.3.attention", "blocks.3.experts"]
+
+
+def test_tensor_parallel_splits_a_stages_own_blocks_only():
+    """pp x tp: a stage's rank splits its own blocks' attention and dense MLP (half the rows of
+    qkv and fc_in for tp rank 1 of 2) and passes over the other stage's placeholders."""
+    cfg = load(None, PP2).model
+    with torch.device("meta"):
+        whole, model = M6Model(cfg), M6Model(cfg)
+    materialize_stages(model, [1], [0, 2, 4], torch.device("cpu"), seed=7)
+    plan = apply_tensor_parallel(model, 2, 1, None)
+    assert {n.split(".")[1] for n in plan.split} == {"2", "3"}
+    assert "blocks.2.ffn.fc_in.weight" in plan.split and "blocks.3.attn.qkv.weight" in plan.split
+    assert model.blocks[2].attn.qkv.weight.shape[0] == whole.blocks[2].attn.qkv.weight.shape[0] // 2
+    assert model.blocks[2].ffn.fc_in.weight.shape[0] == whole.blocks[2].ffn.fc_in.weight.shape[0] // 2
