@@ -113,7 +113,8 @@ class PipelineStageModule(nn.Module):
     def recomputable_parts(self) -> list[RecomputablePart]:
         """This stage's blocks' recomputable parts, under the whole model's names (the stage's
         recompute: m6.train.pipeline_step)."""
-        return [part for i, block in zip(self.block_indices, self.blocks) for part in block_recomputable_parts(i, block)]
+        return [part for i, block in zip(self.block_indices, self.blocks)
+                for part in block_recomputable_parts(i, block)]
 
     def forward(self, x: torch.Tensor, *, images: torch.Tensor, has_image: torch.Tensor,
                 segment_ids: torch.Tensor) -> torch.Tensor:

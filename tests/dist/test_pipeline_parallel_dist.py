@@ -1,5 +1,6 @@
-"""Pipeline parallel on real gloo processes: pp 2 (each schedule, and with full recompute), pp 4
-(1f1b), pp 2 x ep 2 and pp 2 x tp 2 at world 4 train with the single-process losses and gradient norms (dropless, fp32) over 10 steps."""
+"""Pipeline parallel on real gloo processes: pp 2 (each schedule; with full recompute; with
+compiled blocks), pp 4 (1f1b), pp 2 x ep 2 and pp 2 x tp 2 at world 4 train with the
+single-process losses and gradient norms (dropless, fp32) over 10 steps."""
 
 from __future__ import annotations
 

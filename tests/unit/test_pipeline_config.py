@@ -100,7 +100,8 @@ def test_pp_by_tp_groups():
     assert layout.ep_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert (layout.pp_rank, layout.dp_rank, layout.ep_rank, layout.tp_rank) == (1, 1, 1, 0)
     assert data_parallel_coordinates(8, 6, 2, 2) == (1, 2)
-    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size \(4\) must divide the ranks of a pipeline stage \(2"):
+    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size \(4\) must divide the ranks of a "
+                                          r"pipeline stage \(2"):
         build_layout(4, 0, 1, 4, local_world_size=4, pipeline_parallel_size=2, tensor_parallel_size=4)
 
 
@@ -109,7 +110,8 @@ def test_pp_must_divide_the_world_and_ep_the_stage():
         data_parallel_coordinates(3, 0, 1, 2)
     with pytest.raises(LayoutError, match=r"parallel.pipeline_parallel_size \(4\) must divide the number of processes \(6\)"):
         build_layout(6, 0, 1, 4, local_world_size=6, pipeline_parallel_size=4)
-    with pytest.raises(LayoutError, match=r"parallel.expert_parallel_size \(4\) must divide the data-parallel ranks of a pipeline stage"):
+    with pytest.raises(LayoutError, match=r"parallel.expert_parallel_size \(4\) must divide the data-parallel "
+                                          r"ranks of a pipeline stage"):
         build_layout(4, 0, 4, 4, local_world_size=4, pipeline_parallel_size=2)
     assert build_layout(4, 0, "auto", 4, local_world_size=4, pipeline_parallel_size=2).expert_parallel_size == 2
 
