@@ -850,14 +850,15 @@ def check_pipeline(cfg: Config) -> None:
         raise ConfigError(f"parallel.pipeline_stages={p.pipeline_stages}: every stage's first block must be below "
                           f"model.num_layers ({m.num_layers})")
     refused = [
-        (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}"),
+        # a stage's output would be its tp rank's sequence chunk: the sends are built for whole sequences
+        (p.sequence_parallel, "parallel.sequence_parallel=true"),
         (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
         (cfg.optim.delayed_update, "optim.delayed_update=true"),
         (p.balance != "even", f"parallel.balance={p.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
-        (cfg.memory.activation_checkpointing != "none",
-         f"memory.activation_checkpointing={cfg.memory.activation_checkpointing}"),
-        (bool(cfg.train.compile), f"train.compile={cfg.train.compile}"),
+        # auto profiles a forward of the whole model, which no pipeline rank holds; full recomputes every stage's blocks
+        (cfg.memory.activation_checkpointing == "auto", "memory.activation_checkpointing=auto"),
+        (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
         (cfg.train.weight_copy != "per_use", f"train.weight_copy={cfg.train.weight_copy}"),
         (bool(cfg.train.delink_at_step), f"train.delink_at_step={cfg.train.delink_at_step}"),
         (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),

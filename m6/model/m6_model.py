@@ -61,6 +61,19 @@ def build_ffn(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     return DenseMLP(cfg.d_model, cfg.ffn_dim, cfg.ffn_activation, bias=cfg.linear_bias)
 
 
+def block_recomputable_parts(index: int, block: nn.Module) -> list[RecomputablePart]:
+    """Block ``index``'s recomputable parts, named as in the whole model: its attention sub-block,
+    and its FFN's local computation (the experts and shared experts, or the dense MLP)."""
+    parts = [RecomputablePart(f"blocks.{index}.attention", block, "attention_residual")]
+    if block.is_moe:
+        parts.append(RecomputablePart(f"blocks.{index}.experts", block.ffn.experts, "forward"))
+        if block.ffn.shared_experts is not None:
+            parts.append(RecomputablePart(f"blocks.{index}.shared_experts", block.ffn.shared_experts, "forward"))
+    else:
+        parts.append(RecomputablePart(f"blocks.{index}.mlp", block.ffn, "forward"))
+    return parts
+
+
 class M6Model(nn.Module):
     """Prefix-LM multimodal transformer with MoE FFNs; loss is computed on target text only."""
 
@@ -133,16 +146,7 @@ class M6Model(nn.Module):
         attention sub-block, and its FFN's local computation (the experts on the tokens this
         process received, not the routing, dispatch or combine, and the shared experts; or the
         dense MLP)."""
-        parts = []
-        for i, block in enumerate(self.blocks):
-            parts.append(RecomputablePart(f"blocks.{i}.attention", block, "attention_residual"))
-            if block.is_moe:
-                parts.append(RecomputablePart(f"blocks.{i}.experts", block.ffn.experts, "forward"))
-                if block.ffn.shared_experts is not None:
-                    parts.append(RecomputablePart(f"blocks.{i}.shared_experts", block.ffn.shared_experts, "forward"))
-            else:
-                parts.append(RecomputablePart(f"blocks.{i}.mlp", block.ffn, "forward"))
-        return parts
+        return [part for i, block in enumerate(self.blocks) for part in block_recomputable_parts(i, block)]
 
     def moe_layers(self) -> dict[str, MoELayer]:
         """``block<i>`` -> the MoE layer of block i (i counts all blocks, as configs do), for routing statistics."""

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from m6.model.block import DenseMLP, TransformerBlock
+from m6.parallel.pipeline import StageGap
 
 
 def _layer_norm_forward(self: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +112,7 @@ def _swap_class(module: nn.Module) -> None:
 class CompiledBlocks:
     """What ``compile_blocks`` compiled: the number of blocks and the regions of each."""
 
-    num_blocks: int
+    num_blocks: int  # this rank's (at pipeline parallel: its stages')
     regions: tuple[str, ...]  # e.g. ("attention", "ffn_norm", "mlp")
 
 
@@ -119,7 +120,11 @@ def compile_blocks(model: nn.Module) -> CompiledBlocks:
     """Compile the dense parts of every block of ``model`` (``model.blocks``) in place; the MoE
     layers stay eager. Call on the model before recompute and FSDP2 wrap it."""
     regions = {"attention", "ffn_norm"}
+    num_blocks = 0
     for block in model.blocks:
+        if isinstance(block, StageGap):  # another pipeline stage's block: that stage's rank compiles it
+            continue
+        num_blocks += 1
         if not isinstance(block, TransformerBlock):
             raise TypeError(f"train.compile=blocks expects TransformerBlocks, got {type(block).__name__}")
         _swap_class(block)
@@ -128,7 +133,7 @@ def compile_blocks(model: nn.Module) -> CompiledBlocks:
             _swap_class(block.ffn)
             regions.add("mlp")
     order = ("attention", "ffn_norm", "mlp")
-    return CompiledBlocks(len(model.blocks), tuple(r for r in order if r in regions))
+    return CompiledBlocks(num_blocks, tuple(r for r in order if r in regions))
 
 
 def compile_seconds() -> float:

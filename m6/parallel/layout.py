@@ -19,7 +19,11 @@ torchtitan and Megatron do: the mesh is ("pp", "edp", "ep") over arange(world).v
 so pipeline stage s runs on ranks [s*world/pp, (s+1)*world/pp) and a pipeline (one rank of each
 stage, the point-to-point sends) is the ranks of one (edp, ep) coordinate. Data and expert
 parallelism run inside each stage: the data-parallel group (``data``) is the stage's ranks, the
-EP and EDP groups are taken among them. (pp composes with tp = 1 only: config.check_pipeline.)
+EP and EDP groups are taken among them. With tensor parallel as well the mesh is 4-D,
+("pp", "edp", "ep", "tp") over arange(world).view(pp, edp, ep, tp): pp outermost, tp innermost,
+so a stage's ranks are consecutive and its tp groups consecutive inside it; a pipeline is the
+ranks of one (edp, ep, tp) coordinate, and the data-parallel group of a stage the ranks of its
+tp coordinate.
 """
 
 from __future__ import annotations
@@ -244,30 +248,35 @@ def _tensor_parallel_layout(world_size: int, rank: int, expert_parallel_size: Un
 def _pipeline_parallel_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
                               local_world_size: int, rank_weights: Optional[list[float]], tp: int,
                               pp: int) -> ParallelLayout:
-    """build_layout at parallel.pipeline_parallel_size > 1: even experts over each stage's ranks."""
+    """build_layout at parallel.pipeline_parallel_size > 1: even experts over each stage's
+    data-parallel ranks (its ranks / tp)."""
     if not isinstance(pp, int) or pp <= 0 or world_size % pp:
         raise LayoutError(f"parallel.pipeline_parallel_size ({pp}) must divide the number of processes ({world_size})")
-    if tp != 1:
-        raise LayoutError(f"parallel.pipeline_parallel_size={pp} with parallel.tensor_parallel_size={tp}: not built "
-                          f"together yet")
+    stage = world_size // pp
+    if not isinstance(tp, int) or tp <= 0 or stage % tp:
+        raise LayoutError(f"parallel.tensor_parallel_size ({tp}) must divide the ranks of a pipeline stage ({stage} = "
+                          f"{world_size} processes / parallel.pipeline_parallel_size {pp})")
     if world_size % local_world_size:
         raise LayoutError(f"LOCAL_WORLD_SIZE ({local_world_size}) must divide WORLD_SIZE ({world_size})")
     if rank_weights is not None:
         raise LayoutError(f"parallel.balance={rank_weights} with parallel.pipeline_parallel_size={pp} is not "
                           f"supported: use parallel.balance=even")
-    stage = world_size // pp
-    ep = resolve_expert_parallel_size(expert_parallel_size, stage, num_experts)
-    if stage % ep:
-        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the ranks of a pipeline stage ({stage} = "
-                          f"{world_size} processes / parallel.pipeline_parallel_size {pp})")
+    dp = stage // tp
+    ep = resolve_expert_parallel_size(expert_parallel_size, dp, num_experts)
+    if dp % ep:
+        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the data-parallel ranks of a pipeline "
+                          f"stage ({dp} = {world_size} processes / parallel.pipeline_parallel_size {pp} / "
+                          f"parallel.tensor_parallel_size {tp})")
     if num_experts % ep:
         raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide model.moe.num_experts ({num_experts})")
-    return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, pipeline_parallel_size=pp)
+    return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp)
 
 
 MESH_DIMS = ("edp", "ep")  # expert-data-parallel (same experts), expert-parallel (all-to-all)
 TP_MESH_DIMS = ("edp", "ep", "tp")  # parallel.tensor_parallel_size > 1: tensor-parallel innermost
 PP_MESH_DIMS = ("pp", "edp", "ep")  # parallel.pipeline_parallel_size > 1: pipeline-parallel outermost
+PP_TP_MESH_DIMS = ("pp", "edp", "ep", "tp")  # both > 1: pipeline outermost, tensor innermost
 
 
 @dataclass(frozen=True)
@@ -379,7 +388,10 @@ def create_process_groups(layout: ParallelLayout, timeout_s: Optional[float] = N
         raise RuntimeError("torch.distributed is not initialised; call m6.parallel.init_distributed() first")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     data_group = None
-    if layout.pipeline_parallel_size > 1:
+    if layout.pipeline_parallel_size > 1 and layout.tensor_parallel_size > 1:
+        shape, names = (layout.pipeline_parallel_size, layout.expert_data_parallel_size,
+                        layout.expert_parallel_size, layout.tensor_parallel_size), PP_TP_MESH_DIMS
+    elif layout.pipeline_parallel_size > 1:
         shape, names = (layout.pipeline_parallel_size, layout.expert_data_parallel_size,
                         layout.expert_parallel_size), PP_MESH_DIMS
     elif layout.tensor_parallel_size > 1:

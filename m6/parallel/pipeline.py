@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from m6.config import ParallelConfig, pipeline_stages_per_rank
-from m6.model import M6Model
+from m6.model import M6Model, RecomputablePart, block_recomputable_parts
 
 FIRST_STAGE_MODULES = ("text_embed", "patch_embed", "modality", "embed_dropout")
 LAST_STAGE_MODULES = ("final_norm", "lm_head")
@@ -109,6 +109,12 @@ class PipelineStageModule(nn.Module):
         self.aux_scale = 0.0
         self.terms: list[torch.Tensor] = []
         self.routed: list[dict[int, torch.Tensor]] = []
+
+    def recomputable_parts(self) -> list[RecomputablePart]:
+        """This stage's blocks' recomputable parts, under the whole model's names (the stage's
+        recompute: m6.train.pipeline_step)."""
+        return [part for i, block in zip(self.block_indices, self.blocks)
+                for part in block_recomputable_parts(i, block)]
 
     def forward(self, x: torch.Tensor, *, images: torch.Tensor, has_image: torch.Tensor,
                 segment_ids: torch.Tensor) -> torch.Tensor:

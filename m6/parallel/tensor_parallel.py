@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from m6.model.attention import SelfAttention
 from m6.model.block import DenseMLP
 from m6.model.cast_on_use import Linear, linear
+from m6.parallel.pipeline import StageGap
 from m6.parallel.tp_regions import (SequenceShape, copy_to_tensor_parallel, gather_from_sequence,
                                     reduce_from_tensor_parallel, reduce_scatter_to_sequence)
 
@@ -206,6 +207,8 @@ def apply_tensor_parallel(model: nn.Module, tp: int, rank: int, tp_mesh: DeviceM
     if tp == 1:
         return plan
     for name, block in model.blocks.named_children():
+        if isinstance(block, StageGap):  # another pipeline stage's block (m6.parallel.pipeline)
+            continue
         prefix = f"blocks.{name}"
         attn = block.attn
         q_dim, kv_dim = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim

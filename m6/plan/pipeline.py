@@ -53,9 +53,10 @@ def stages_per_rank(schedule: str) -> int:
     return {"1f1b": 1, "interleaved": INTERLEAVED_CHUNKS, "zero_bubble": 2}[schedule]
 
 
-# What pipelines compose with in the search: recompute and offload none (refused with a pipeline),
-# no tensor parallel, and no sharding (its per-stage memory is not modelled here).
-PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none",), ("none",), ("none",)
+# What pipelines compose with in the search: recompute none or full (each stage recomputes its own
+# blocks' parts; auto is refused with a pipeline), offload none (refused), no tensor parallel (not
+# modelled with a pipeline yet) and no sharding (its per-stage memory is not modelled here).
+PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none", "full"), ("none",), ("none",)
 
 
 def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int) -> str | None:

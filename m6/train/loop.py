@@ -157,8 +157,9 @@ class Trainer:
                                       param_dtype=self.autocast_dtype if self.fsdp_bf16 else None)
         self.model = self.sharded.model
         set_cast_on_use(self.model, self.cast_on_use and not self.fsdp_bf16)
-        self.activations = ActivationMemory(self.model, cfg.memory, self.device, self.autocast_dtype,
-                                            log=self._print_main)
+        # At pipeline parallel the stages recompute their own blocks (m6.train.pipeline_step).
+        self.activations = ActivationMemory(self.model, cfg.memory if self.pp_size == 1 else dataclasses.replace(
+            cfg.memory, activation_checkpointing="none"), self.device, self.autocast_dtype, log=self._print_main)
         self.update = ParameterUpdate(self.sharded, cfg, self.device, log=self._print_main,
                                       compute_dtype=self.autocast_dtype or torch.float32)
         # The batch plan fixes the micro-batch counts the loader, train_step and the banner read.

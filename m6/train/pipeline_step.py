@@ -11,6 +11,11 @@ divides out of the gradients (m6.train.update), as in the loop's own backward. G
 expert-data-parallel groups (the loop's GradientSync, all buckets after the schedule), and the
 step's loss terms summed over the pipeline in one all-reduce, so every stage reports (and agrees
 on) the same numbers.
+
+memory.activation_checkpointing=full recomputes every block part of the rank's stages in their
+backward (m6.memory.recompute: attention sub-block, local experts, dense MLP; routing, dispatch and
+the stages' sends kept), applied here, not by the loop's ActivationMemory, whose plan profiles a
+forward of the whole model, which no pipeline rank holds.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleG
 
 from m6.config import Config, ConfigError
 from m6.data.batch import MultimodalBatch
+from m6.memory.recompute import RecomputeParts
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part
 from m6.train.expert_bias import ExpertBiasUpdate
@@ -57,6 +63,10 @@ class PipelineStep:
         self.accumulation, self.aux_ranks = accumulation, aux_ranks
         self.group = sharded.groups.pipeline
         self.stage_modules = sharded.stages
+        if cfg.memory.activation_checkpointing == "full":  # every part of every block of this rank's stages
+            for m in self.stage_modules:
+                parts = RecomputeParts(m)
+                parts.apply(parts.parts)
         self.num_stages = cfg.parallel.pipeline_parallel_size * len(self.stage_modules)
         self.schedule_class = SCHEDULES[cfg.parallel.pipeline_schedule]
         self.schedule = self._schedule(self.schedule_class, accumulation, self._loss)

@@ -1,5 +1,6 @@
-"""Pipeline parallel on real gloo processes: pp 2 (each schedule), pp 4 (1f1b) and pp 2 x ep 2 at
-world 4 train with the single-process losses and gradient norms (dropless, fp32) over 10 steps."""
+"""Pipeline parallel on real gloo processes: pp 2 (each schedule; with full recompute; with
+compiled blocks), pp 4 (1f1b), pp 2 x ep 2 and pp 2 x tp 2 at world 4 train with the
+single-process losses and gradient norms (dropless, fp32) over 10 steps."""
 
 from __future__ import annotations
 
@@ -74,6 +75,27 @@ def test_pp2_trains_like_one_process(tmp_path, reference_run, schedule):
         assert_same_eval(tmp_path, reference_dir)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pp2_with_full_recompute_trains_like_one_process(tmp_path, reference, schedule):
+    """memory.activation_checkpointing=full at pp 2: each stage recomputes its blocks' parts in the
+    schedule's backwards (zero_bubble: in its split input- and weight-gradient backwards); fp32
+    recompute is exact, so the curve is one process's without it."""
+    rows = run(tmp_path, 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", "memory.activation_checkpointing=full",
+               f"parallel.pipeline_schedule={schedule}", "data.eval_samples=0")
+    assert "recompute full" in run.stdout
+    assert_same_curve(rows, reference)
+
+
+def test_pp2_with_compiled_blocks_trains_like_one_process(tmp_path, reference):
+    """train.compile=blocks at pp 2 (1f1b): each rank compiles its own stage's blocks' dense parts
+    (the MoE layers and the stage's sends eager), on the one-process eager curve. About 15 s on 2
+    CPU cores, nearly all of it inductor compiling each rank's regions in the first step."""
+    rows = run(tmp_path, 2, NO_CHECKPOINTS, "parallel.pipeline_parallel_size=2", "train.compile=blocks",
+               "data.eval_samples=0")
+    assert "compile: blocks compiled in" in run.stdout  # rank 0 (stage 0) compiled during step 1
+    assert_same_curve(rows, reference)
+
+
 def test_pp4_trains_like_one_process(tmp_path, reference_run):
     """Four stages of one block each; 4 micro-batches fill the 1F1B pipeline once."""
     reference_dir, reference = reference_run
@@ -96,6 +118,22 @@ def test_pp2_by_ep2_at_world_4_trains_like_one_process(tmp_path):
                "parallel.pipeline_stages=[0,1]")
     assert "parallel world 4 = pipeline-parallel 2 (1f1b) x expert-parallel 2 x expert-data-parallel 1" in run.stdout
     assert_same_curve(rows, reference)
+
+
+def test_pp2_by_tp2_at_world_4_trains_like_one_process_and_resumes_at_world_1(tmp_path, reference):
+    """The 4-D mesh (pp, edp, ep, tp): stage 0 on ranks 0-1, stage 1 on ranks 2-3, each stage's
+    attention and dense MLP split over its tp pair, whose ranks read the same batch (one pipeline
+    per tp coordinate: (0, 2) and (1, 3)). Its step-5 checkpoint (each stage's tp shards under the
+    whole model's names) resumes at world 1 on the one-process curve."""
+    rows = run(tmp_path / "pp2tp2", 4, "parallel.pipeline_parallel_size=2", "parallel.tensor_parallel_size=2",
+               "data.eval_samples=0")
+    assert "parallel world 4 = pipeline-parallel 2 (1f1b) x tensor-parallel 2 x expert-parallel 1 x " \
+           "expert-data-parallel 1" in run.stdout
+    assert_same_curve(rows, reference)
+    ckpt = tmp_path / "pp2tp2" / "checkpoints" / "step_00000005"
+    resumed = run(tmp_path / "w1", 1, NO_CHECKPOINTS, f"checkpoint.resume={ckpt}", "data.eval_samples=0")
+    assert "pipeline-parallel size 2 -> 1" in run.stdout
+    assert_same_curve(resumed, reference[5:])
 
 
 def test_bad_pipeline_layouts_exit_2_naming_the_key(tmp_path):

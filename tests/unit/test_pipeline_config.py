@@ -12,6 +12,7 @@ from m6.model import M6Model
 from m6.parallel import LayoutError, build_layout
 from m6.parallel.layout import data_parallel_coordinates
 from m6.parallel.pipeline import StageGap, materialize_stages, rank_stage_indices, stage_first_blocks
+from m6.parallel.tensor_parallel import apply_tensor_parallel
 
 TINY = ["model.d_model=32", "model.num_layers=4", "model.num_heads=4", "model.ffn_dim=64", "model.max_text_len=40",
         "model.image_size=16", "model.patch_size=8", "model.moe.num_experts=2", "model.moe.every=2",
@@ -25,6 +26,8 @@ def test_pp2_config_loads():
     cfg = load(None, [*PP2, "parallel.pipeline_stages=[0,3]"])
     assert cfg.parallel.pipeline_parallel_size == 2 and cfg.parallel.pipeline_stages == [0, 3]
     assert load(None, [*PP2, "parallel.shard=full"]).parallel.shard == "full"  # FSDP2 inside each stage
+    assert load(None, [*PP2, "memory.activation_checkpointing=full"]).memory.activation_checkpointing == "full"
+    assert load(None, [*PP2, "train.compile=blocks"]).train.compile == "blocks"
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -57,13 +60,13 @@ def test_stages_need_a_pipeline():
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["parallel.tensor_parallel_size=2"], "parallel.tensor_parallel_size=2"),
+    (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
     (["memory.offload=optimizer"], "memory.offload=optimizer"),
     (["memory.offload=optimizer", "optim.delayed_update=true"], "memory.offload=optimizer"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
-    (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
-    (["train.compile=blocks"], "train.compile=blocks"),
+    (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
+    (["memory.activation_checkpointing=full", "memory.check_checkpointing=true"], "memory.check_checkpointing=true"),
     (["train.precision=bf16", "train.weight_copy=per_step"], "train.weight_copy=per_step"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
 ])
@@ -87,12 +90,28 @@ def test_pp_outermost_groups():
     assert data_parallel_coordinates(8, 6, 1, 2) == (2, 4)
 
 
+def test_pp_by_tp_groups():
+    """World 8 = pp 2 x edp 1 x ep 2 x tp 2: a stage's ranks are consecutive, its tp pairs
+    consecutive inside it; a pipeline, a data-parallel group and an EP group hold one tp coordinate."""
+    layout = build_layout(8, 6, 2, 4, local_world_size=8, pipeline_parallel_size=2, tensor_parallel_size=2)
+    assert layout.tp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.pp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.data_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.ep_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert (layout.pp_rank, layout.dp_rank, layout.ep_rank, layout.tp_rank) == (1, 1, 1, 0)
+    assert data_parallel_coordinates(8, 6, 2, 2) == (1, 2)
+    with pytest.raises(LayoutError, match=r"parallel.tensor_parallel_size \(4\) must divide the ranks of a "
+                                          r"pipeline stage \(2"):
+        build_layout(4, 0, 1, 4, local_world_size=4, pipeline_parallel_size=2, tensor_parallel_size=4)
+
+
 def test_pp_must_divide_the_world_and_ep_the_stage():
     with pytest.raises(LayoutError, match=r"parallel.pipeline_parallel_size \(2\) must divide the number of processes \(3\)"):
         data_parallel_coordinates(3, 0, 1, 2)
     with pytest.raises(LayoutError, match=r"parallel.pipeline_parallel_size \(4\) must divide the number of processes \(6\)"):
         build_layout(6, 0, 1, 4, local_world_size=6, pipeline_parallel_size=4)
-    with pytest.raises(LayoutError, match=r"parallel.expert_parallel_size \(4\) must divide the ranks of a pipeline stage"):
+    with pytest.raises(LayoutError, match=r"parallel.expert_parallel_size \(4\) must divide the data-parallel "
+                                          r"ranks of a pipeline stage"):
         build_layout(4, 0, 4, 4, local_world_size=4, pipeline_parallel_size=2)
     assert build_layout(4, 0, "auto", 4, local_world_size=4, pipeline_parallel_size=2).expert_parallel_size == 2
 
@@ -132,3 +151,29 @@ def test_stage_weights_equal_the_whole_models_and_keep_their_names(tied):
         assert all(isinstance(model.blocks[i], StageGap) for i in range(4) if not first <= i < end)
         assert {n for n, _ in modules[0].named_parameters()} and len(modules) == 1
         assert model.tied_embedding_copy == (tied and stage == 1)
+
+
+def test_a_stage_declares_its_blocks_recomputable_parts_under_the_whole_models_names():
+    """The stage's recompute (memory.activation_checkpointing=full at pipeline parallel) covers its
+    own blocks' parts, named as the whole model names them, and none of another stage's."""
+    cfg = load(None, PP2).model
+    with torch.device("meta"):
+        whole, model = M6Model(cfg), M6Model(cfg)
+    (stage,) = materialize_stages(model, [1], [0, 2, 4], torch.device("cpu"), seed=7)
+    names = [p.name for p in stage.recomputable_parts()]
+    assert names == [p.name for p in whole.recomputable_parts() if p.name.startswith(("blocks.2.", "blocks.3."))]
+    assert names == ["blocks.2.attention", "blocks.2.mlp", "blocks.3.attention", "blocks.3.experts"]
+
+
+def test_tensor_parallel_splits_a_stages_own_blocks_only():
+    """pp x tp: a stage's rank splits its own blocks' attention and dense MLP (half the rows of
+    qkv and fc_in for tp rank 1 of 2) and passes over the other stage's placeholders."""
+    cfg = load(None, PP2).model
+    with torch.device("meta"):
+        whole, model = M6Model(cfg), M6Model(cfg)
+    materialize_stages(model, [1], [0, 2, 4], torch.device("cpu"), seed=7)
+    plan = apply_tensor_parallel(model, 2, 1, None)
+    assert {n.split(".")[1] for n in plan.split} == {"2", "3"}
+    assert "blocks.2.ffn.fc_in.weight" in plan.split and "blocks.3.attn.qkv.weight" in plan.split
+    assert model.blocks[2].attn.qkv.weight.shape[0] == whole.blocks[2].attn.qkv.weight.shape[0] // 2
+    assert model.blocks[2].ffn.fc_in.weight.shape[0] == whole.blocks[2].ffn.fc_in.weight.shape[0] // 2

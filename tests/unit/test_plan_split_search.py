@@ -98,9 +98,14 @@ def test_cli_prints_whether_tp_or_pp_wins(capsys):
 
 
 def test_pipelines_only_with_what_they_are_built_with():
-    """Pipelines refuse tensor parallel, recompute and offload: the search does not combine them."""
+    """The search combines pipelines with full recompute (built), not with tensor parallel, auto
+    recompute or offload (not modelled or refused with a pipeline); full recompute keeps less."""
     cfg = load("configs/tiny.yaml", SMALL)
-    result = _search(cfg, 4, tps=(1, 2), pps=(1, 2), recompute=("none", "full"), shard=("none",), micro_batches=[2])
+    result = _search(cfg, 4, tps=(1, 2), pps=(1, 2), recompute=("none", "auto", "full"), shard=("none",),
+                     micro_batches=[2])
     pp = [c for c in result.feasible if c.pipeline_parallel_size > 1]
-    assert pp and all(c.tensor_parallel_size == 1 and c.recompute == "none" for c in pp)
-    assert any(c.recompute == "full" for c in result.feasible if c.pipeline_parallel_size == 1)
+    assert pp and all(c.tensor_parallel_size == 1 and c.recompute in ("none", "full") and c.offload == "none"
+                      for c in pp)
+    by = {(c.pipeline_schedule, c.expert_parallel_size, c.recompute): c.memory.peak_device for c in pp}
+    pairs = [(v, by[(s, e, "none")]) for (s, e, r), v in by.items() if r == "full" and (s, e, "none") in by]
+    assert pairs and all(full < none for full, none in pairs)
