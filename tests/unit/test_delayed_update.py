@@ -245,3 +245,30 @@ def test_the_config_accepts_16bit_host_gradients_with_every_offload(tmp_path, of
     cfg = load(None, [*SMALL, f"run.dir={tmp_path}", "optim.delayed_update=true", f"memory.offload={offload}",
                       *HALF["bf16"]])
     assert cfg.optim.delayed_update and cfg.memory.host_grad_dtype == "compute"
+
+
+def test_the_update_in_flight_reads_its_own_fp16_divisors_while_the_next_backward_writes_others():
+    """fp16 host gradients: a gradient past fp16's range reaches the host divided by a power of two
+    (HostOffload.host_grad_factors). The update handed that step's set reads the divisor written
+    with it, though the next backward has meanwhile streamed a small gradient whose divisor is 1
+    (with one set of divisor scalars the update would read 1 and step 2**k times too short)."""
+    from m6.memory.grouped_apply import GroupedApply
+    from m6.memory.offload import HostOffload
+
+    weight = torch.nn.Parameter(torch.zeros(4))
+    off = HostOffload([weight], torch.device("cpu"), grad_dtype=torch.float16)
+    off.defer_grads = True
+    master = off.master(weight)
+    apply = GroupedApply(torch.optim.SGD([master], lr=1.0), [master], [], 1)
+    big = torch.full((4,), 2.0**20)  # past fp16's largest finite value, 65504: divided by 2**5
+    weight.grad = big.clone()
+    off.finish_backward()
+    assert off.host_grad_factors([master]) == [32.0]
+    off.hand_over_grads()
+    weight.grad = torch.full((4,), 1.0)  # the next step's backward, while the update is in flight
+    off.finish_backward()
+    assert off.host_grad_factors([master]) == [1.0]
+    off.background_step(apply)
+    off.release_update_grads()
+    assert torch.equal(master, -big)  # SGD, lr 1: the handed-over gradient, its divisor undone
+    assert master.grad is None and off.host_grads([master])[0].eq(1.0).all()
