@@ -909,7 +909,8 @@ def check_zero_offload(cfg: Config) -> None:
 
 def check_delayed_update(cfg: Config) -> None:
     """optim.delayed_update runs m6's offloaded host update in the background: it needs m6's own
-    offload (memory.offload optimizer or optimizer+params, unsharded) with fp32 host gradients."""
+    offload (memory.offload optimizer, optimizer+params or zero, unsharded), with host gradients
+    fp32 or 16-bit (both double-buffered)."""
     if not cfg.optim.delayed_update:
         return
     mem = cfg.memory
@@ -920,9 +921,6 @@ def check_delayed_update(cfg: Config) -> None:
         raise ConfigError(f"optim.delayed_update=true with parallel.shard={cfg.parallel.shard}: FSDP2's CPU offload "
                           "steps its shards in place; the delayed update is built for m6's unsharded offload "
                           "(parallel.shard=none)")
-    if mem.host_grad_dtype != "fp32":
-        raise ConfigError(f"optim.delayed_update=true with memory.host_grad_dtype={mem.host_grad_dtype}: the delayed "
-                          "update double-buffers fp32 host gradients only; use memory.host_grad_dtype=fp32")
 
 
 def check_weight_copy(cfg: Config) -> None:

@@ -12,9 +12,11 @@ fp16-overflow decision are computed (and all-reduced) before the launch, so ever
 skips together, and the learning rate is step t's (the thread advances the schedule after its
 optimizer step; the main thread reads the rate only after waiting).
 
-Gradient buffers: step t+1's backward streams into a second set of host fp32 gradient buffers
-(HostOffload.hand_over_grads): double buffering, one more fp32 gradient per trainable parameter on
-the host (4 bytes; pinned when CUDA is present), allocated at the first delayed step.
+Gradient buffers: step t+1's backward streams into a second set of host gradient buffers
+(HostOffload.hand_over_grads): double buffering, one more gradient per trainable parameter on the
+host (4 bytes fp32, 2 with memory.host_grad_dtype=compute; pinned when CUDA is present), allocated
+at the first delayed step. 16-bit gradients go to the update with fp16's divisors (a second set of
+host scalars for the next backward) and the clip's multiplier (HostOffload.background_step).
 
 Threads: torch's CPU ops and DeepSpeed's CPU Adam release the GIL, so the update runs beside the
 main thread's forward and backward (on a CPU device they share the cores). One worker thread is

@@ -272,10 +272,11 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         else:
             device_params, host_homes = 4.0 * numel, 0.0
         device = {"params": device_params, "grads": device_grads, **transients}
-        # optim.delayed_update: the next step's gradients stream into a second fp32 set (double buffer).
+        # optim.delayed_update: the next step's gradients stream into a second set (double buffer,
+        # fp32 or 16-bit as the first).
         host = {"params": states["params"] + host_homes,
-                "grads": compute_bytes(cfg, device_type) * numel if half_grads
-                else states["grads"] * (2 if cfg.optim.delayed_update else 1),
+                "grads": (compute_bytes(cfg, device_type) * numel if half_grads else states["grads"])
+                * (2 if cfg.optim.delayed_update else 1),
                 "optimizer state": states["optimizer state"],
                 # 16-bit host gradients are read back in fp32 one apply group at a time.
                 "optimizer step temporaries": (0.0 if cfg.memory.host_optimizer == "deepspeed"

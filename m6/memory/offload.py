@@ -37,6 +37,7 @@ streaming, separate master, update, copy back, fetch / release) runs and is test
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -195,6 +196,17 @@ class ParamStreamer:
         return hook
 
 
+@dataclass
+class HalfGradSet:
+    """One step's 16-bit host gradients as its update reads them (memory.host_grad_dtype=compute):
+    the buffers the step filled (id(master) -> buffer), fp16's power-of-two divisors (id(master)
+    -> host scalar; None for bf16) and the clip's multiplier (unscale x clip)."""
+
+    filled: dict[int, torch.Tensor]
+    divisors: dict[int, torch.Tensor] | None
+    multiplier: float
+
+
 class HostOffload:
     """Master weights, gradients and optimizer state on the host; the update runs there.
 
@@ -269,6 +281,10 @@ class HostOffload:
         # and the next step's gradients go to a second buffer set (hand_over_grads).
         self.defer_grads = False
         self._spare_grad_buffers: dict[int, torch.Tensor] | None = None
+        # 16-bit host gradients under the delayed update: the step handed to the update in flight
+        # (its buffers, divisors, multiplier), and the divisors' second set the next backward writes.
+        self._update_half: HalfGradSet | None = None
+        self._spare_fp16_divisors: dict[int, torch.Tensor] | None = None
         self._pushed: torch.cuda.Event | None = None  # recorded after push_weights' copies (CUDA)
         # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
         # this one is done all are, and the step waits once, not once per parameter.
@@ -340,15 +356,18 @@ class HostOffload:
             return None
         return [float(self._fp16_divisors[id(m)]) for m in masters if id(m) in self._filled]
 
-    def materialize_grads(self, masters: Sequence[torch.Tensor]) -> None:
+    def materialize_grads(self, masters: Sequence[torch.Tensor], grads: HalfGradSet | None = None) -> None:
         """16-bit host gradients: give ``masters`` fp32 ``.grad`` for the update (the buffer times
-        ``grad_multiplier``, the clip's unscale and clip in one pass, and fp16's divisor);
-        ``release_grads`` after it."""
+        the multiplier, the clip's unscale and clip in one pass, and fp16's divisor);
+        ``release_grads`` after it. ``grads``: the step's set (None: this step's, the synchronous
+        update's; the delayed update reads the set handed over to it)."""
+        if grads is None:
+            grads = HalfGradSet(self._filled, self._fp16_divisors, self.grad_multiplier)
         for m in masters:
-            buf = self._filled.get(id(m))
+            buf = grads.filled.get(id(m))
             if buf is not None:
-                divisor = 1.0 if self._fp16_divisors is None else float(self._fp16_divisors[id(m)])
-                m.grad = buf.to(torch.float32).mul_(self.grad_multiplier * divisor)
+                divisor = 1.0 if grads.divisors is None else float(grads.divisors[id(m)])
+                m.grad = buf.to(torch.float32).mul_(grads.multiplier * divisor)
 
     @staticmethod
     def release_grads(masters: Sequence[torch.Tensor]) -> None:
@@ -433,26 +452,53 @@ class HostOffload:
     # ---- the delayed update (m6.memory.delayed_update) ----------------------------------------
     def hand_over_grads(self) -> None:
         """The attached gradients now belong to an update running in the background: the next
-        backward streams into the other buffer set (allocated here the first time: one more fp32
-        gradient per parameter on the host). The masters' .grad are left to the update."""
+        backward streams into the other buffer set (allocated here the first time: one more
+        gradient per parameter on the host, 4 bytes fp32 or the compute dtype's 2). The masters'
+        .grad (fp32) are left to the update; 16-bit gradients go to it as a HalfGradSet (their
+        buffers, fp16's divisors, which the next backward writes into a second set of scalars, and
+        the clip's multiplier), read by ``background_step``."""
         self._accumulator.flush()
+        pin = self.copy_stream is not None
         if self._spare_grad_buffers is None:
-            pin = self.copy_stream is not None
             self._spare_grad_buffers = {k: torch.empty(b.shape, dtype=b.dtype, pin_memory=pin)
                                         for k, b in self._grad_buffers.items()}
         self._grad_buffers, self._spare_grad_buffers = self._spare_grad_buffers, self._grad_buffers
+        if self.half_grads:
+            assert self._update_half is None, "16-bit gradients handed over while an update still reads others"
+            self._update_half = HalfGradSet(self._filled, self._fp16_divisors, self.grad_multiplier)
+            if self._fp16_divisors is not None:
+                if self._spare_fp16_divisors is None:
+                    self._spare_fp16_divisors = {k: torch.ones((), pin_memory=pin) for k in self._fp16_divisors}
+                self._fp16_divisors, self._spare_fp16_divisors = self._spare_fp16_divisors, self._fp16_divisors
+            self._filled, self.grad_multiplier = {}, 1.0
         for p in self.params:
             p.grad = None
         self._grads_copied = None
         self._summed.clear()
 
+    def background_step(self, apply: GroupedApply) -> None:
+        """The delayed update's host step (on its worker thread) over the gradients handed over:
+        fp32 ones attached to the masters, or the 16-bit set read back group by group as the
+        synchronous step reads it. Nothing is copied to the device (the next step's catch-up does)."""
+        if not self.half_grads:
+            apply.step()
+            return
+        grads = self._update_half
+        assert grads is not None, "a background step without handed-over 16-bit gradients"
+        apply.step(before_group=lambda i: self.materialize_grads(apply.groups[i], grads),
+                   after_group=lambda i: self.release_grads(apply.groups[i]))
+
     def release_update_grads(self) -> None:
         """After the background update: drop the gradients it read (their buffers are kept)."""
         for p in self.params:
             self.masters[id(p)].grad = None
+        self._update_half = None
 
     def attach_grads(self) -> None:
-        """After the step's backward (and any update in flight): the masters' .grad are this step's sums."""
+        """After the step's backward (and any update in flight): the masters' .grad are this step's
+        sums (fp32; 16-bit gradients stay in their buffers until the update reads them)."""
+        if self.half_grads:
+            return
         for p in self.params:
             if id(p) in self._summed:
                 self.masters[id(p)].grad = self._grad_buffers[id(p)]

@@ -35,7 +35,8 @@ The host update and its copy back (every offloaded layout):
   synchronous  the update runs after the device's step (clip, agree, update), the weights going
           back group by group (``optim.apply_groups``) while the next group updates: the last
           group's copy, or what exceeds the update, shows.
-  delayed (``optim.delayed_update``, GPUs, fp32 host gradients; m6.memory.delayed_update) step
+  delayed (``optim.delayed_update``, GPUs, fp32 or 16-bit host gradients, either in two sets;
+          m6.memory.delayed_update) step
           t's host update runs while step t+1's forward/backward run on the device; the device
           waits for it after its backward, then for the whole copy back of the new weights (the
           device's own weights are in use until that backward ends, so nothing is copied earlier;

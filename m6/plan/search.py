@@ -29,7 +29,7 @@ RECOMPUTE = ("none", "auto", "full")
 # memory.offload settings searched: those m6.config accepts (zero, ZeRO-Offload's layout, on GPUs with
 # a 16-bit compute dtype, unsharded, once its runtime is there); PLANNED_OFFLOAD: all the planner models.
 OFFLOAD = runnable_offload_modes()
-# optim.delayed_update (GPUs, unsharded offload; with fp32 host gradients in the fp32 layouts).
+# optim.delayed_update (GPUs, unsharded offload; with fp32 or 16-bit host gradients, double-buffered).
 # search() tries the synchronous update unless asked; the CLI asks for both (--delayed-update).
 DELAYED = (False, True)
 SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding, offload none or (GPUs) optimizer+params
@@ -283,9 +283,9 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                 # 16-bit host gradients: m6's own offload, one micro-batch per step, a 16-bit compute dtype.
                 elif hg != "fp32" and (off == "none" or sh != "none" or mb != per_rank or hw.precision == "fp32"):
                     continue
-                # The delayed update: m6's unsharded offload on a GPU, with fp32 host gradients (the
-                # double-buffered ones it runs on; a config error otherwise).
-                if dl and (off == "none" or sh != "none" or hw.peak_tflops is None or hg != "fp32"):
+                # The delayed update: m6's unsharded offload on a GPU, host gradients fp32 or 16-bit
+                # (either double-buffered: a second set on the host, counted by the memory estimate).
+                if dl and (off == "none" or sh != "none" or hw.peak_tflops is None):
                     continue
                 # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params), on a
                 # GPU (on a CPU host it moves nothing); not with auto recompute (a config error);

@@ -121,8 +121,8 @@ class ParameterUpdate:
             if t.precision == "fp16" else None
         self.apply = GroupedApply(self.optimizer, replicated + split + self.uncounted, experts, cfg.optim.apply_groups)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
-        # optim.delayed_update (config.py allows it with m6's unsharded fp32-gradient offload): step t's
-        # host update runs in the background during step t+1's forward/backward.
+        # optim.delayed_update (config.py allows it with m6's unsharded offload): step t's host update
+        # runs in the background during step t+1's forward/backward.
         self.delayed = DelayedUpdate(self.offload, cfg.optim.delayed_update_after) \
             if cfg.optim.delayed_update else None
 
@@ -213,7 +213,7 @@ class ParameterUpdate:
         if apply and self.delayed is not None and self.delayed.is_delayed(step):
             # The thread advances the schedule after its update: the rate it reads is this step's.
             self.grad_bytes_after_backward = 0
-            self.delayed.launch(step, lambda: (self.apply.step(), self.scheduler.step()))
+            self.delayed.launch(step, lambda: (self.offload.background_step(self.apply), self.scheduler.step()))
             return
         if apply:
             if self.offload:

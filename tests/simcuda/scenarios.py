@@ -265,6 +265,15 @@ MEMORY_VARIANTS = {
     "offload-zero-streamed-delayed": ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[0,2]",
                                       "memory.host_optimizer=torch", "optim.delayed_update=true",
                                       "optim.delayed_update_after=0"],
+    # The delayed update with 16-bit host gradients: fp16 (each gradient's power-of-two divisor
+    # written to a pinned host scalar beside its copy, a second set for the next backward) with the
+    # optimizer offloaded; bf16 with ZeRO-Offload's layout resident.
+    "offload-optimizer-delayed-half": ["train.precision=fp16", "memory.offload=optimizer",
+                                       "memory.host_optimizer=torch", "memory.host_grad_dtype=compute",
+                                       "optim.delayed_update=true", "optim.delayed_update_after=0"],
+    "offload-zero-delayed-half": ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[]",
+                                  "memory.host_optimizer=torch", "memory.host_grad_dtype=compute",
+                                  "optim.delayed_update=true", "optim.delayed_update_after=0"],
 }
 EXPERT_PARALLEL_VARIANTS = {  # name -> (world size, overrides); a mirror world (mirror_world.py)
     "ep-world2": (2, ["train.precision=bf16", "parallel.expert_parallel_size=2"]),

@@ -1,7 +1,7 @@
 """Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
 evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
 and of optimizer+params (each also with the delayed update), ZeRO-Offload's layout (memory.offload=zero,
-resident and streamed-delayed), full recompute, and expert parallelism
+resident and streamed-delayed), the delayed update with 16-bit host gradients (fp16 optimizer, bf16 zero), full recompute, and expert parallelism
 at world 2 and 4 in a mirror world.
 Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
 rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
@@ -18,7 +18,8 @@ from preload import scenario_result
 GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast", "dropless-grouped_mm", "bf16-weight-copy"],
           "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full",
                              "offload-optimizer-delayed", "offload-optimizer+params-delayed", "offload-zero",
-                             "offload-zero-streamed-delayed"],
+                             "offload-zero-streamed-delayed", "offload-optimizer-delayed-half",
+                             "offload-zero-delayed-half"],
           "expert_parallel": ["ep-world2", "ep-world4"]}
 RUNS = [(group, name) for group, names in GROUPS.items() for name in names]
 pytestmark = [pytest.mark.simcuda_group(group) for group in GROUPS]
@@ -70,7 +71,8 @@ def test_offload_waits_for_the_gradients_once_per_step(simcuda):
     """The gradient copies to the host run in order on one stream: the step waits for the last one,
     not for each parameter's (55 waits per step before)."""
     for name in ("offload-optimizer", "offload-optimizer+params", "offload-optimizer-delayed",
-                 "offload-optimizer+params-delayed", "offload-zero", "offload-zero-streamed-delayed"):
+                 "offload-optimizer+params-delayed", "offload-zero", "offload-zero-streamed-delayed",
+                 "offload-optimizer-delayed-half", "offload-zero-delayed-half"):
         run = _run(simcuda, "trainer_memory", name)
         totals = sync_totals(run["findings"])
         assert totals[("m6/memory/offload.py:finish_backward", "step")] == run["events"]["step"], (name, totals)

@@ -190,10 +190,12 @@ def test_delayed_update_composes_with_zero(tmp_path):
     weights_are_rounded_masters(delayed)
 
 
-def test_delayed_update_with_zero_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("host_grads", ["fp32", "compute"])
+def test_delayed_update_with_zero_resumes_exactly(tmp_path, host_grads):
     """The checkpoint holds the fp32 masters and the next forward's 16-bit device weights (one
-    update behind): a resumed delayed zero run continues the uninterrupted one bitwise."""
-    args = (*ZERO, "optim.delayed_update=true", "optim.delayed_update_after=1")
+    update behind): a resumed delayed zero run continues the uninterrupted one bitwise, with fp32
+    and with 16-bit host gradients."""
+    args = (*ZERO, "optim.delayed_update=true", "optim.delayed_update_after=1", f"memory.host_grad_dtype={host_grads}")
     straight = trainer(tmp_path / "straight", *args)
     want = [straight.train_step()["loss"] for _ in range(STEPS + 1)]
     first = trainer(tmp_path / "run", *args)

@@ -74,6 +74,14 @@ def test_zero_holds_16_bit_weights_on_the_device_and_fp32_masters_on_the_host():
     # The delayed update: a second set of host gradients for the next backward.
     delayed = rm.report(_zero(cfg, 16, delayed=True))
     assert delayed.host["grads"] == 8 * numel and delayed.peak_host == rm.report(_zero(cfg, 16)).peak_host + 4 * numel
+    # With 16-bit host gradients the second set is 16-bit too: 2 B per parameter more.
+    half = rm.report(_zero(cfg, 16, delayed=True, host_grads="compute"))
+    assert half.host["grads"] == 4 * numel
+    assert half.peak_host == rm.report(_zero(cfg, 16, host_grads="compute")).peak_host + 2 * numel
+    # So in m6's fp32-weight layouts (m6.memory.estimate).
+    for off in ("optimizer", "optimizer+params"):
+        sync, dpu = (rm.report(_zero(cfg, 16, offload=off, host_grads="compute", delayed=d)) for d in (False, True))
+        assert sync.host["grads"] == 2 * numel and dpu.host["grads"] == 4 * numel, off
 
 
 def test_zero_moves_half_the_bytes_and_the_step_waits_only_for_what_compute_does_not_hide():
@@ -164,10 +172,11 @@ def test_search_plans_zero_and_the_delayed_update_on_gpus_only():
     gpu = search(cfg, 1, 8, V100, _host(), 4096.0, delayed=(False, True), offload=PLANNED_OFFLOAD, **narrow).feasible
     layouts = {(c.offload, c.delayed_update) for c in gpu}
     assert {(ZERO, False), (ZERO, True), ("optimizer", True), ("optimizer+params", True)} <= layouts
-    # The delayed update only with fp32 host gradients (a config error otherwise); zero with both.
-    assert all(c.host_grad_dtype == "fp32" for c in gpu if c.delayed_update)
+    # The delayed update with fp32 and with 16-bit host gradients, in every offloaded layout.
+    assert {(c.offload, c.host_grad_dtype) for c in gpu if c.delayed_update} == {
+        (off, hg) for off in ("optimizer", "optimizer+params", ZERO) for hg in ("fp32", "compute")}
     assert {c.host_grad_dtype for c in gpu if c.offload == ZERO} == {"fp32", "compute"}
-    zero = next(c for c in gpu if c.offload == ZERO and c.delayed_update)
+    zero = next(c for c in gpu if c.offload == ZERO and c.delayed_update and c.host_grad_dtype == "fp32")
     assert {"memory.offload=zero", "memory.offload_blocks=[]", "optim.delayed_update=true",
             "memory.host_grad_dtype=fp32"} <= set(zero.overrides())
     printed = describe(zero, 1, 8, cfg.optim.delayed_update_after)
