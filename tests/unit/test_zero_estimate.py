@@ -1,0 +1,74 @@
+"""memory.offload=zero in the one memory estimate (m6.memory.estimate.zero_memory):
+what ``python -m m6.inspect`` prints and what ``memory.offload_blocks=auto`` sizes with are the
+planner's bytes of ZeRO-Offload's layout (16-bit device weights), not the fp32 layouts' 4 B."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from m6 import inspect as m6inspect
+from m6.config import load
+from m6.memory.estimate import estimate_memory
+from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, resolve_offload_blocks
+from m6.plan.memory import RankMemory
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+SMALL = ["data.kind=synthetic", "data.sources=[]", "model.moe.capacity_factor=null", "data.seq_len=40",
+         "model.max_text_len=40", "model.image_size=16", "train.global_batch_size=16", "train.precision=bf16",
+         "memory.host_optimizer=torch", "checkpoint.async_save=false"]
+
+
+def _cfg(*extra: str):
+    return load(CONFIG, [*SMALL, *extra])
+
+
+def test_the_estimate_of_zero_is_the_planners_with_16_bit_device_weights():
+    rm = RankMemory(_cfg(), 2, 2, "cuda")
+    for extra in ([], ["memory.offload_blocks=[0,1]"], ["memory.host_grad_dtype=compute", "train.micro_batch_size=4"]):
+        cfg = _cfg("memory.offload=zero", *extra)
+        est = estimate_memory(cfg, rm.model, rm.no_decay, 2, 2, "cuda")
+        planned = rm.report(cfg)
+        assert (est.device, est.host, est.peak_device, est.peak_host) == \
+            (planned.device, planned.host, planned.peak_device, planned.peak_host)
+    numel = sum(p.numel() for p in rm.model.parameters())
+    resident = estimate_memory(_cfg("memory.offload=zero", "memory.offload_blocks=[]"), rm.model, rm.no_decay, 2, 2)
+    fp32 = estimate_memory(_cfg("memory.offload=optimizer"), rm.model, rm.no_decay, 2, 2)
+    assert resident.device["params"] == 2 * numel and fp32.device["params"] == 4 * numel
+    assert resident.host["params"] == 4 * numel
+
+
+def test_inspect_prints_zero_s_16_bit_weights_and_its_host_staging():
+    cfg = _cfg("memory.offload=zero", "memory.offload_blocks=[]")
+    r = m6inspect.report(cfg, 1, "cuda")
+    lines = m6inspect.report_lines(cfg, r, "tiny.yaml", "cuda")
+    feat = r["memory_with_features"]
+    params = next(ln for ln in lines if ln.strip().startswith("params"))
+    assert m6inspect._bytes(feat.device["params"]) in params and feat.device["params"] == 2 * r["total_params"]
+    assert any(ln.strip().startswith("16-bit weight staging") for ln in lines)
+
+
+def test_offload_blocks_auto_with_zero_keeps_the_blocks_that_fit(monkeypatch):
+    """Accepted by the config now; on a (pretended) CUDA device the zero estimate decides."""
+    cfg = _cfg("memory.offload=zero", "memory.offload_blocks=auto")
+    rm = RankMemory(cfg, 1, 1, "cuda")
+
+    def peak(streamed):
+        return estimate_memory(_cfg("memory.offload=zero", f"memory.offload_blocks={streamed}"),
+                               rm.model, rm.no_decay, 1, 1, "cuda").peak_device
+
+    cuda, lines = torch.device("cuda"), []
+    num_blocks = len(rm.model.blocks)
+    least = peak(list(range(num_blocks)))
+    assert least < peak([])
+    # The fewest blocks from 0 up whose streaming brings the peak down to the least (a window of two
+    # blocks stays on the device, so streaming one block alone saves nothing).
+    fewest = next(list(range(k)) for k in range(num_blocks + 1) if peak(list(range(k))) <= least)
+    assert fewest
+    for memory, expected in ((least / AUTO_MEMORY_FRACTION, fewest), (1e15, [])):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, m=memory: SimpleNamespace(total_memory=m))
+        assert resolve_offload_blocks(cfg, rm.model, rm.no_decay, 1, 1, cuda, lines.append) == expected
+    assert f"memory.offload_blocks=auto: {num_blocks - len(fewest)} of {num_blocks} blocks stay on the device" \
+        in lines[0]
