@@ -42,7 +42,9 @@ memory.offload=zero (``zero_memory``, ZeRO-Offload's layout; the planner's model
           gradients' pinned host buffers, 4 B (fp32) or c B (compute) per parameter (twice with
           the delayed update: the next backward streams into a second set) + pinned 16-bit weight
           staging: the streamed blocks' 16-bit homes (what their forward and backward fetch) and
-          the copy back's two 16-bit buffers of at most 2^25 elements + the update's temporaries
+          the copy back's 16-bit buffers (``copy_back_staging``: one of the largest push's size,
+          a push being an apply group's resident weights, or all of them with the delayed update;
+          two of at most 2^25 elements when a push is larger) + the update's temporaries
           (with 16-bit host gradients one update group's read back in fp32; torch's foreach
           optimizers' own) + the checkpoint staging copy (checkpoint.async_save), as the fp32
           layouts.
@@ -451,6 +453,13 @@ def streamed_blocks(cfg: Config, num_blocks: int) -> list[int]:
     return sorted(chosen) if isinstance(chosen, list) else list(range(num_blocks))
 
 
+def copy_back_staging(push_numel: int) -> int:
+    """Elements of the copy back's pinned 16-bit staging buffers (m6.memory.half_weight_push) after
+    pushes of at most ``push_numel`` elements: one buffer of the push's size when it fits a chunk,
+    else a full chunk and the rest of the push up to a second chunk (double buffering)."""
+    return min(push_numel, STAGING_CHUNK) + min(max(push_numel - STAGING_CHUNK, 0), STAGING_CHUNK)
+
+
 def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[int], world_size: int, ep: int,
                 device_type: str = "cuda") -> MemoryReport:
     """Device and host bytes of one rank in ZeRO-Offload's layout (see the module docstring),
@@ -487,12 +496,15 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
               "all-to-all buffers": acts.a2a_buffers,
               "backward transients": max(acts.backward_transient, redo, largest), "gradient-sync buckets": buckets}
     group = facts.largest_group(cfg.optim.apply_groups)
+    # The resident weights go back one push per apply group (the delayed update: all in one push).
+    resident = numel - sum(sizes)
+    push = resident if cfg.optim.delayed_update else min(resident, group)
     foreach = 0.0 if cfg.memory.host_optimizer == "deepspeed" else \
         4.0 * facts.largest_call(cfg.optim.apply_groups, no_decay)
     host = {"params": 4.0 * numel,
             "grads": float((c if half_grads else 4) * numel) * (2 if cfg.optim.delayed_update else 1),
             "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
-            WEIGHT_STAGING: float(c * sum(sizes) + 2 * c * min(numel, STAGING_CHUNK)),
+            WEIGHT_STAGING: float(c * sum(sizes) + c * copy_back_staging(push)),
             "optimizer step temporaries": foreach + (4.0 * group if half_grads else 0.0)}
     staging = staging_bytes(cfg, model, facts.params, facts.state_sizes)
     if staging:

@@ -72,3 +72,31 @@ def test_offload_blocks_auto_with_zero_keeps_the_blocks_that_fit(monkeypatch):
         assert resolve_offload_blocks(cfg, rm.model, rm.no_decay, 1, 1, cuda, lines.append) == expected
     assert f"memory.offload_blocks=auto: {num_blocks - len(fewest)} of {num_blocks} blocks stay on the device" \
         in lines[0]
+
+
+def test_copy_back_staging_is_what_the_runtime_pins(tmp_path, monkeypatch):
+    """The estimate's 16-bit weight staging against HalfWeightPush's buffers after real steps: one
+    buffer of the largest push (an apply group's resident weights) under a chunk; a full chunk and
+    the rest of the push up to a second chunk when a push is larger. Before, the estimate counted
+    two full buffers of min(rank's elements, 2^25): 2 B per parameter too many on a small model."""
+    from m6.memory import estimate as estimate_module
+    from m6.memory.estimate import STAGING_CHUNK, WEIGHT_STAGING, copy_back_staging
+    from m6.model.param_groups import no_decay_ids
+    from tests.unit.test_offload_zero import ZERO, trainer
+
+    assert copy_back_staging(10) == 10
+    for chunk in (STAGING_CHUNK, 5000):  # 5000: pushes larger than a chunk (the model has ~40k elements)
+        monkeypatch.setattr(estimate_module, "STAGING_CHUNK", chunk)
+        for extra in ([], ["optim.apply_groups=2"], ["memory.offload_blocks=[1]"]):
+            tr = trainer(tmp_path / f"{chunk}-{len(extra)}", *ZERO, *extra)
+            tr.update.offload._half_push.chunk_numel = chunk  # before the first push allocates a buffer
+            for _ in range(2):
+                tr.train_step()
+            off = tr.update.offload
+            homes = sum(h.numel() * h.element_size() for h in off.streamer.homes().values()) if off.streamer else 0
+            est = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model), 1, 1, "cpu")
+            # The estimate counts the routers' fp32 gates at 2 B: in the push (the runtime copies them
+            # apart) and in a streamed block's homes (the runtime's are fp32).
+            gates = sum(layer.router.weight.numel() for layer in tr.model.moe_layers().values())
+            over = est.host[WEIGHT_STAGING] - off._half_push.staging_bytes() - homes
+            assert abs(over) <= 2 * gates, (chunk, extra, over)
