@@ -511,5 +511,9 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
         host["checkpoint staging"] = staging
     peak_device = params + max(backward, held + buckets)
     peak_host = sum(host.values())
-    return MemoryReport(device=device, host=host, peak_device=peak_device, peak_host=peak_host,
-                        peak_shared=peak_device + peak_host)
+    # One memory (a CPU device): the update's temporaries come after backward's bytes are gone,
+    # except with the delayed update, whose host update runs beside the next forward/backward.
+    temporaries = host["optimizer step temporaries"]
+    shared = peak_device + peak_host if cfg.optim.delayed_update else \
+        params + peak_host - temporaries + max(backward, held + buckets, temporaries)
+    return MemoryReport(device=device, host=host, peak_device=peak_device, peak_host=peak_host, peak_shared=shared)

@@ -100,3 +100,15 @@ def test_copy_back_staging_is_what_the_runtime_pins(tmp_path, monkeypatch):
             gates = sum(layer.router.weight.numel() for layer in tr.model.moe_layers().values())
             over = est.host[WEIGHT_STAGING] - off._half_push.staging_bytes() - homes
             assert abs(over) <= 2 * gates, (chunk, extra, over)
+
+
+def test_one_memory_holds_the_update_temporaries_after_backward_not_beside_it():
+    """On a CPU device (one memory) the synchronous update's temporaries come once backward's
+    activations are gone; the delayed update's run beside the next backward, so they add up."""
+    rm = RankMemory(_cfg(), 1, 1, "cpu")
+    sync = rm.report(_cfg("memory.offload=zero", "memory.offload_blocks=[]"))
+    temporaries = sync.host["optimizer step temporaries"]
+    assert 0 < temporaries < sync.peak_device - sync.device["params"]
+    assert sync.peak_shared == sync.peak_device + sync.peak_host - temporaries
+    delayed = rm.report(_cfg("memory.offload=zero", "memory.offload_blocks=[]", "optim.delayed_update=true"))
+    assert delayed.peak_shared == delayed.peak_device + delayed.peak_host
