@@ -26,6 +26,11 @@ Batches: full-length samples (bench.plan_measure.DenseSamples), an image in ever
 padding, dropless MoE (capacity_factor null): the densest batch the planner assumes, minus one
 label per row. Routing is forced balanced (model.moe.force_balance), the planner's assumption;
 what real routing's imbalance adds at EP > 1 is outside the model (docs/planning.md: The model).
+Offloaded plans are also compared device and host apart: host = the offload's storages at the
+step's start (masters, gradient buffers, optimizer state, streamed homes, staging), against the
+planner's host bytes less the update's temporaries; device = the rest of the measured peak,
+against the planner's one-memory peak less that host (the update's temporaries included: a CPU
+has one peak). `--only zero` runs the memory.offload=zero plans (#46).
 Targets (issue): memory within 10%, step time within 15%.
 """
 
