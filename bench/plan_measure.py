@@ -60,6 +60,24 @@ class DenseSamples:
         return Sample(image, "", target)
 
 
+def offload_host_bytes(trainer) -> int:
+    """Bytes of the offload's host-side storages, each once: fp32 masters and any .grad on them,
+    the gradient buffers (both sets with the delayed update), the optimizer state, the streamed
+    blocks' homes and the 16-bit copy-back staging (0 without memory.offload; private attributes:
+    bench only). On this CPU the rest of the step's live bytes are what a GPU run keeps on the device."""
+    off, opt = trainer.update.offload, trainer.update.optimizer
+    if off is None:
+        return 0
+    masters = list(off.masters.values())
+    tensors = masters + [m.grad for m in masters if m.grad is not None] + list(off._grad_buffers.values())
+    tensors += list((off._spare_grad_buffers or {}).values())
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    tensors += list(off.streamer.homes().values()) if off.streamer is not None else []
+    tensors += [b for b in off._half_push._buffers if b is not None] if off._half_push is not None else []
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
 def live_storage_bytes() -> int:
     """Bytes of every distinct tensor storage reachable from Python now (after a full gc)."""
     gc.collect()
@@ -161,7 +179,7 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
                 waits.append(metrics["data_wait_s"])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         loads.append(os.getloadavg()[0])
-        at_start = live_storage_bytes()
+        at_start, host_at_start = live_storage_bytes(), offload_host_bytes(trainer)
         with LiveBytes() as live:
             metrics = trainer.train_step()
         rank = trainer.rank
@@ -172,6 +190,7 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
                   "all_to_all_s_per_step": a2a.seconds / steps, "all_to_all_calls_per_step": a2a.calls / steps,
                   "load_1min": loads, "threads": torch.get_num_threads(),
                   "live_at_step_start": at_start, "step_alloc_peak": live.peak, "peak_bytes": at_start + live.peak,
+                  "host_bytes": host_at_start, "device_peak_bytes": at_start + live.peak - host_at_start,
                   "activation_saved_bytes": None if saved is None else saved * 2**20,
                   "recompute_plan": None if trainer.activations.plan is None else
                   sorted(trainer.activations.plan.recompute)}

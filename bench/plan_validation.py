@@ -26,6 +26,11 @@ Batches: full-length samples (bench.plan_measure.DenseSamples), an image in ever
 padding, dropless MoE (capacity_factor null): the densest batch the planner assumes, minus one
 label per row. Routing is forced balanced (model.moe.force_balance), the planner's assumption;
 what real routing's imbalance adds at EP > 1 is outside the model (docs/planning.md: The model).
+Offloaded plans are also compared device and host apart: host = the offload's storages at the
+step's start (masters, gradient buffers, optimizer state, streamed homes, staging), against the
+planner's host bytes less the update's temporaries; device = the rest of the measured peak,
+against the planner's one-memory peak less that host (the update's temporaries included: a CPU
+has one peak). `--only zero` runs the memory.offload=zero plans (#46).
 Targets (issue): memory within 10%, step time within 15%.
 """
 
@@ -64,6 +69,9 @@ SMALL = ["model.d_model=128", "model.num_layers=4", "model.num_heads=4", "model.
          "train.global_batch_size=16", "parallel.expert_parallel_size=1", "model.moe.force_balance=true"]
 WIDE = [*SMALL, "model.d_model=256", "model.ffn_dim=512", "model.moe.num_experts=16"]
 FULL, AUTO = "memory.activation_checkpointing=full", "memory.activation_checkpointing=auto"
+ZERO = ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[]"]  # resident unless named
+DELAYED = ["optim.delayed_update=true", "optim.delayed_update_after=0"]
+TRANSIENT_HOST = "optimizer step temporaries"  # allocated during the update, not at the step's start
 
 
 @dataclass
@@ -115,6 +123,16 @@ PLANS = [
     Plan("w4-tp2-ep2", 4, [*SMALL, ep(2), "parallel.tensor_parallel_size=2"]),
     Plan("w4-tp2-sp-ep1-mb4", 4, [*SMALL, ep(1), "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true",
                                   "train.micro_batch_size=4"]),
+    # ZeRO-Offload's layout (memory.offload=zero, #46): bf16 device weights, fp32 host masters;
+    # `--only zero` runs these alone. The delayed update from the first step (delayed_update_after=0).
+    Plan("w1-zero-bf16", 1, [*SMALL, *ZERO]),
+    Plan("w1-zero-bf16-half-grads", 1, [*SMALL, *ZERO, "memory.host_grad_dtype=compute"]),
+    Plan("w1-zero-bf16-block-1-mb8", 1, [*SMALL, *ZERO[:2], "memory.offload_blocks=[1]", "train.micro_batch_size=8"]),
+    Plan("w1-zero-bf16-delayed", 1, [*SMALL, *ZERO, *DELAYED]),
+    Plan("w2-ep2-zero-bf16", 2, [*SMALL, ep(2), *ZERO]),
+    Plan("w2-ep2-zero-bf16-half-grads-block-1", 2, [*SMALL, ep(2), *ZERO[:2], "memory.host_grad_dtype=compute",
+                                                    "memory.offload_blocks=[1]"]),
+    Plan("w2-ep1-zero-bf16-delayed", 2, [*SMALL, ep(1), *ZERO, *DELAYED]),
 ]
 
 # Pipeline parallel (#47): measured only where this m6 builds pipelines (parallel.pipeline_parallel_size);
@@ -210,7 +228,11 @@ def predict(plan: Plan, link: dict, profiles: dict[int, HostProfile]) -> tuple[l
         rm = RankMemory(cfg, world, ep_size, "cpu")
         mem = rm.report(cfg)
         t = step_time(cfg, world, ep_size, world, hw, host, CORES, rm.model)
+    # The host's persistent bytes (what the measured side counts at the step's start); the rest of
+    # the shared peak is the device's (and the update's temporaries, which the measured peak holds too).
+    host_bytes = mem.peak_host - mem.host.get(TRANSIENT_HOST, 0.0) if cfg.memory.offload != "none" else 0.0
     return overrides, {"peak_bytes": mem.peak_shared, "peak_device_bytes": mem.peak_device,
+                       "host_bytes": host_bytes, "device_and_temporaries_bytes": mem.peak_shared - host_bytes,
                        "device": mem.device, "host": mem.host, "step_s": t.total,
                        "split_s": {"compute": t.compute, "all_to_all": t.all_to_all,
                                    "grad_sync": t.grad_sync + t.small_collectives,
@@ -230,7 +252,8 @@ def measure(plan: Plan, overrides: list[str], max_wait_s: float) -> dict:
     return {"load_1min_at_start": load_before, "load_1min_during": [r["load_1min"] for r in ranks][0],
             "step_s_median": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times),
             "data_wait_s_max": max(max(r["data_wait_s"]) for r in ranks),
-            "peak_bytes": max(r["peak_bytes"] for r in ranks), "per_rank": ranks}
+            "peak_bytes": max(r["peak_bytes"] for r in ranks), "host_bytes": max(r["host_bytes"] for r in ranks),
+            "device_peak_bytes": max(r["device_peak_bytes"] for r in ranks), "per_rank": ranks}
 
 
 def merge_rounds(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
@@ -245,7 +268,8 @@ def merge_rounds(rounds: list[tuple[dict, dict]]) -> tuple[dict, dict]:
                   step_s_rounds=[m["step_s_median"] for m in meas],
                   step_s_min=min(m["step_s_min"] for m in meas), step_s_max=max(m["step_s_max"] for m in meas),
                   data_wait_s_max=max(m["data_wait_s_max"] for m in meas),
-                  peak_bytes=max(m["peak_bytes"] for m in meas),
+                  peak_bytes=max(m["peak_bytes"] for m in meas), host_bytes=max(m["host_bytes"] for m in meas),
+                  device_peak_bytes=max(m["device_peak_bytes"] for m in meas),
                   load_1min_at_start=max(m["load_1min_at_start"] for m in meas))
     return pred, merged
 
@@ -307,6 +331,19 @@ def markdown(rows: list[dict], info: dict) -> str:
                      f"{ph['finish (grad sync wait, offload)']:.3f} | {s['update']:.3f} | "
                      f"{ph['clip'] + ph['update']:.3f} | {other:.3f} | "
                      f"{'-' if plan is None else len(plan)} | {rank0['timed_cpu_s'] / rank0['timed_wall_s']:.2f} |")
+    split = [r for r in rows if r["measured"]["host_bytes"]]
+    if split:
+        lines += ["", "Offloaded plans, device and host apart (host: the offload's storages at the step's start — "
+                  "masters, gradient buffers, optimizer state, streamed homes, staging — against the planner's host "
+                  "bytes less the update's temporaries; device: the rest of the measured peak, against the "
+                  "planner's device peak + those temporaries, which a CPU's one peak holds).", "",
+                  "| plan | predicted device MiB | measured device MiB | ratio | within 10% | predicted host MiB | "
+                  "measured host MiB | ratio | within 10% |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in split:
+            d, h = r["device"], r["host"]
+            lines.append(f"| {r['name']} | {d['predicted'] / mib:.2f} | {d['measured'] / mib:.2f} | {d['ratio']:.3f} | "
+                         f"{'pass' if d['pass'] else 'MISS'} | {h['predicted'] / mib:.2f} | {h['measured'] / mib:.2f} | "
+                         f"{h['ratio']:.3f} | {'pass' if h['pass'] else 'MISS'} |")
     lines += [f"", *(f"NOTE: {n}" for n in info.get("notes", []))] if info.get("notes") else []
     mem_ok = sum(r["memory"]["pass"] for r in rows)
     time_ok = sum(r["time"]["pass"] for r in rows)
@@ -356,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
         row = {"name": plan.name, "world_size": plan.world_size, "overrides": overrides, "predicted": pred,
                "measured": meas, "memory": judge(pred["peak_bytes"], meas["peak_bytes"], MEMORY_TARGET),
                "time": judge(pred["step_s"], meas["step_s_median"], TIME_TARGET)}
+        if meas["host_bytes"]:
+            row["device"] = judge(pred["device_and_temporaries_bytes"], meas["device_peak_bytes"], MEMORY_TARGET)
+            row["host"] = judge(pred["host_bytes"], meas["host_bytes"], MEMORY_TARGET)
         rows.append(row)
         print(f"{plan.name}: memory {row['memory']['ratio']:.3f}, time {row['time']['ratio']:.3f} "
               f"(pred {pred['step_s']:.3f} s, measured {meas['step_s_median']:.3f} s, load "

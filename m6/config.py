@@ -486,10 +486,6 @@ class MemoryConfig:
         if self.offload_blocks != "all" and self.offload not in ("optimizer+params", "zero"):
             raise ConfigError(f"memory.offload_blocks={self.offload_blocks} only applies with "
                               f"memory.offload=optimizer+params or zero (it is {self.offload!r})")
-        if self.offload == "zero" and self.offload_blocks == "auto":
-            raise ConfigError("memory.offload_blocks=auto with memory.offload=zero: the memory estimate that picks the "
-                              "blocks does not model zero's 16-bit weights yet; name the streamed blocks (a list, [] "
-                              "for none, or all)")
         if isinstance(self.offload_blocks, list) and (
                 len(set(self.offload_blocks)) != len(self.offload_blocks)
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.offload_blocks)):

@@ -103,7 +103,9 @@ def report_lines(cfg: m6config.Config, r: dict, config_name: str, device_type: s
     lines += [f"memory features   optim.apply_groups={cfg.optim.apply_groups}, memory.offload={cfg.memory.offload}, "
               f"recompute {cfg.memory.activation_checkpointing}{sharded}",
               f"  {'':<30} {'device':>14} {'host':>14}"]
-    lines += [f"  {k:<30} {_bytes(feat.device.get(k, 0.0)):>14} {_bytes(feat.host.get(k, 0.0)):>14}" for k in COMPONENTS]
+    # COMPONENTS, then any a layout adds (memory.offload=zero's 16-bit weight staging).
+    names = [*COMPONENTS, *(k for k in {**feat.device, **feat.host} if k not in COMPONENTS)]
+    lines += [f"  {k:<30} {_bytes(feat.device.get(k, 0.0)):>14} {_bytes(feat.host.get(k, 0.0)):>14}" for k in names]
     lines += [f"  {'sum of components':<30} {_bytes(feat.total('device')):>14} {_bytes(feat.total('host')):>14}",
               f"  {'peak over a step':<30} {_bytes(feat.peak_device):>14} {_bytes(feat.peak_host):>14}"]
     traffic = r["data_parallel_traffic"]

@@ -28,6 +28,27 @@ and optimizer state when it stays on the device):
 Offloaded, the device's gradients are those other ranks share (held until their all-reduce in the
 last micro-batch) plus one transient gradient: the others stream to the host in every
 micro-batch's backward (m6.memory.grad_stream).
+memory.offload=zero (``zero_memory``, ZeRO-Offload's layout; the planner's model of it too):
+  device  c B per resident parameter (the blocks not in ``memory.offload_blocks``; the streamed
+          ones: the two adjacent blocks in use, as optimizer+params), the 16-bit gradients while
+          they are on the device: at one micro-batch per step each leaves once final (a gradient
+          other ranks share once its bucket's all-reduce is done: the backward walk of
+          m6.memory.estimate, its buckets and gradients at c bytes); with accumulation those that
+          wait add up on the device in 16 bits (a 16-bit weight's .grad is 16-bit): every one
+          with 16-bit host gradients (memory.host_grad_dtype=compute: they leave once, in the last
+          micro-batch), the shared ones with fp32 host buffers (the others leave in every
+          micro-batch, widened to fp32 on the device one at a time, and are summed on the host).
+  host    4 B fp32 master + the optimizer's state (m6.memory.estimate.optimizer_state_sizes) + the
+          gradients' pinned host buffers, 4 B (fp32) or c B (compute) per parameter (twice with
+          the delayed update: the next backward streams into a second set) + pinned 16-bit weight
+          staging: the streamed blocks' 16-bit homes (what their forward and backward fetch) and
+          the copy back's 16-bit buffers (``copy_back_staging``: one of the largest push's size,
+          a push being an apply group's resident weights, or all of them with the delayed update;
+          two of at most 2^25 elements when a push is larger) + the update's temporaries
+          (with 16-bit host gradients one update group's read back in fp32; torch's foreach
+          optimizers' own) + the checkpoint staging copy (checkpoint.async_save), as the fp32
+          layouts.
+
 DeepSpeed's CPU Adam (memory.host_optimizer=deepspeed) updates in place: no temporaries; auto
 counts torch's, as it falls back to torch where DeepSpeed's op does not build.
 
@@ -56,6 +77,8 @@ COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries"
               "unsharded gradients", "checkpoint staging")
 MAX_BUCKETS_IN_FLIGHT = 2  # m6.parallel.grad_sync.GradientSync.max_in_flight
 STAGING_ALIGN = 64  # m6.checkpoint.staging.ALIGN: every staged tensor starts on a 64-byte boundary
+WEIGHT_STAGING = "16-bit weight staging"  # the zero layout's pinned host homes and copy-back buffers
+STAGING_CHUNK = 2**25  # elements of each of the copy back's two pinned 16-bit buffers (m6.memory.half_weight_push)
 
 
 @dataclass
@@ -221,6 +244,8 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     kept, redo = kept_activations(cfg, acts)
     if cfg.parallel.shard != "none":
         return _sharded_report(cfg, model, no_decay, world_size, ep, device_type, acts)
+    if cfg.memory.offload == "zero":
+        return zero_memory(cfg, model, facts, no_decay, world_size, ep, device_type)
     accum = accumulation_steps(cfg.train, world_size)
     # Gradients summed over other ranks travel in flat bucket copies: replicated ones whenever
     # world > 1, expert ones when another rank holds the same experts.
@@ -418,3 +443,78 @@ class _BackwardWalk:
                 launched.append(self.buckets[next_bucket][0])
                 next_bucket += 1
         return worst
+
+
+
+
+def streamed_blocks(cfg: Config, num_blocks: int) -> list[int]:
+    """The blocks whose weights live on the host and stream in (memory.offload_blocks; all: every
+    one; auto counted as all, the least the device can hold)."""
+    chosen = cfg.memory.offload_blocks
+    return sorted(chosen) if isinstance(chosen, list) else list(range(num_blocks))
+
+
+def copy_back_staging(push_numel: int) -> int:
+    """Elements of the copy back's pinned 16-bit staging buffers (m6.memory.half_weight_push) after
+    pushes of at most ``push_numel`` elements: one buffer of the push's size when it fits a chunk,
+    else a full chunk and the rest of the push up to a second chunk (double buffering)."""
+    return min(push_numel, STAGING_CHUNK) + min(max(push_numel - STAGING_CHUNK, 0), STAGING_CHUNK)
+
+
+def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[int], world_size: int, ep: int,
+                device_type: str = "cuda") -> MemoryReport:
+    """Device and host bytes of one rank in ZeRO-Offload's layout (see the module docstring),
+    named as m6.memory.estimate names its components; the peaks taken as it takes them.
+    ``no_decay``: the ids of the optimizer's no-decay parameters (a foreach call per group)."""
+    c = compute_bytes(cfg, device_type)
+    numel = facts.numel
+    accum = accumulation_steps(cfg.train, world_size)
+    acts = activation_report(cfg, world_size, ep, device_type)
+    chosen = recomputed_parts(cfg, acts)
+    kept, redo = kept_activations(cfg, acts)
+    # The walk lays buckets out by fp32 bytes: a 16-bit bucket of bucket_size_mb holds 4/c as many
+    # elements, and every gradient and bucket it sums weighs c/4 of its fp32 bytes.
+    scale = c / 4.0
+    walk = facts.walk(world_size, ep, cfg.parallel.bucket_size_mb * 2**20 / scale)
+    buckets = scale * walk.most_in_flight()
+    sizes = [facts.block_numels[i] for i in streamed_blocks(cfg, len(facts.block_numels))]
+    params = float(c * (numel - sum(sizes) + _streamed_window_of(sizes)))
+    half_grads = cfg.memory.host_grad_dtype == "compute"
+    # With accumulation the gradients that wait add up on the device in 16 bits (a 16-bit weight's
+    # .grad is 16-bit): all of them with 16-bit host gradients (they leave once, in the last
+    # backward); with fp32 host buffers only the shared ones (the others leave in every
+    # micro-batch and are summed on the host in fp32).
+    edp = world_size // ep
+    local = sum(p.numel() for p in facts.params
+                if world_size == 1 or (id(p) in facts.expert_ids and edp == 1))
+    held = float(c * (numel if half_grads else numel - local)) if accum > 1 else 0.0
+    # One gradient being written and copied: fp32 host buffers widen it to fp32 on the device first.
+    largest = (c if half_grads else 4) * max((p.numel() for p in facts.params), default=0)
+    transient = max(acts.a2a_buffers, acts.backward_transient, redo, largest)
+    by_unit = {unit: b / scale for unit, b in acts.kept_by_unit(chosen).items()}
+    backward = held + transient + scale * walk.peak(by_unit, grads_made=accum == 1, offloaded=True)
+    device = {"params": params, "grads": held, "activations (per micro-batch)": kept,
+              "all-to-all buffers": acts.a2a_buffers,
+              "backward transients": max(acts.backward_transient, redo, largest), "gradient-sync buckets": buckets}
+    group = facts.largest_group(cfg.optim.apply_groups)
+    # The resident weights go back one push per apply group (the delayed update: all in one push).
+    resident = numel - sum(sizes)
+    push = resident if cfg.optim.delayed_update else min(resident, group)
+    foreach = 0.0 if cfg.memory.host_optimizer == "deepspeed" else \
+        4.0 * facts.largest_call(cfg.optim.apply_groups, no_decay)
+    host = {"params": 4.0 * numel,
+            "grads": float((c if half_grads else 4) * numel) * (2 if cfg.optim.delayed_update else 1),
+            "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
+            WEIGHT_STAGING: float(c * sum(sizes) + c * copy_back_staging(push)),
+            "optimizer step temporaries": foreach + (4.0 * group if half_grads else 0.0)}
+    staging = staging_bytes(cfg, model, facts.params, facts.state_sizes)
+    if staging:
+        host["checkpoint staging"] = staging
+    peak_device = params + max(backward, held + buckets)
+    peak_host = sum(host.values())
+    # One memory (a CPU device): the update's temporaries come after backward's bytes are gone,
+    # except with the delayed update, whose host update runs beside the next forward/backward.
+    temporaries = host["optimizer step temporaries"]
+    shared = peak_device + peak_host if cfg.optim.delayed_update else \
+        params + peak_host - temporaries + max(backward, held + buckets, temporaries)
+    return MemoryReport(device=device, host=host, peak_device=peak_device, peak_host=peak_host, peak_shared=shared)

@@ -2,24 +2,8 @@
 (``memory.offload: zero``) beside m6's fp32 ones (``optimizer``, ``optimizer+params``), and what
 each copy overlaps, with and without the delayed update (``optim.delayed_update``).
 
-zero (ZeRO-Offload's layout, PREDICTED; c = the compute dtype's bytes, 2):
-  device  c B per resident parameter (the blocks not in ``memory.offload_blocks``; the streamed
-          ones: the two adjacent blocks in use, as optimizer+params), the 16-bit gradients while
-          they are on the device: at one micro-batch per step each leaves once final (a gradient
-          other ranks share once its bucket's all-reduce is done: the backward walk of
-          m6.memory.estimate, its buckets and gradients at c bytes); with accumulation those that
-          wait add up on the device in 16 bits (a 16-bit weight's .grad is 16-bit): every one
-          with 16-bit host gradients (memory.host_grad_dtype=compute: they leave once, in the last
-          micro-batch), the shared ones with fp32 host buffers (the others leave in every
-          micro-batch, widened to fp32 on the device one at a time, and are summed on the host).
-  host    4 B fp32 master + the optimizer's state (m6.memory.estimate.optimizer_state_sizes) + the
-          gradients' pinned host buffers, 4 B (fp32) or c B (compute) per parameter (twice with
-          the delayed update: the next backward streams into a second set) + pinned 16-bit weight
-          staging: the streamed blocks' 16-bit homes (what their forward and backward fetch) and
-          the copy back's two 16-bit buffers of at most 2^25 elements + the update's temporaries
-          (with 16-bit host gradients one update group's read back in fp32; torch's foreach
-          optimizers' own) + the checkpoint staging copy (checkpoint.async_save), as the fp32
-          layouts.
+zero (ZeRO-Offload's layout): device and host bytes are m6.memory.estimate.zero_memory's (one model,
+  shared with m6.memory.estimate and ``python -m m6.inspect``); c = the compute dtype's bytes, 2:
   copies  gradients device -> host: 16-bit ones once per step (as their buckets are final, during
           the last micro-batch's backward); fp32 buffers receive 4 B per parameter, the unshared
           gradients in every micro-batch; the streamed blocks' 16-bit weights host -> device twice
@@ -56,17 +40,13 @@ import typing
 from dataclasses import dataclass
 from typing import Optional
 
-from torch import nn
-
 from m6.config import Config, MemoryConfig, accumulation_steps
-from m6.memory.estimate import (MemoryReport, ModelFacts, activation_report, compute_bytes, kept_activations,
-                                optimizer_state_sizes, recomputed_parts, staging_bytes)
+# Re-exported: the planner's callers name the zero layout's bytes from here.
+from m6.memory.estimate import STAGING_CHUNK, WEIGHT_STAGING, streamed_blocks, zero_memory  # noqa: F401
 
 ZERO = "zero"
 FP32_LAYOUTS = ("optimizer", "optimizer+params")  # m6's offload of fp32 weights (m6.memory.offload)
 PLANNED_OFFLOAD = ("none", *FP32_LAYOUTS, ZERO)  # every memory.offload the planner models
-WEIGHT_STAGING = "16-bit weight staging"  # the zero layout's pinned host homes and copy-back buffers
-STAGING_CHUNK = 2**25  # elements of each of the copy back's two pinned 16-bit buffers (m6.memory.half_weight_push)
 # What the printed plan names as ASSUMED when it shows these layouts (see the module docstring).
 ZERO_ASSUMED = ("zero: copies on CUDA copy streams beside compute, both directions sharing the PCIe figure; "
                 "with accumulation the 16-bit gradients summed on the device")
@@ -80,70 +60,6 @@ def runnable_offload_modes() -> tuple[str, ...]:
     it is (or when asked: ``python -m m6.plan --offload-modes all``)."""
     accepted = typing.get_args(typing.get_type_hints(MemoryConfig)["offload"])
     return tuple(m for m in PLANNED_OFFLOAD if m in accepted)
-
-
-def streamed_blocks(cfg: Config, num_blocks: int) -> list[int]:
-    """The blocks whose weights live on the host and stream in (memory.offload_blocks; all: every
-    one; auto counted as all, the least the device can hold)."""
-    chosen = cfg.memory.offload_blocks
-    return sorted(chosen) if isinstance(chosen, list) else list(range(num_blocks))
-
-
-def _window(sizes: list[int]) -> int:
-    """Elements of the two adjacent streamed blocks on the device at once (running + prefetched)."""
-    return sum(sizes) if len(sizes) < 2 else max(a + b for a, b in zip(sizes, sizes[1:]))
-
-
-def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[int], world_size: int, ep: int,
-                device_type: str = "cuda") -> MemoryReport:
-    """Device and host bytes of one rank in ZeRO-Offload's layout (see the module docstring),
-    named as m6.memory.estimate names its components; the peaks taken as it takes them.
-    ``no_decay``: the ids of the optimizer's no-decay parameters (a foreach call per group)."""
-    c = compute_bytes(cfg, device_type)
-    numel = facts.numel
-    accum = accumulation_steps(cfg.train, world_size)
-    acts = activation_report(cfg, world_size, ep, device_type)
-    chosen = recomputed_parts(cfg, acts)
-    kept, redo = kept_activations(cfg, acts)
-    # The walk lays buckets out by fp32 bytes: a 16-bit bucket of bucket_size_mb holds 4/c as many
-    # elements, and every gradient and bucket it sums weighs c/4 of its fp32 bytes.
-    scale = c / 4.0
-    walk = facts.walk(world_size, ep, cfg.parallel.bucket_size_mb * 2**20 / scale)
-    buckets = scale * walk.most_in_flight()
-    sizes = [facts.block_numels[i] for i in streamed_blocks(cfg, len(facts.block_numels))]
-    params = float(c * (numel - sum(sizes) + _window(sizes)))
-    half_grads = cfg.memory.host_grad_dtype == "compute"
-    # With accumulation the gradients that wait add up on the device in 16 bits (a 16-bit weight's
-    # .grad is 16-bit): all of them with 16-bit host gradients (they leave once, in the last
-    # backward); with fp32 host buffers only the shared ones (the others leave in every
-    # micro-batch and are summed on the host in fp32).
-    edp = world_size // ep
-    local = sum(p.numel() for p in facts.params
-                if world_size == 1 or (id(p) in facts.expert_ids and edp == 1))
-    held = float(c * (numel if half_grads else numel - local)) if accum > 1 else 0.0
-    # One gradient being written and copied: fp32 host buffers widen it to fp32 on the device first.
-    largest = (c if half_grads else 4) * max((p.numel() for p in facts.params), default=0)
-    transient = max(acts.a2a_buffers, acts.backward_transient, redo, largest)
-    by_unit = {unit: b / scale for unit, b in acts.kept_by_unit(chosen).items()}
-    backward = held + transient + scale * walk.peak(by_unit, grads_made=accum == 1, offloaded=True)
-    device = {"params": params, "grads": held, "activations (per micro-batch)": kept,
-              "all-to-all buffers": acts.a2a_buffers,
-              "backward transients": max(acts.backward_transient, redo, largest), "gradient-sync buckets": buckets}
-    group = facts.largest_group(cfg.optim.apply_groups)
-    foreach = 0.0 if cfg.memory.host_optimizer == "deepspeed" else \
-        4.0 * facts.largest_call(cfg.optim.apply_groups, no_decay)
-    host = {"params": 4.0 * numel,
-            "grads": float((c if half_grads else 4) * numel) * (2 if cfg.optim.delayed_update else 1),
-            "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
-            WEIGHT_STAGING: float(c * sum(sizes) + 2 * c * min(numel, STAGING_CHUNK)),
-            "optimizer step temporaries": foreach + (4.0 * group if half_grads else 0.0)}
-    staging = staging_bytes(cfg, model, facts.params, facts.state_sizes)
-    if staging:
-        host["checkpoint staging"] = staging
-    peak_device = params + max(backward, held + buckets)
-    peak_host = sum(host.values())
-    return MemoryReport(device=device, host=host, peak_device=peak_device, peak_host=peak_host,
-                        peak_shared=peak_device + peak_host)
 
 
 @dataclass(frozen=True)

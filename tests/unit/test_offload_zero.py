@@ -274,7 +274,6 @@ def test_staging_is_double_buffered_and_bounded_by_the_chunk():
 @pytest.mark.parametrize("overrides, message", [
     (["train.precision=fp32"], r"memory.offload=zero with train.precision=fp32"),
     (["parallel.shard=full"], r"memory.offload=zero with parallel.shard=full"),
-    (["memory.offload_blocks=auto"], r"memory.offload_blocks=auto with memory.offload=zero"),
     (["parallel.tensor_parallel_size=2"], r"parallel.tensor_parallel_size=2 with memory.offload=zero"),
     (["model.share_layers=3", "model.moe.every=1", "memory.offload_blocks=all"], r"model.share_layers > 1 with memory.offload=zero"),
 ])

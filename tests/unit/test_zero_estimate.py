@@ -1,0 +1,114 @@
+"""memory.offload=zero in the one memory estimate (m6.memory.estimate.zero_memory):
+what ``python -m m6.inspect`` prints and what ``memory.offload_blocks=auto`` sizes with are the
+planner's bytes of ZeRO-Offload's layout (16-bit device weights), not the fp32 layouts' 4 B."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from m6 import inspect as m6inspect
+from m6.config import load
+from m6.memory.estimate import estimate_memory
+from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, resolve_offload_blocks
+from m6.plan.memory import RankMemory
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+SMALL = ["data.kind=synthetic", "data.sources=[]", "model.moe.capacity_factor=null", "data.seq_len=40",
+         "model.max_text_len=40", "model.image_size=16", "train.global_batch_size=16", "train.precision=bf16",
+         "memory.host_optimizer=torch", "checkpoint.async_save=false"]
+
+
+def _cfg(*extra: str):
+    return load(CONFIG, [*SMALL, *extra])
+
+
+def test_the_estimate_of_zero_is_the_planners_with_16_bit_device_weights():
+    rm = RankMemory(_cfg(), 2, 2, "cuda")
+    for extra in ([], ["memory.offload_blocks=[0,1]"], ["memory.host_grad_dtype=compute", "train.micro_batch_size=4"]):
+        cfg = _cfg("memory.offload=zero", *extra)
+        est = estimate_memory(cfg, rm.model, rm.no_decay, 2, 2, "cuda")
+        planned = rm.report(cfg)
+        assert (est.device, est.host, est.peak_device, est.peak_host) == \
+            (planned.device, planned.host, planned.peak_device, planned.peak_host)
+    numel = sum(p.numel() for p in rm.model.parameters())
+    resident = estimate_memory(_cfg("memory.offload=zero", "memory.offload_blocks=[]"), rm.model, rm.no_decay, 2, 2)
+    fp32 = estimate_memory(_cfg("memory.offload=optimizer"), rm.model, rm.no_decay, 2, 2)
+    assert resident.device["params"] == 2 * numel and fp32.device["params"] == 4 * numel
+    assert resident.host["params"] == 4 * numel
+
+
+def test_inspect_prints_zero_s_16_bit_weights_and_its_host_staging():
+    cfg = _cfg("memory.offload=zero", "memory.offload_blocks=[]")
+    r = m6inspect.report(cfg, 1, "cuda")
+    lines = m6inspect.report_lines(cfg, r, "tiny.yaml", "cuda")
+    feat = r["memory_with_features"]
+    params = next(ln for ln in lines if ln.strip().startswith("params"))
+    assert m6inspect._bytes(feat.device["params"]) in params and feat.device["params"] == 2 * r["total_params"]
+    assert any(ln.strip().startswith("16-bit weight staging") for ln in lines)
+
+
+def test_offload_blocks_auto_with_zero_keeps_the_blocks_that_fit(monkeypatch):
+    """Accepted by the config now; on a (pretended) CUDA device the zero estimate decides."""
+    cfg = _cfg("memory.offload=zero", "memory.offload_blocks=auto")
+    rm = RankMemory(cfg, 1, 1, "cuda")
+
+    def peak(streamed):
+        return estimate_memory(_cfg("memory.offload=zero", f"memory.offload_blocks={streamed}"),
+                               rm.model, rm.no_decay, 1, 1, "cuda").peak_device
+
+    cuda, lines = torch.device("cuda"), []
+    num_blocks = len(rm.model.blocks)
+    least = peak(list(range(num_blocks)))
+    assert least < peak([])
+    # The fewest blocks from 0 up whose streaming brings the peak down to the least (a window of two
+    # blocks stays on the device, so streaming one block alone saves nothing).
+    fewest = next(list(range(k)) for k in range(num_blocks + 1) if peak(list(range(k))) <= least)
+    assert fewest
+    for memory, expected in ((least / AUTO_MEMORY_FRACTION, fewest), (1e15, [])):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d, m=memory: SimpleNamespace(total_memory=m))
+        assert resolve_offload_blocks(cfg, rm.model, rm.no_decay, 1, 1, cuda, lines.append) == expected
+    assert f"memory.offload_blocks=auto: {num_blocks - len(fewest)} of {num_blocks} blocks stay on the device" \
+        in lines[0]
+
+
+def test_copy_back_staging_is_what_the_runtime_pins(tmp_path, monkeypatch):
+    """The estimate's 16-bit weight staging against HalfWeightPush's buffers after real steps: one
+    buffer of the largest push (an apply group's resident weights) under a chunk; a full chunk and
+    the rest of the push up to a second chunk when a push is larger. Before, the estimate counted
+    two full buffers of min(rank's elements, 2^25): 2 B per parameter too many on a small model."""
+    from m6.memory import estimate as estimate_module
+    from m6.memory.estimate import STAGING_CHUNK, WEIGHT_STAGING, copy_back_staging
+    from m6.model.param_groups import no_decay_ids
+    from tests.unit.test_offload_zero import ZERO, trainer
+
+    assert copy_back_staging(10) == 10
+    for chunk in (STAGING_CHUNK, 5000):  # 5000: pushes larger than a chunk (the model has ~40k elements)
+        monkeypatch.setattr(estimate_module, "STAGING_CHUNK", chunk)
+        for extra in ([], ["optim.apply_groups=2"], ["memory.offload_blocks=[1]"]):
+            tr = trainer(tmp_path / f"{chunk}-{len(extra)}", *ZERO, *extra)
+            tr.update.offload._half_push.chunk_numel = chunk  # before the first push allocates a buffer
+            for _ in range(2):
+                tr.train_step()
+            off = tr.update.offload
+            homes = sum(h.numel() * h.element_size() for h in off.streamer.homes().values()) if off.streamer else 0
+            est = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model), 1, 1, "cpu")
+            # The estimate counts the routers' fp32 gates at 2 B: in the push (the runtime copies them
+            # apart) and in a streamed block's homes (the runtime's are fp32).
+            gates = sum(layer.router.weight.numel() for layer in tr.model.moe_layers().values())
+            over = est.host[WEIGHT_STAGING] - off._half_push.staging_bytes() - homes
+            assert abs(over) <= 2 * gates, (chunk, extra, over)
+
+
+def test_one_memory_holds_the_update_temporaries_after_backward_not_beside_it():
+    """On a CPU device (one memory) the synchronous update's temporaries come once backward's
+    activations are gone; the delayed update's run beside the next backward, so they add up."""
+    rm = RankMemory(_cfg(), 1, 1, "cpu")
+    sync = rm.report(_cfg("memory.offload=zero", "memory.offload_blocks=[]"))
+    temporaries = sync.host["optimizer step temporaries"]
+    assert 0 < temporaries < sync.peak_device - sync.device["params"]
+    assert sync.peak_shared == sync.peak_device + sync.peak_host - temporaries
+    delayed = rm.report(_cfg("memory.offload=zero", "memory.offload_blocks=[]", "optim.delayed_update=true"))
+    assert delayed.peak_shared == delayed.peak_device + delayed.peak_host
