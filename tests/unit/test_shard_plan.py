@@ -28,7 +28,8 @@ def test_dense_config_fits_80gb_only_sharded():
     cfg = load(DENSE)
     # One narrow slice of the search (EP 8, micro-batch 1, full recompute, no offload): the
     # smallest unsharded footprint there is; host memory plenty.
-    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), offload=("none",), apply_groups=(1,), a2a=(None,))
+    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), offload=("none",), apply_groups=(1,), a2a=(None,),
+                  tps=(1,), pps=(1,))  # the model whole on each rank (a pipeline of 4 with full recompute fits)
     hw = GPUS["h100"]
     none = search(cfg, 64, 8, hw, HostProfile(1), 4096.0, **narrow, shard=("none",))
     assert not none.feasible and none.smallest.memory.peak_device > 80 * 2**30
@@ -100,7 +101,8 @@ def test_fp16_gpus_plan_sharded_layouts_gathered_in_fp16():
     cfg = load(DENSE)
     assert gather_bytes(load(DENSE, ["train.precision=fp16"]), "cuda") == 2
     assert gather_bytes(load(DENSE, ["train.precision=fp32"]), "cuda") == 4
-    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), offload=("none",), apply_groups=(1,), a2a=(None,))
+    narrow = dict(eps=[8], micro_batches=[1], recompute=("full",), offload=("none",), apply_groups=(1,), a2a=(None,),
+                  tps=(1,), pps=(1,))  # the model whole on each rank (a pipeline of 4 with full recompute fits)
     hw = GPUS["v100"]
     assert hw.precision == "fp16"
     full = search(cfg, 64, 8, hw, HostProfile(1), 4096.0, **narrow, shard=("full",))

@@ -86,8 +86,10 @@ def test_tp_must_divide_the_world_and_ep_the_data_ranks():
     assert build_layout(4, 0, "auto", 4, local_world_size=4, tensor_parallel_size=2).expert_parallel_size == 2
 
 
-def test_planner_refuses_tensor_parallel_rather_than_plan_it_as_tp1(capsys):
+def test_the_planner_plans_a_tensor_parallel_config_with_its_split(capsys):
+    """A config at tensor parallel 2 is planned as such (m6.plan.tensor_parallel), not as tp 1."""
     from m6.plan.__main__ import main
 
-    assert main(["configs/tiny.yaml", *TP2, "data.sources=[]", "--gpus", "1", "--gpu-memory", "1GB", "--gpu", "h100"]) == 2
-    assert "parallel.tensor_parallel_size=2: the planner does not model tensor parallelism" in capsys.readouterr().err
+    assert main(["configs/tiny.yaml", *TP2, "data.sources=[]", "--gpus", "2", "--gpu-memory", "80GB", "--gpu", "h100",
+                 "--top", "50"]) == 0
+    assert "TP 2" in capsys.readouterr().out
