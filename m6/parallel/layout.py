@@ -199,12 +199,9 @@ def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, st
     if local_world_size is None:
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     tp, pp = tensor_parallel_size, pipeline_parallel_size
-    if pp != 1:
-        return _pipeline_parallel_layout(world_size, rank, expert_parallel_size, num_experts, local_world_size,
-                                         rank_weights, tp, pp)
-    if tp != 1:
-        return _tensor_parallel_layout(world_size, rank, expert_parallel_size, num_experts, local_world_size,
-                                       rank_weights, tp)
+    if pp != 1 or tp != 1:
+        return _split_layout(world_size, rank, expert_parallel_size, num_experts, local_world_size, rank_weights,
+                             tp, pp)
     ep = resolve_expert_parallel_size(expert_parallel_size, world_size, num_experts)
     if world_size % ep:
         raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the number of processes ({world_size})")
@@ -224,49 +221,34 @@ def build_layout(world_size: int, rank: int, expert_parallel_size: Union[int, st
     return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tuple(counts))
 
 
-def _tensor_parallel_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
-                            local_world_size: int, rank_weights: Optional[list[float]], tp: int) -> ParallelLayout:
-    """build_layout at parallel.tensor_parallel_size > 1: even experts over the world / tp
-    data-parallel ranks (uneven ones, parallel.balance, are refused by the config)."""
-    if not isinstance(tp, int) or tp <= 0 or world_size % tp:
-        raise LayoutError(f"parallel.tensor_parallel_size ({tp}) must divide the number of processes ({world_size})")
-    if world_size % local_world_size:
-        raise LayoutError(f"LOCAL_WORLD_SIZE ({local_world_size}) must divide WORLD_SIZE ({world_size})")
-    if rank_weights is not None:
-        raise LayoutError(f"parallel.balance={rank_weights} with parallel.tensor_parallel_size={tp} is not supported: "
-                          f"use parallel.balance=even")
-    dp = world_size // tp
-    ep = resolve_expert_parallel_size(expert_parallel_size, dp, num_experts)
-    if dp % ep:
-        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the data-parallel ranks ({dp} = "
-                          f"{world_size} processes / parallel.tensor_parallel_size {tp})")
-    if num_experts % ep:
-        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide model.moe.num_experts ({num_experts})")
-    return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tensor_parallel_size=tp)
-
-
-def _pipeline_parallel_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
-                              local_world_size: int, rank_weights: Optional[list[float]], tp: int,
-                              pp: int) -> ParallelLayout:
-    """build_layout at parallel.pipeline_parallel_size > 1: even experts over each stage's
-    data-parallel ranks (its ranks / tp)."""
+def _split_layout(world_size: int, rank: int, expert_parallel_size: Union[int, str], num_experts: int,
+                  local_world_size: int, rank_weights: Optional[list[float]], tp: int, pp: int) -> ParallelLayout:
+    """build_layout where the model is split (parallel.tensor_parallel_size or
+    pipeline_parallel_size > 1): even experts over each stage's data-parallel ranks (its ranks / tp;
+    a stage is the whole world without a pipeline); uneven ones (parallel.balance) are refused."""
     if not isinstance(pp, int) or pp <= 0 or world_size % pp:
         raise LayoutError(f"parallel.pipeline_parallel_size ({pp}) must divide the number of processes ({world_size})")
     stage = world_size // pp
+    # Each message names the divisions that made its number: the world alone without a pipeline.
+    of_stage = f"{world_size} processes / parallel.pipeline_parallel_size {pp}"
     if not isinstance(tp, int) or tp <= 0 or stage % tp:
-        raise LayoutError(f"parallel.tensor_parallel_size ({tp}) must divide the ranks of a pipeline stage ({stage} = "
-                          f"{world_size} processes / parallel.pipeline_parallel_size {pp})")
+        raise LayoutError(f"parallel.tensor_parallel_size ({tp}) must divide the number of processes ({world_size})"
+                          if pp == 1 else
+                          f"parallel.tensor_parallel_size ({tp}) must divide the ranks of a pipeline stage ({stage} = "
+                          f"{of_stage})")
     if world_size % local_world_size:
         raise LayoutError(f"LOCAL_WORLD_SIZE ({local_world_size}) must divide WORLD_SIZE ({world_size})")
     if rank_weights is not None:
-        raise LayoutError(f"parallel.balance={rank_weights} with parallel.pipeline_parallel_size={pp} is not "
+        key = "pipeline_parallel_size" if pp > 1 else "tensor_parallel_size"
+        raise LayoutError(f"parallel.balance={rank_weights} with parallel.{key}={pp if pp > 1 else tp} is not "
                           f"supported: use parallel.balance=even")
     dp = stage // tp
     ep = resolve_expert_parallel_size(expert_parallel_size, dp, num_experts)
     if dp % ep:
-        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the data-parallel ranks of a pipeline "
-                          f"stage ({dp} = {world_size} processes / parallel.pipeline_parallel_size {pp} / "
-                          f"parallel.tensor_parallel_size {tp})")
+        raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide the data-parallel ranks ({dp} = "
+                          f"{world_size} processes / parallel.tensor_parallel_size {tp})" if pp == 1 else
+                          f"parallel.expert_parallel_size ({ep}) must divide the data-parallel ranks of a pipeline "
+                          f"stage ({dp} = {of_stage} / parallel.tensor_parallel_size {tp})")
     if num_experts % ep:
         raise LayoutError(f"parallel.expert_parallel_size ({ep}) must divide model.moe.num_experts ({num_experts})")
     return ParallelLayout(world_size, rank, ep, num_experts, local_world_size, tensor_parallel_size=tp,
