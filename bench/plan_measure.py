@@ -99,9 +99,15 @@ def live_storage_bytes() -> int:
     return sum(seen.values())
 
 
+# At pipeline parallel the schedule runs every forward and backward, and the update's finish.
+PIPELINE_PHASE = "pipeline schedule (forward + backward, bubble, p2p, finish)"
+
+
 class PhaseClock:
     """Wall seconds spent in a few of the trainer's calls during the timed steps (instance
-    attributes shadow the methods; removed after), to tell where a step's time goes."""
+    attributes shadow the methods; removed after), to tell where a step's time goes. At pipeline
+    parallel the trainer's forward_loss and the update's backward are not called: the pipeline's
+    step (PIPELINE_PHASE) is timed as well, the update's finish inside it."""
 
     PHASES = {"forward": ("trainer", "forward_loss"), "backward": ("update", "backward"),
               "finish (grad sync wait, offload)": ("update", "finish"), "clip": ("update", "clip"),
@@ -109,7 +115,11 @@ class PhaseClock:
 
     def __init__(self, trainer) -> None:
         self.owners = {"trainer": trainer, "update": trainer.update}
-        self.seconds = {name: 0.0 for name in self.PHASES}
+        self.phases = dict(self.PHASES)
+        if getattr(trainer, "pipeline", None) is not None:
+            self.owners["pipeline"] = trainer.pipeline
+            self.phases[PIPELINE_PHASE] = ("pipeline", "step")
+        self.seconds = {name: 0.0 for name in self.phases}
 
     def _timed(self, name: str, fn):
         def run(*args, **kwargs):
@@ -121,13 +131,13 @@ class PhaseClock:
         return run
 
     def __enter__(self) -> "PhaseClock":
-        for name, (owner, attr) in self.PHASES.items():
+        for name, (owner, attr) in self.phases.items():
             obj = self.owners[owner]
             setattr(obj, attr, self._timed(name, getattr(obj, attr)))
         return self
 
     def __exit__(self, *exc) -> None:
-        for owner, attr in self.PHASES.values():
+        for owner, attr in self.phases.values():
             delattr(self.owners[owner], attr)
 
 
