@@ -5,7 +5,6 @@ index), in fp32, in bf16 (the payload in the compute dtype) and with a bf16 payl
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -14,12 +13,12 @@ from dist_helpers import REPO, run_distributed
 
 def _measure(rank: int, world_size: int) -> None:
     from m6 import config as m6config
-    from m6.memory.activation_meter import SavedActivationMeter
     from m6.model.activation_bytes import ActivationShape, activation_bytes
     from m6.model.cast_on_use import set_cast_on_use
     from m6.moe.all_to_all import AllToAllDispatcher
     from m6.plan.memory import rank_model
-    from tests.unit.test_plan_memory import SMALL, densest_inputs
+    from tests.unit.test_activation_formula import metered_forward
+    from tests.unit.test_plan_memory import SMALL
 
     # force_balance: each rank receives as many rows as it sends, the formula's assumption.
     cfg = m6config.load(REPO / "configs" / "tiny.yaml", SMALL + ["model.moe.force_balance=true", "model.num_layers=2",
@@ -32,14 +31,7 @@ def _measure(rank: int, world_size: int) -> None:
             layer.dispatcher = AllToAllDispatcher(dist.group.WORLD, cfg.model.moe.num_experts, a2a)
         dtype = torch.bfloat16 if precision == "bf16" else None
         set_cast_on_use(model, dtype is not None)
-        images, has, ids, seg, labels = densest_inputs(cfg, 3)
-        autocast = (torch.autocast("cpu", dtype=dtype, cache_enabled=False) if dtype is not None
-                    else contextlib.nullcontext())
-        with SavedActivationMeter(model.parameters()) as meter:
-            with autocast:
-                hidden, aux = model(images, has, ids, seg)
-                loss = model.target_loss_sum(hidden, labels) + aux
-            held = meter.held_bytes()
+        loss, held = metered_forward(model, cfg, 3, dtype)
         c = 2 if dtype is not None else 4
         shape = ActivationShape(3, cfg.data.seq_len, c, 2 if a2a is not None else c, world_size, expert_kernel="loop")
         predicted = activation_bytes(cfg.model, shape).kept()

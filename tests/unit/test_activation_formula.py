@@ -33,6 +33,21 @@ fused_on_cpu = pytest.mark.skipif(not fused_runs_on(torch.device("cpu")),
                                   reason="the fused kernels need triton and TRITON_INTERPRET=1 on CPU")
 
 
+def metered_forward(model: M6Model, cfg: m6config.Config, batch: int, dtype: torch.dtype | None = None,
+                    cache_enabled: bool = False) -> tuple[torch.Tensor, int]:
+    """(loss, bytes kept for backward) of one forward and loss of ``model`` on the densest batch,
+    under an autocast to ``dtype`` (None: none) with ``cache_enabled`` as the loop sets it."""
+    images, has, ids, seg, labels = densest_inputs(cfg, batch)
+    autocast = (torch.autocast("cpu", dtype=dtype, cache_enabled=cache_enabled) if dtype is not None
+                else contextlib.nullcontext())
+    with SavedActivationMeter(model.parameters()) as meter:
+        with autocast:
+            hidden, aux = model(images, has, ids, seg)
+            loss = model.target_loss_sum(hidden, labels) + aux
+        held = meter.held_bytes()
+    return loss, held
+
+
 def measured_and_predicted(extra: list[str], precision: str, batch: int = 3) -> tuple[int, float]:
     """(bytes the meter counts kept for backward, the formula's kept bytes) for one forward and
     loss of the tiny MoE model under ``precision``."""
@@ -42,14 +57,7 @@ def measured_and_predicted(extra: list[str], precision: str, batch: int = 3) -> 
     torch.manual_seed(0)
     model = M6Model(cfg.model)
     set_cast_on_use(model, cast_on_use)
-    images, has, ids, seg, labels = densest_inputs(cfg, batch)
-    autocast = (torch.autocast("cpu", dtype=dtype, cache_enabled=not cast_on_use) if dtype is not None
-                else contextlib.nullcontext())
-    with SavedActivationMeter(model.parameters()) as meter:
-        with autocast:
-            hidden, aux = model(images, has, ids, seg)
-            loss = model.target_loss_sum(hidden, labels) + aux
-        held = meter.held_bytes()
+    loss, held = metered_forward(model, cfg, batch, dtype, cache_enabled=not cast_on_use)
     del loss
     moe = cfg.model.moe
     kernel = resolved_expert_kernel(moe.expert_kernel, "cpu", precision, False, moe.num_experts, cfg.model.ffn_dim)
@@ -115,12 +123,7 @@ def test_the_fused_kernel_leaves_nothing_to_recompute_in_a_local_layer():
         torch.manual_seed(0)
         model = M6Model(cfg.model)
         RecomputeParts(model).apply(recompute)
-        images, has, ids, seg, labels = densest_inputs(cfg, 3)
-        with SavedActivationMeter(model.parameters()) as meter:
-            hidden, aux = model(images, has, ids, seg)
-            loss = model.target_loss_sum(hidden, labels) + aux
-            held.append(meter.held_bytes())
-        del loss
+        held.append(metered_forward(model, cfg, 3)[1])
     assert held[0] == held[1]
 
 

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from m6 import config as m6config
-from m6.memory.activation_meter import SavedActivationMeter
 from m6.model import M6Model
 from m6.model.cast_on_use import set_cast_on_use
 from m6.moe.dispatch import KeptAssignments
-from tests.unit.test_plan_memory import CONFIGS, SMALL, densest_inputs
+from tests.unit.test_activation_formula import metered_forward
+from tests.unit.test_plan_memory import CONFIGS, SMALL
 
 NARROW = ["model.d_model=32", "model.ffn_dim=64", "model.num_heads=2", "model.num_layers=2"]
 # Every module that calls combine_tokens, ungroup or sum_rows by name.
@@ -92,14 +92,7 @@ def forward_backward(model: M6Model, cfg: m6config.Config, dtype: torch.dtype | 
     """(loss, every parameter gradient, bytes kept for backward) of one step, run as the training
     loop runs a precision: fp32 plain, below fp32 cast-on-use under an uncached autocast."""
     set_cast_on_use(model, dtype is not None)
-    images, has, ids, seg, labels = densest_inputs(cfg, 3)
-    autocast = (torch.autocast("cpu", dtype=dtype, cache_enabled=False) if dtype is not None
-                else contextlib.nullcontext())
-    with SavedActivationMeter(model.parameters()) as meter:
-        with autocast:
-            hidden, aux = model(images, has, ids, seg)
-            loss = model.target_loss_sum(hidden, labels) + aux
-        held = meter.held_bytes()
+    loss, held = metered_forward(model, cfg, 3, dtype)
     model.zero_grad(set_to_none=True)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
