@@ -109,7 +109,8 @@ class ScenarioRun:
             self._log.close()
             tail = self._log_path.read_text()[-6000:]
             if code != 0 or not self._report_path.is_file():
-                raise RuntimeError(f"simulated-CUDA scenario group {self.group!r} exited with {code}:\n{tail}")
+                written = "its report written" if self._report_path.is_file() else "no report written"
+                raise RuntimeError(f"simulated-CUDA scenario group {self.group!r} exited with {code} ({written}):\n{tail}")
             data = json.loads(self._report_path.read_text())
             if not data.get("complete"):
                 raise RuntimeError(f"simulated-CUDA scenario group {self.group!r} wrote an incomplete report:\n{tail}")
