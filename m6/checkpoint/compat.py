@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-import m6.checkpoint.sharded_io as sharded_io
 from m6.checkpoint.errors import CheckpointError
 from m6.checkpoint.reader import MAX_LISTED_DIFFS, load_metadata
 

@@ -5,7 +5,6 @@ naming the file and what is wrong with it, in one line."""
 
 from __future__ import annotations
 
-import pickle
 import re
 from pathlib import Path
 from typing import Any, NoReturn

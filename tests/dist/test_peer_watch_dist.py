@@ -6,7 +6,6 @@ first is no failure. Real processes on gloo; each run ends within seconds, not p
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
