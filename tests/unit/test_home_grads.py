@@ -138,3 +138,21 @@ def test_what_cannot_land_in_the_homes_is_refused_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load(None, [*SMALL, *overrides])
 
+
+def test_the_estimate_counts_the_gradient_buffers_the_runtime_allocates(tmp_path):
+    """m6.memory.estimate.zero_memory (the planner's bytes): the host gradients of a streamed run
+    are the runtime's own buffers (the estimate counts a router's gate at 2 B in a streamed block,
+    whose runtime home is fp32 and keeps a 2 B gradient buffer of its own)."""
+    from m6.memory.estimate import estimate_memory
+    from m6.model.param_groups import no_decay_ids
+
+    for landing in ("home", "separate"):
+        tr = trainer(tmp_path / landing, f"memory.zero_grad_landing={landing}")
+        off = tr.update.offload
+        homes = {h.untyped_storage().data_ptr() for h in off.streamer.homes().values()}
+        own = {b.untyped_storage().data_ptr(): b.untyped_storage().nbytes() for b in off._grad_buffers.values()
+               if b.untyped_storage().data_ptr() not in homes}
+        est = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model), 1, 1, "cpu")
+        streamed_gates = sum(p.numel() for p in tr.model.parameters()
+                             if id(p) in off.streamer.homes() and off.streamer.homes()[id(p)].dtype == torch.float32)
+        assert abs(est.host["grads"] - sum(own.values())) <= 2 * streamed_gates, (landing, est.host["grads"])
