@@ -461,6 +461,10 @@ class MemoryConfig:
     # accumulation they add up on the device in fp32 and leave once, in the last micro-batch; the
     # update reads each group's gradients back in fp32.
     host_grad_dtype: Literal["fp32", "compute"] = "fp32"
+    # zero's streamed blocks: home = a gradient lands in its block's 16-bit host home (one host
+    # buffer per parameter for weights and gradient, m6.memory.home_grads); separate = its own
+    # buffer; auto = home with host_grad_dtype=compute and without optim.delayed_update.
+    zero_grad_landing: Literal["auto", "home", "separate"] = "auto"
     activation_checkpointing: Literal["none", "full", "auto"] = "none"
     # auto: recompute the cheapest parts until saved activations fit this budget. Give GiB, or a
     # fraction of the no-checkpointing activation bytes of the densest micro-batch (no padding,
@@ -494,6 +498,10 @@ class MemoryConfig:
         if self.host_grad_dtype != "fp32" and self.offload == "none":
             raise ConfigError(f"memory.host_grad_dtype={self.host_grad_dtype} only applies with memory.offload "
                               "optimizer or optimizer+params (without offload no gradient is on the host)")
+        if self.zero_grad_landing == "home" and (self.offload != "zero" or self.host_grad_dtype != "compute"):
+            raise ConfigError(f"memory.zero_grad_landing=home with memory.offload={self.offload}, memory.host_grad_dtype="
+                              f"{self.host_grad_dtype}: the gradient lands in a streamed block's 16-bit home only with "
+                              "memory.offload=zero and memory.host_grad_dtype=compute")
         if self.host_optimizer == "deepspeed" and self.offload == "none":
             raise ConfigError("memory.host_optimizer=deepspeed only applies with memory.offload optimizer or "
                               "optimizer+params (without offload the update runs on the device with torch's AdamW)")
@@ -901,6 +909,10 @@ def check_zero_offload(cfg: Config) -> None:
     if cfg.parallel.shard != "none":
         raise ConfigError(f"memory.offload=zero with parallel.shard={cfg.parallel.shard}: not built together (FSDP2's "
                           "CPU offload is memory.offload=optimizer+params); use parallel.shard=none with zero")
+    if cfg.memory.zero_grad_landing == "home" and cfg.optim.delayed_update:
+        raise ConfigError("memory.zero_grad_landing=home with optim.delayed_update=true: the next step's forward reads "
+                          "the streamed blocks' homes while the update still reads its gradients there; use "
+                          "memory.zero_grad_landing=separate (or auto)")
 
 
 def check_delayed_update(cfg: Config) -> None:

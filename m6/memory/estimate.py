@@ -40,7 +40,9 @@ memory.offload=zero (``zero_memory``, ZeRO-Offload's layout; the planner's model
           micro-batch, widened to fp32 on the device one at a time, and are summed on the host).
   host    4 B fp32 master + the optimizer's state (m6.memory.estimate.optimizer_state_sizes) + the
           gradients' pinned host buffers, 4 B (fp32) or c B (compute) per parameter (twice with
-          the delayed update: the next backward streams into a second set) + pinned 16-bit weight
+          the delayed update: the next backward streams into a second set; none for a streamed
+          block's parameter whose gradient lands in its 16-bit home, memory.zero_grad_landing,
+          m6.memory.home_grads) + pinned 16-bit weight
           staging: the streamed blocks' 16-bit homes (what their forward and backward fetch) and
           the copy back's 16-bit buffers (``copy_back_staging``: one of the largest push's size,
           a push being an apply group's resident weights, or all of them with the delayed update;
@@ -69,6 +71,7 @@ from m6.model.activation_bytes import ActivationBytes, ActivationShape, activati
 from m6.moe import MoELayer
 from m6.memory.master_weights import compute_weight_params
 from m6.memory.grouped_apply import split_apply_groups
+from m6.memory.home_grads import grads_land_in_homes
 from m6.memory.shard_estimate import fused_update, shard_layout, sharded_backward, sharded_states
 
 
@@ -502,8 +505,10 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
     push = resident if cfg.optim.delayed_update else min(resident, group)
     foreach = 0.0 if cfg.memory.host_optimizer == "deepspeed" else \
         4.0 * facts.largest_call(cfg.optim.apply_groups, no_decay)
+    # memory.zero_grad_landing: the streamed blocks' 16-bit gradients land in their homes, no buffers of their own.
+    own_grad_buffers = numel - (sum(sizes) if half_grads and grads_land_in_homes(cfg) else 0)
     host = {"params": 4.0 * numel,
-            "grads": float((c if half_grads else 4) * numel) * (2 if cfg.optim.delayed_update else 1),
+            "grads": float((c if half_grads else 4) * own_grad_buffers) * (2 if cfg.optim.delayed_update else 1),
             "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
             WEIGHT_STAGING: float(c * sum(sizes) + c * copy_back_staging(push)),
             "optimizer step temporaries": foreach + (4.0 * group if half_grads else 0.0)}

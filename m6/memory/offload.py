@@ -29,7 +29,9 @@ zero:             ZeRO-Offload's layout. The device weights are 16-bit (the comp
                   its device weight (m6.memory.half_weight_push: two buffers, the copy of one
                   overlapping the cast into the other). The blocks ``streamed_layers`` names have
                   16-bit host homes apart from their masters, streamed as with optimizer+params;
-                  their masters are cast into the homes after the update.
+                  their masters are cast into the homes after the update. With 16-bit host
+                  gradients and no delayed update their gradients land in the homes too
+                  (m6.memory.home_grads): no separate gradient buffer for them.
 
 With device == cpu the host copies are separate CPU tensors, so every path (hooks, gradient
 streaming, separate master, update, copy back, fetch / release) runs and is tested on CPU.
@@ -45,6 +47,7 @@ from torch import nn
 
 from m6.memory.grad_stream import HostGradAccumulator
 from m6.memory.half_weight_push import HalfWeightPush
+from m6.memory.home_grads import HomeGradLanding
 from m6.memory.grouped_apply import GroupedApply
 
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "zero")
@@ -218,7 +221,7 @@ class HostOffload:
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
                  streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32,
                  separate_homes: bool = False, weight_dtype: torch.dtype | None = None,
-                 keep_fp32: Sequence[nn.Parameter] = ()) -> None:
+                 keep_fp32: Sequence[nn.Parameter] = (), grads_in_homes: bool = False) -> None:
         """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
         masters' ``.grad``. 16-bit: they stay in their own buffers, each written once per step
         (nothing is added on the host: with accumulation they arrive final from the last backward)
@@ -229,7 +232,9 @@ class HostOffload:
         ``weight_dtype`` (memory.offload=zero): the 16-bit dtype the weights take on the device
         (and in the streamed blocks' homes); the masters stay fp32 on the host, apart from them.
         ``keep_fp32`` (zero): parameters whose device weights stay fp32 copies of their masters (the
-        MoE routers' gates, whose routing decisions m6 keeps in fp32, as DeepSpeed's MoE gate does)."""
+        MoE routers' gates, whose routing decisions m6 keeps in fp32, as DeepSpeed's MoE gate does).
+        ``grads_in_homes`` (zero, 16-bit host gradients, no delayed update): a streamed parameter's
+        gradient lands in its 16-bit home (m6.memory.home_grads), no buffer of its own."""
         self.device = device
         self.grad_dtype = grad_dtype
         self.weight_dtype = weight_dtype
@@ -265,7 +270,11 @@ class HostOffload:
                     p.data = p.data.to(device)
                 self.masters[id(p)] = _host_copy(p, pin)
                 self.resident.append((p, self.masters[id(p)]))
-        self._grad_buffers = {id(p): torch.empty(p.shape, dtype=grad_dtype, pin_memory=pin) for p in self.params}
+        # zero's streamed homes that take their parameters' gradients (None: every gradient has its own buffer).
+        self.home_grads = HomeGradLanding(homes, grad_dtype) if grads_in_homes else None
+        landing = self.home_grads.buffers if self.home_grads is not None else {}
+        self._grad_buffers = {id(p): landing[id(p)] if id(p) in landing else
+                              torch.empty(p.shape, dtype=grad_dtype, pin_memory=pin) for p in self.params}
         # 16-bit host gradients: id(master) -> its buffer, for those this step filled (the masters'
         # .grad stays None until the update reads them), and the multiplier the clip chose (unscale x clip).
         self._filled: dict[int, torch.Tensor] = {}
@@ -330,6 +339,8 @@ class HostOffload:
                 self._grads_copied.record()
         else:
             buf.copy_(grad)  # 16-bit host gradients: cast in the copy (on the device, before it crosses)
+        if self.home_grads is not None:  # a streamed home now holds the gradient until the update recasts it
+            self.home_grads.landed(id(p))
         self._summed.add(id(p))
         if self.half_grads:
             self._filled[id(master)] = buf
@@ -409,6 +420,8 @@ class HostOffload:
             for p, m in todo:
                 if id(p) in self._streamed_homes:
                     self._streamed_homes[id(p)].copy_(m)
+                    if self.home_grads is not None:
+                        self.home_grads.rewritten(id(p))
             resident = [(p, m) for p, m in todo if id(p) not in self._streamed_homes]
             self._half_push.push([(p.data, m) for p, m in resident if p.dtype == self.weight_dtype])
             todo = [(p, m) for p, m in resident if p.dtype != self.weight_dtype]
@@ -441,6 +454,11 @@ class HostOffload:
     def zero_grad(self) -> None:
         """Drop the host gradients (their buffers are kept) and any device gradient left over."""
         self._accumulator.flush()  # an add still landing must not reach next step's sum
+        if self.home_grads is not None and self.home_grads.holding:
+            # No update recast these homes (a skipped step): their weights back from the unchanged masters.
+            if self._grads_copied is not None:  # finish_backward did not wait for the copies: they land first
+                self._grads_copied.synchronize()
+            self.home_grads.restore(self.masters)
         for p in self.params:
             self.masters[id(p)].grad = None
             p.grad = None
@@ -458,6 +476,7 @@ class HostOffload:
         buffers, fp16's divisors, which the next backward writes into a second set of scalars, and
         the clip's multiplier), read by ``background_step``."""
         self._accumulator.flush()
+        assert self.home_grads is None, "the delayed update with gradients in the streamed homes (config.py refuses it)"
         pin = self.copy_stream is not None
         if self._spare_grad_buffers is None:
             self._spare_grad_buffers = {k: torch.empty(b.shape, dtype=b.dtype, pin_memory=pin)
@@ -556,11 +575,12 @@ def _fit_fp16(grad: torch.Tensor, divisor_out: torch.Tensor) -> torch.Tensor:
 def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,
                   streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32,
                   separate_homes: bool = False, compute_dtype: torch.dtype = torch.float32,
-                  keep_fp32: Sequence[nn.Parameter] = ()) -> HostOffload | None:
+                  keep_fp32: Sequence[nn.Parameter] = (), grads_in_homes: bool = False) -> HostOffload | None:
     """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients';
     ``separate_homes``: streamed weights apart from their masters (the delayed update);
     ``compute_dtype``: the forward's, which zero's device weights take (bf16 or fp16), except
-    ``keep_fp32``'s (the routers' gates)."""
+    ``keep_fp32``'s (the routers' gates); ``grads_in_homes``: zero's streamed gradients land in
+    their homes (m6.memory.home_grads)."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"memory.offload must be one of {OFFLOAD_MODES}, got {mode!r}")
     if mode == "none":
@@ -571,4 +591,5 @@ def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.devic
     layers = list(streamed_layers) if mode in ("optimizer+params", "zero") else []
     return HostOffload(params, device, layers, grad_dtype, separate_homes,
                        weight_dtype=compute_dtype if mode == "zero" else None,
-                       keep_fp32=keep_fp32 if mode == "zero" else ())
+                       keep_fp32=keep_fp32 if mode == "zero" else (),
+                       grads_in_homes=grads_in_homes and mode == "zero" and grad_dtype == compute_dtype)

@@ -3,7 +3,9 @@
 each copy overlaps, with and without the delayed update (``optim.delayed_update``).
 
 zero (ZeRO-Offload's layout): device and host bytes are m6.memory.estimate.zero_memory's (one model,
-  shared with m6.memory.estimate and ``python -m m6.inspect``); c = the compute dtype's bytes, 2:
+  shared with m6.memory.estimate and ``python -m m6.inspect``; with 16-bit host gradients and no
+  delayed update the streamed blocks' gradients land in their 16-bit homes, no host gradient
+  buffers of their own: m6.memory.home_grads); c = the compute dtype's bytes, 2:
   copies  gradients device -> host: 16-bit ones once per step (as their buckets are final, during
           the last micro-batch's backward); fp32 buffers receive 4 B per parameter, the unshared
           gradients in every micro-batch; the streamed blocks' 16-bit weights host -> device twice

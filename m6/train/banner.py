@@ -14,6 +14,7 @@ from m6 import __version__
 from m6.config import Config, expert_ffn_dim, num_patches, pipeline_stages_per_rank
 from m6.data.make_sample import is_sample_corpus_path, is_sample_corpus_statistics
 from m6.data.sources import relative_to_cwd_note
+from m6.memory.home_grads import grads_land_in_homes
 from m6.model.architecture import block_options
 from m6.model.flops import ModelSize
 from m6.moe.expert_gemm import planned_kernel
@@ -205,8 +206,9 @@ def zero_layout_words(cfg: Config) -> str:
     where = (f"all {num_blocks} blocks resident" if streamed == 0 else
              f"{num_blocks - streamed} of {num_blocks} blocks resident, {streamed} streamed in {dtype} from the host")
     grads = dtype if mem.host_grad_dtype == "compute" else "fp32"
+    homes = " (the streamed blocks' into their homes)" if streamed and grads_land_in_homes(cfg) else ""
     return (f" (ZeRO-Offload's layout: {dtype} weights on the device (routers' gates fp32), {where}; fp32 masters "
-            f"and optimizer state on the host, {dtype} gradients to {grads} host buffers, {dtype} weights back)")
+            f"and optimizer state on the host, {dtype} gradients to {grads} host buffers{homes}, {dtype} weights back)")
 
 
 def pipeline_words(cfg: Config) -> str:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from m6.config import Config, ConfigError
 from m6.memory import GroupedApply, build_offload
 from m6.memory.delayed_update import DelayedUpdate
+from m6.memory.home_grads import grads_land_in_homes
 from m6.memory.host_optimizer import choose_host_optimizer, probe_cpu_adam, thread_note
 from m6.memory.host_adafactor import choose_host_adafactor, probe_adafactor_op
 from m6.memory.live_bytes import grad_bytes
@@ -71,7 +72,8 @@ class ParameterUpdate:
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
             grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype,
-            keep_fp32=[layer.router.weight for layer in model.moe_layers().values()])
+            keep_fp32=[layer.router.weight for layer in model.moe_layers().values()],
+            grads_in_homes=grads_land_in_homes(cfg))
         # train.weight_copy=per_step: bf16 module weights, fp32 masters here (config.py allows it only
         # unsharded, without offload). Built before the sync: its gradient hooks must run first.
         self.masters = MasterWeights(model, compute_dtype) if cfg.train.weight_copy == "per_step" else None

@@ -266,6 +266,12 @@ MEMORY_VARIANTS = {
     "offload-zero-streamed-delayed": ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[0,2]",
                                       "memory.host_optimizer=torch", "optim.delayed_update=true",
                                       "optim.delayed_update_after=0"],
+    # Blocks 0 and 2 streamed with bf16 host gradients, accumulation 2, no delayed update: the
+    # streamed gradients land in the blocks' bf16 homes (m6.memory.home_grads); the copies into and
+    # out of those homes are logged with their streams (facts["home_copies"]).
+    "offload-zero-streamed-home": ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[0,2]",
+                                   "memory.host_optimizer=torch", "memory.host_grad_dtype=compute",
+                                   "train.micro_batch_size=4"],
     # The delayed update with 16-bit host gradients: fp16 (each gradient's power-of-two divisor
     # written to a pinned host scalar beside its copy, a second set for the next backward) with the
     # optimizer offloaded; bf16 with ZeRO-Offload's layout resident.
@@ -291,7 +297,18 @@ def _trainer_run(name: str, overrides: list[str], workdir: Path, resume: bool = 
     resumed = []
     with simulated_cuda(), RECORD.capture() as found:
         trainer = m6.Trainer(cfg)
-        history = trainer.fit()
+        landing = getattr(trainer.update.offload, "home_grads", None)
+        if landing is not None:  # zero's streamed gradients land in the homes: log the homes' copies
+            names = {id(p): n for n, p in trainer.model.named_parameters()}
+            RECORD.watched = {h.untyped_storage().data_ptr(): names[k] for k, h in landing.buffers.items()}
+        try:
+            history = trainer.fit()
+        finally:
+            RECORD.watched = {}
+        home_copies = {}
+        for name, what, stream in RECORD.copies:
+            home_copies.setdefault(name, []).append(what if stream is None else f"{what} @{stream}")
+        RECORD.copies.clear()
         if resume:
             trainer = m6.Trainer(_tiny_config([*overrides, "train.max_steps=3"], workdir / name))
             resumed = trainer.fit()
@@ -306,6 +323,7 @@ def _trainer_run(name: str, overrides: list[str], workdir: Path, resume: bool = 
         "resumed_losses": [h["loss"] for h in resumed],
         "params": len(params),
         "params_on_device": sum(on_device(p) for p in params),
+        "home_copies": home_copies,
         "checkpoints": sorted(p.name for p in (Path(cfg.run.dir) / "checkpoints").glob("step_*")),
         "collectives": {" ".join(k): n for k, n in mirror_world.calls.items()},
         # Where the optimizer keeps its step counts (after a resume: where the load put them).

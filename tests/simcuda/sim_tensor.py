@@ -96,6 +96,10 @@ class Recorder:
         self._lock = threading.Lock()
         self.current = Findings()
         self.phase: Callable[[], str] = lambda: "run"  # what the run is doing (run_phases.current)
+        # Host buffers whose copies are logged (storage address -> name), and the log: (name,
+        # "read device" | "write device" | "write host", the current stream's number or None).
+        self.watched: dict[int, str] = {}
+        self.copies: list[tuple[str, str, int | None]] = []
 
     def problem(self, kind: str, detail: str) -> None:
         site = call_site()
@@ -110,6 +114,19 @@ class Recorder:
         phase = self.phase()
         with self._lock:
             self.current.syncs[(what, site, phase)] += 1
+
+    def watched_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)``: logged when either is a watched host buffer; a copy to or from the
+        device with the stream it was issued on (one stream runs its copies in issue order)."""
+        for t, other, role in ((src, dst, "read"), (dst, src, "write")):
+            if on_device(t):
+                continue
+            name = self.watched.get((t.elem if isinstance(t, SimTensor) else t).untyped_storage().data_ptr())
+            if name is None or (role == "read" and not on_device(other)):
+                continue
+            stream = getattr(torch.cuda.current_stream(), "number", None) if on_device(other) else None
+            with self._lock:
+                self.copies.append((name, f"{role} {'device' if on_device(other) else 'host'}", stream))
 
     def unchecked(self, func) -> None:
         with self._lock:
@@ -404,6 +421,8 @@ def _note_copies(func, args, kwargs) -> None:
             RECORD.sync("device-to-host copy, blocking")
     elif func is aten.copy_.default:
         dst, src = args[0], args[1]
+        if RECORD.watched:
+            RECORD.watched_copy(dst, src)
         non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
         if on_device(src) and not on_device(dst):
             if not non_blocking:
@@ -488,4 +507,6 @@ class SimCudaMode(TorchDispatchMode):
         if (func in (aten.is_pinned.default, aten._pin_memory.default) or "pin_memory" in kwargs
                 or _is_cuda(kwargs.get("device")) or any(isinstance(t, SimTensor) for t in _tensors(args, kwargs))):
             return dispatch(func, args, kwargs)
+        if func is aten.copy_.default and RECORD.watched:  # a host copy into a watched buffer
+            RECORD.watched_copy(args[0], args[1])
         return func(*args, **kwargs)

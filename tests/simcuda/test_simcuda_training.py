@@ -1,7 +1,7 @@
 """Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
 evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
 and of optimizer+params (each also with the delayed update), ZeRO-Offload's layout (memory.offload=zero,
-resident and streamed-delayed), the delayed update with 16-bit host gradients (fp16 optimizer, bf16 zero), full recompute, and expert parallelism
+resident, streamed-delayed, and streamed with the gradients landing in the blocks' homes), the delayed update with 16-bit host gradients (fp16 optimizer, bf16 zero), full recompute, and expert parallelism
 at world 2 and 4 in a mirror world.
 Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
 rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
@@ -18,8 +18,8 @@ from preload import scenario_result
 GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast", "dropless-grouped_mm", "bf16-weight-copy"],
           "trainer_memory": ["offload-optimizer", "offload-optimizer+params", "recompute-full",
                              "offload-optimizer-delayed", "offload-optimizer+params-delayed", "offload-zero",
-                             "offload-zero-streamed-delayed", "offload-optimizer-delayed-half",
-                             "offload-zero-delayed-half"],
+                             "offload-zero-streamed-delayed", "offload-zero-streamed-home",
+                             "offload-optimizer-delayed-half", "offload-zero-delayed-half"],
           "expert_parallel": ["ep-world2", "ep-world4"]}
 RUNS = [(group, name) for group, names in GROUPS.items() for name in names]
 pytestmark = [pytest.mark.simcuda_group(group) for group in GROUPS]
@@ -51,7 +51,7 @@ def test_trainer_run_is_clean_on_simulated_cuda(simcuda, group, name):
     assert tuple(events.get(phase, 0) for phase in ("step", "logging_step", "eval", "save", "resume", "run")) == counts
     # optimizer+params keeps the blocks' weights on the host between their uses (zero here: blocks 0 and 2, 24 params).
     streamed = {"offload-optimizer+params": facts["params"] - 9, "offload-optimizer+params-delayed": facts["params"] - 9,
-                "offload-zero-streamed-delayed": 24}.get(name, 0)
+                "offload-zero-streamed-delayed": 24, "offload-zero-streamed-home": 24}.get(name, 0)
     assert facts["params_on_device"] == facts["params"] - streamed, facts
     if name.startswith("offload-zero"):  # 16-bit weights; the masters cast into pinned staging
         assert facts["weight_dtypes"] == ["torch.bfloat16", "torch.float32"], facts  # the routers' gates fp32
@@ -72,10 +72,30 @@ def test_offload_waits_for_the_gradients_once_per_step(simcuda):
     not for each parameter's (55 waits per step before)."""
     for name in ("offload-optimizer", "offload-optimizer+params", "offload-optimizer-delayed",
                  "offload-optimizer+params-delayed", "offload-zero", "offload-zero-streamed-delayed",
-                 "offload-optimizer-delayed-half", "offload-zero-delayed-half"):
+                 "offload-zero-streamed-home", "offload-optimizer-delayed-half", "offload-zero-delayed-half"):
         run = _run(simcuda, "trainer_memory", name)
         totals = sync_totals(run["findings"])
         assert totals[("m6/memory/offload.py:finish_backward", "step")] == run["events"]["step"], (name, totals)
+
+
+def test_streamed_gradients_land_in_their_homes_after_the_homes_last_fetch(simcuda):
+    """memory.zero_grad_landing (auto: home here): each streamed bf16 weight's host home is fetched
+    to the device for the forward and for the backward of both micro-batches, then receives the
+    step's gradient, on the same copy stream as those fetches (a stream runs its copies in issue
+    order: the last fetch has completed before the gradient overwrites the home), then the update
+    casts the new master into it before anything fetches it again. Nothing else touches a home."""
+    run = _run(simcuda, "trainer_memory", "offload-zero-streamed-home")
+    copies, steps = run["facts"]["home_copies"], run["events"]["step"]
+    assert copies and steps == 2
+    for name, events in copies.items():
+        rest = events
+        for _ in range(steps):
+            write = next(i for i, e in enumerate(rest) if e.startswith("write device"))
+            stream = rest[write].split("@")[1]
+            assert rest[:write] == [f"read device @{stream}"] * 4, (name, events)  # 2 micro-batches x (fwd, bwd)
+            assert rest[write + 1] == "write host", (name, events)  # the update's cast, before the next fetch
+            rest = rest[write + 2:]
+        assert all(e.startswith("read device") for e in rest), (name, events)  # the final evaluation's fetches
 
 
 def test_logging_step_reads_routing_statistics_once(simcuda):

@@ -35,5 +35,8 @@ def test_the_memory_line_says_which_zero_layout_runs():
     assert "bf16 gradients to fp32 host buffers" in resident
     streamed = zero_layout_words(load(None, [*base, "memory.offload_blocks=[0,1]", "memory.host_grad_dtype=compute"]))
     assert "2 of 4 blocks resident, 2 streamed in bf16 from the host" in streamed
-    assert "bf16 gradients to bf16 host buffers" in streamed
+    assert "bf16 gradients to bf16 host buffers (the streamed blocks' into their homes)" in streamed
+    separate = zero_layout_words(load(None, [*base, "memory.offload_blocks=[0,1]", "memory.host_grad_dtype=compute",
+                                             "memory.zero_grad_landing=separate"]))
+    assert "bf16 gradients to bf16 host buffers, bf16 weights back" in separate
     assert "4 streamed in fp16" in zero_layout_words(load(None, [*base, "train.precision=fp16"]))
