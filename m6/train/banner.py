@@ -201,12 +201,17 @@ def zero_layout_words(cfg: Config) -> str:
     if mem.offload != "zero":
         return ""
     num_blocks = cfg.model.num_layers
-    streamed = num_blocks if mem.offload_blocks == "all" else len(mem.offload_blocks)
     dtype = "fp16" if cfg.train.precision == "fp16" else "bf16"
-    where = (f"all {num_blocks} blocks resident" if streamed == 0 else
-             f"{num_blocks - streamed} of {num_blocks} blocks resident, {streamed} streamed in {dtype} from the host")
+    if mem.offload_blocks == "auto":
+        # resolved once the model is built (its log line says how many stay); the banner comes first
+        streamed = None
+        where = f"the blocks that fit resident, the rest streamed in {dtype} from the host (offload_blocks=auto)"
+    else:
+        streamed = num_blocks if mem.offload_blocks == "all" else len(mem.offload_blocks)
+        where = (f"all {num_blocks} blocks resident" if streamed == 0 else
+                 f"{num_blocks - streamed} of {num_blocks} blocks resident, {streamed} streamed in {dtype} from the host")
     grads = dtype if mem.host_grad_dtype == "compute" else "fp32"
-    homes = " (the streamed blocks' into their homes)" if streamed and grads_land_in_homes(cfg) else ""
+    homes = " (the streamed blocks' into their homes)" if streamed != 0 and grads_land_in_homes(cfg) else ""
     return (f" (ZeRO-Offload's layout: {dtype} weights on the device (routers' gates fp32), {where}; fp32 masters "
             f"and optimizer state on the host, {dtype} gradients to {grads} host buffers{homes}, {dtype} weights back)")
 

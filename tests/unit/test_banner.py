@@ -40,3 +40,7 @@ def test_the_memory_line_says_which_zero_layout_runs():
                                              "memory.zero_grad_landing=separate"]))
     assert "bf16 gradients to bf16 host buffers, bf16 weights back" in separate
     assert "4 streamed in fp16" in zero_layout_words(load(None, [*base, "train.precision=fp16"]))
+    # auto is resolved after the banner: no count (it once printed len("auto") = "4 streamed")
+    auto = zero_layout_words(load(None, [*base, "model.num_layers=6", "memory.offload_blocks=auto"]))
+    assert "the blocks that fit resident, the rest streamed in bf16 from the host (offload_blocks=auto)" in auto
+    assert "of 6 blocks" not in auto
