@@ -72,6 +72,9 @@ class ParameterUpdate:
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
             grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype,
             keep_fp32=[layer.router.weight for layer in model.moe_layers().values()])
+        if self.offload is not None and cfg.memory.offload == "zero":
+            # The copy back overlaps the next forward: each block waits for its own weights only.
+            self.offload.attach_block_copy_back(model, model.blocks)
         # train.weight_copy=per_step: bf16 module weights, fp32 masters here (config.py allows it only
         # unsharded, without offload). Built before the sync: its gradient hooks must run first.
         self.masters = MasterWeights(model, compute_dtype) if cfg.train.weight_copy == "per_step" else None
@@ -230,9 +233,12 @@ class ParameterUpdate:
         checkpoint reads the optimizer state and the masters, and at the run's end."""
         if self.delayed is not None:
             self.delayed.wait()
+        if self.offload is not None:  # zero: the copies back are in place before the weights are read
+            self.offload.settle_weights()
 
     def zero_grad(self) -> None:
-        self.wait()  # an update in flight reads the masters' gradients: never drop them under it
+        if self.delayed is not None:  # an update in flight reads the masters' gradients: never drop them under it
+            self.delayed.wait()
         self.grad_bytes_after_backward = 0
         self.optimizer.zero_grad(set_to_none=True)
         if self.offload:

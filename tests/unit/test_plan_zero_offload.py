@@ -54,7 +54,9 @@ def test_zero_holds_16_bit_weights_on_the_device_and_fp32_masters_on_the_host():
     assert zero.peak_device < fp32.peak_device
     assert zero.host["params"] == 4 * numel and zero.host["grads"] == 2 * numel
     assert zero.host["optimizer state"] == fp32.host["optimizer state"]
-    assert zero.host[WEIGHT_STAGING] == 2 * numel  # the copy back's one buffer (the push is under 2^25)
+    # The copy back's two buffers of its largest push (one segment: outside the blocks, or a block).
+    assert zero.host[WEIGHT_STAGING] == 2 * 2 * rm.facts.largest_copy_back_push(frozenset())
+    assert rm.facts.largest_copy_back_push(frozenset()) == max(numel - sum(blocks), *blocks)
     assert rm.report(_zero(cfg, 16)).host["grads"] == 4 * numel  # fp32 host buffers
     # Blocks 0 and 1 streamed: their 16-bit weights live on the host, two blocks' worth on the device.
     streamed = rm.report(_zero(cfg, 16, blocks=[0, 1]))
@@ -62,9 +64,10 @@ def test_zero_holds_16_bit_weights_on_the_device_and_fp32_masters_on_the_host():
     streamed = rm.report(_zero(cfg, 16, blocks=[0, 1, 2], groups=4))
     assert streamed.device["params"] == 2 * (numel - sum(blocks[:3])) + 2 * max(blocks[0] + blocks[1],
                                                                                 blocks[1] + blocks[2])
-    # The streamed blocks' homes + one copy-back buffer of the largest apply group's resident weights at most.
-    assert streamed.host[WEIGHT_STAGING] == 2 * sum(blocks[:3]) + 2 * min(numel - sum(blocks[:3]),
-                                                                          rm.facts.largest_group(4))
+    # The streamed blocks' homes + two copy-back buffers of the largest push (one resident segment).
+    push = rm.facts.largest_copy_back_push(frozenset({0, 1, 2}))
+    assert push == max(numel - sum(blocks), *blocks[3:])
+    assert streamed.host[WEIGHT_STAGING] == 2 * sum(blocks[:3]) + 2 * 2 * push
     # Accumulation: with 16-bit host gradients they stay on the device until the last micro-batch;
     # with fp32 host buffers the unshared ones (at world 1 all) leave in every micro-batch.
     accum = rm.report(_zero(cfg, 4, host_grads="compute"))
