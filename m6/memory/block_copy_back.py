@@ -132,7 +132,9 @@ class BlockCopyBack:
 
     def _issue(self, after: torch.cuda.Event | None, runs: list[tuple[int, list[Pair]]]) -> None:
         try:
-            with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext():
+            # This thread's current device is cuda:0 until set: the rank's own device and copy stream.
+            on_device = torch.cuda.device(self.device) if self.copy_stream is not None else nullcontext()
+            with on_device, torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else nullcontext():
                 if after is not None:
                     self.copy_stream.wait_event(after)
                 for s, run in runs:
