@@ -39,6 +39,7 @@ streaming, separate master, update, copy back, fetch / release) runs and is test
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -463,7 +464,7 @@ class HostOffload:
         if self.block_copy_back is not None:
             self.block_copy_back.settle()
 
-    def masters_read(self):
+    def masters_read(self) -> Future | None:
         """A Future done once the copy back has read every master handed to it (None: nothing in
         flight); the delayed update waits for it before changing the masters."""
         return self.block_copy_back.masters_read() if self.block_copy_back is not None else None
