@@ -122,7 +122,10 @@ class ParameterUpdate:
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
             if t.precision == "fp16" else None
-        self.apply = GroupedApply(self.optimizer, replicated + split + self.uncounted, experts, cfg.optim.apply_groups)
+        # zero: the groups update in forward order, each going back to the device as it finishes.
+        forward_order = self.offload.masters_of(trainable) if cfg.memory.offload == "zero" and self.offload else ()
+        self.apply = GroupedApply(self.optimizer, replicated + split + self.uncounted, experts, cfg.optim.apply_groups,
+                                  forward_order)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         # optim.delayed_update (config.py allows it with m6's unsharded offload): step t's host update
         # runs in the background during step t+1's forward/backward.

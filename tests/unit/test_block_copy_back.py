@@ -99,3 +99,25 @@ def test_a_failed_copy_is_raised_by_the_forward_not_waited_for(tmp_path):
         tr.train_step()
     with pytest.raises(RuntimeError, match="copy of the updated weights to the device failed: OSError"):
         tr.train_step()
+
+
+def test_apply_groups_update_in_forward_order_and_that_changes_no_value(tmp_path):
+    """zero with apply groups: the groups update (and go back) in the order the forward reads
+    their first weight, so the first blocks' weights are on the device first; each tensor's update
+    is its own, so the losses equal those of the groups in their split order (replicated first)."""
+    from m6.memory import split_apply_groups
+
+    # Experts in every block, small ones: the replicated weights take most groups, one expert group starts early.
+    extra = ("memory.offload_blocks=[]", "optim.apply_groups=6", "model.moe.every=1", "model.ffn_dim=8")
+    ordered = trainer(tmp_path / "ordered", *extra)
+    off, apply = ordered.update.offload, ordered.update.apply
+    position = {id(m): i for i, m in enumerate(off.masters_of(list(ordered.model.parameters())))}
+    starts = [min(position[id(m)] for m in group) for group in apply.groups]
+    assert starts == sorted(starts) and starts[0] == 0
+    split = trainer(tmp_path / "split", *extra)
+    u = split.update
+    split_order = split_apply_groups(u.replicated, u.experts, 6)
+    ids = lambda groups: [[id(t) for t in g] for g in groups]  # noqa: E731
+    assert ids(split_order) != ids(u.apply.groups) and sorted(ids(split_order)) == sorted(ids(u.apply.groups))
+    u.apply.groups = split_order
+    assert [ordered.train_step()["loss"] for _ in range(4)] == [split.train_step()["loss"] for _ in range(4)]
