@@ -64,10 +64,13 @@ class DelayedUpdate:
         backward streams into the other set."""
         assert self._pending is None, "an update is already in flight"
         pushed = self.offload.weights_pushed_event()
+        read = self.offload.masters_read()
 
         def run() -> None:
             if pushed is not None:  # the last copy of the masters to the device reads them: let it finish
                 pushed.synchronize()
+            if read is not None:  # zero's block copy-back casts them on its thread: until it has
+                read.result()
             with torch.no_grad():
                 update()
 

@@ -44,9 +44,9 @@ memory.offload=zero (``zero_memory``, ZeRO-Offload's layout; the planner's model
           block's parameter whose gradient lands in its 16-bit home, memory.zero_grad_landing,
           m6.memory.home_grads) + pinned 16-bit weight
           staging: the streamed blocks' 16-bit homes (what their forward and backward fetch) and
-          the copy back's 16-bit buffers (``copy_back_staging``: one of the largest push's size,
-          a push being an apply group's resident weights, or all of them with the delayed update;
-          two of at most 2^25 elements when a push is larger) + the update's temporaries
+          the copy back's 16-bit buffers (``copy_back_staging``: two of the largest push's size,
+          at most 2^25 elements each, a push being one forward-order segment's resident weights,
+          the weights outside the blocks or one block's) + the update's temporaries
           (with 16-bit host gradients one update group's read back in fp32; torch's foreach
           optimizers' own) + the checkpoint staging copy (checkpoint.async_save), as the fp32
           layouts.
@@ -117,6 +117,7 @@ class ModelFacts:
         self._walks: dict[tuple, _BackwardWalk] = {}
         self._largest_call: dict[tuple, int] = {}
         self._largest_group: dict[int, int] = {}
+        self._largest_push: dict[frozenset[int], int] = {}
 
     def walk(self, world_size: int, ep: int, bucket_bytes: float) -> "_BackwardWalk":
         key = (world_size, ep, bucket_bytes)
@@ -141,6 +142,25 @@ class ModelFacts:
                 else [self.params]
             self._largest_group[apply_groups] = max((sum(p.numel() for p in g) for g in groups), default=0)
         return self._largest_group[apply_groups]
+
+
+    def largest_copy_back_push(self, streamed: frozenset[int]) -> int:
+        """Elements of zero's largest copy-back push (m6.memory.block_copy_back), for which its
+        staging is allocated: one forward-order segment (the weights outside the blocks, or one
+        resident block's; the blocks ``streamed`` names are cast into their host homes instead)."""
+        if streamed not in self._largest_push:
+            blocks = getattr(self.model, "blocks", [])
+            segment: dict[int, int] = {}
+            for i, block in enumerate(blocks):
+                for p in block.parameters():
+                    segment.setdefault(id(p), i + 1)
+            pushes: dict[int, int] = {}
+            for p in self.params:
+                s = segment.get(id(p), 0)
+                if s - 1 not in streamed:
+                    pushes[s] = pushes.get(s, 0) + p.numel()
+            self._largest_push[streamed] = max(pushes.values(), default=0)
+        return self._largest_push[streamed]
 
 
 def _streamed_window_of(sizes: list[int]) -> int:
@@ -459,9 +479,9 @@ def streamed_blocks(cfg: Config, num_blocks: int) -> list[int]:
 
 def copy_back_staging(push_numel: int) -> int:
     """Elements of the copy back's pinned 16-bit staging buffers (m6.memory.half_weight_push) after
-    pushes of at most ``push_numel`` elements: one buffer of the push's size when it fits a chunk,
-    else a full chunk and the rest of the push up to a second chunk (double buffering)."""
-    return min(push_numel, STAGING_CHUNK) + min(max(push_numel - STAGING_CHUNK, 0), STAGING_CHUNK)
+    pushes of at most ``push_numel`` elements: two buffers (a push's copy runs while the next is
+    cast into the other), each of the largest push's size up to a chunk."""
+    return 2 * min(push_numel, STAGING_CHUNK)
 
 
 def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[int], world_size: int, ep: int,
@@ -500,9 +520,9 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
               "all-to-all buffers": acts.a2a_buffers,
               "backward transients": max(acts.backward_transient, redo, largest), "gradient-sync buckets": buckets}
     group = facts.largest_group(cfg.optim.apply_groups)
-    # The resident weights go back one push per apply group (the delayed update: all in one push).
-    resident = numel - sum(sizes)
-    push = resident if cfg.optim.delayed_update else min(resident, group)
+    # The resident weights go back in forward-order segments (the weights outside the blocks, then
+    # block by block), the staging sized for the largest.
+    push = facts.largest_copy_back_push(frozenset(streamed_blocks(cfg, len(facts.block_numels))))
     foreach = 0.0 if cfg.memory.host_optimizer == "deepspeed" else \
         4.0 * facts.largest_call(cfg.optim.apply_groups, no_decay)
     # memory.zero_grad_landing: the streamed blocks' 16-bit gradients land in their homes, no buffers of their own.

@@ -111,13 +111,21 @@ class GroupedApply:
     """Runs ``optimizer``'s update group by group; each parameter is updated once per step()."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, replicated: Sequence[torch.Tensor],
-                 experts: Sequence[torch.Tensor], num_groups: int) -> None:
+                 experts: Sequence[torch.Tensor], num_groups: int,
+                 forward_order: Sequence[torch.Tensor] = ()) -> None:
+        """``forward_order``: the tensors in the order the model's forward reads their weights;
+        given, the groups update in the order of their first tensor there (memory.offload=zero: a
+        group's weights go back as it finishes, so the first blocks' are on the device first).
+        Each tensor's update is its own, so the order changes no value."""
         self.optimizer = optimizer
         optimized = {id(p) for g in optimizer.param_groups for p in g["params"]}
         missing = [i for i, p in enumerate([*replicated, *experts]) if id(p) not in optimized]
         assert not missing, f"{len(missing)} params to group are not in the optimizer"
         self.groups = split_apply_groups(replicated, experts, num_groups) if num_groups > 1 else \
             [[*replicated, *experts]]
+        if forward_order:
+            position = {id(t): i for i, t in enumerate(forward_order)}
+            self.groups.sort(key=lambda group: min(position.get(id(t), len(position)) for t in group))
 
     def step(self, after_group: Callable[[int], None] | None = None,
              before_group: Callable[[int], None] | None = None) -> None:

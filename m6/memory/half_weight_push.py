@@ -9,9 +9,10 @@ copy stream moves chunk k to the device, the host casts chunk k + 1 into the oth
 buffer is written again only once its last copy has completed (its event, queried first: the host
 waits for the device only when it casts faster than the link moves). Tensors are packed into the
 chunks back to back, a tensor larger than what is left in a chunk in pieces, so the pinned memory
-is bounded (2 x ``chunk_numel`` x 2 bytes) whatever the model's size; a push that fits one chunk
-(a model, or an apply group, under ``chunk_numel`` elements) uses one buffer of its size, the
-next push waiting for that buffer's copy (long done by then: a step lies between them).
+is bounded (2 x ``chunk_numel`` x 2 bytes) whatever the model's size. Each push ends in its own
+copy and the next push casts into the other buffer, so back-to-back pushes (the block copy-back's
+segments, m6.memory.block_copy_back) overlap too; both buffers take the size of the largest push
+so far, up to a chunk (a model under ``chunk_numel`` elements pins two buffers of its largest push).
 
 On a CPU device (``copy_stream`` None) the same path runs synchronously: staging, then the copy.
 """
@@ -35,6 +36,7 @@ class HalfWeightPush:
         self._buffers: list[Optional[torch.Tensor]] = [None, None]
         self._copied: list[Optional[torch.cuda.Event]] = [None, None]
         self._current = 0
+        self._size = 0  # elements of each buffer: the largest push so far, up to a chunk
         self._fill = 0  # elements of the current buffer written since its last copy
         self._pieces: list[tuple[torch.Tensor, int, int]] = []  # (flat device slice, offset in buffer, count)
         self.max_staged_numel = 0  # the largest staging buffer allocated (bytes: x the dtype's size)
@@ -62,19 +64,32 @@ class HalfWeightPush:
                 done += count
                 total -= count
                 if self._fill == buffer.numel():
-                    self._send(switch=total > 0)  # more to cast: into the other buffer, during this copy
-        self._send(switch=False)
+                    self._send()  # the rest is cast into the other buffer during this copy
+        self._send()  # and the next push's too
+
+    def reserve(self, numel: int) -> None:
+        """Allocate both buffers for pushes of up to ``numel`` elements (a chunk at most) now, on
+        the calling thread: the block copy-back's thread then never allocates pinned memory."""
+        numel = min(max(numel, 1), self.chunk_numel)
+        for index, buffer in enumerate(self._buffers):
+            if buffer is None or buffer.numel() < numel:
+                self._wait(index)
+                self._buffers[index] = torch.empty(numel, dtype=self.dtype, pin_memory=self.copy_stream is not None)
+        self._size = max(self._size, numel)
+        self.max_staged_numel = max(self.max_staged_numel, numel)
 
     def _buffer(self, wanted: int) -> torch.Tensor:
         """The current staging buffer, ready to be written (its earlier copy completed); sized for
         ``wanted`` elements up to a chunk (a small model's pushes pin no more than they need)."""
         buffer = self._buffers[self._current]
-        # ``wanted``: what is left of this push; an empty buffer too small for it is replaced.
-        if buffer is None or (self._fill == 0 and buffer.numel() < min(wanted, self.chunk_numel)):
-            numel = min(max(wanted, 1), self.chunk_numel)
+        # ``wanted``: what is left of this push; an empty buffer smaller than it or than the other
+        # buffer is replaced (both end at the largest push's size).
+        numel = max(self._size, min(max(wanted, 1), self.chunk_numel))
+        if buffer is None or (self._fill == 0 and buffer.numel() < numel):
             self._wait(self._current)
             buffer = torch.empty(numel, dtype=self.dtype, pin_memory=self.copy_stream is not None)
             self._buffers[self._current] = buffer
+            self._size = numel
             self.max_staged_numel = max(self.max_staged_numel, numel)
         elif self._fill == 0:
             self._wait(self._current)
@@ -85,8 +100,8 @@ class HalfWeightPush:
         if event is not None and not event.query():
             event.synchronize()  # the copy still reads this pinned buffer: the host may not overwrite it
 
-    def _send(self, switch: bool) -> None:
-        """Copy the current buffer's pieces to the device; ``switch``: cast the next ones into the other buffer."""
+    def _send(self) -> None:
+        """Copy the current buffer's pieces to the device; the next ones are cast into the other buffer."""
         if not self._pieces:
             return
         buffer = self._buffers[self._current]
@@ -102,8 +117,7 @@ class HalfWeightPush:
                 out.copy_(buffer[offset:offset + count])
         self._pieces = []
         self._fill = 0
-        if switch:
-            self._current = 1 - self._current
+        self._current = 1 - self._current
 
     def staging_bytes(self) -> int:
         """Host bytes the staging buffers hold now."""

@@ -27,7 +27,9 @@ zero:             ZeRO-Offload's layout. The device weights are 16-bit (the comp
                   memory.host_grad_dtype=compute, fp32 ones otherwise). After the host update each
                   master is cast to 16 bits on the host into a pinned staging buffer and copied to
                   its device weight (m6.memory.half_weight_push: two buffers, the copy of one
-                  overlapping the cast into the other). The blocks ``streamed_layers`` names have
+                  overlapping the cast into the other), by the copy-back thread, in forward-order
+                  segments that the next forward waits for block by block
+                  (m6.memory.block_copy_back). The blocks ``streamed_layers`` names have
                   16-bit host homes apart from their masters, streamed as with optimizer+params;
                   their masters are cast into the homes after the update. With 16-bit host
                   gradients and no delayed update their gradients land in the homes too
@@ -39,12 +41,14 @@ streaming, separate master, update, copy back, fetch / release) runs and is test
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from m6.memory.block_copy_back import BlockCopyBack
 from m6.memory.grad_stream import HostGradAccumulator
 from m6.memory.half_weight_push import HalfWeightPush
 from m6.memory.home_grads import HomeGradLanding
@@ -295,6 +299,9 @@ class HostOffload:
         self._update_half: HalfGradSet | None = None
         self._spare_fp16_divisors: dict[int, torch.Tensor] | None = None
         self._pushed: torch.cuda.Event | None = None  # recorded after push_weights' copies (CUDA)
+        # zero: the copies back in forward-order segments, each waited for by the forward that reads
+        # it first (m6.memory.block_copy_back; attached by the trainer, which knows the blocks).
+        self.block_copy_back: BlockCopyBack | None = None
         # Recorded after the latest gradient copy: the copy stream runs its copies in order, so when
         # this one is done all are, and the step waits once, not once per parameter.
         self._grads_copied: torch.cuda.Event | None = None
@@ -393,6 +400,7 @@ class HostOffload:
         copies. Clipping needs the global norm before any group updates, hence a full wait here
         (one host sync per step); the copies themselves overlapped the backward.
         """
+        self.settle_weights()  # the forwards waited for their segments; any weight they did not read too
         for p in self.params:
             if p.grad is not None:
                 self._stream_grad(p)
@@ -423,6 +431,9 @@ class HostOffload:
                     if self.home_grads is not None:
                         self.home_grads.rewritten(id(p))
             resident = [(p, m) for p, m in todo if id(p) not in self._streamed_homes]
+            if self.block_copy_back is not None:
+                self.block_copy_back.submit(resident)
+                return
             self._half_push.push([(p.data, m) for p, m in resident if p.dtype == self.weight_dtype])
             todo = [(p, m) for p, m in resident if p.dtype != self.weight_dtype]
             if not todo:
@@ -437,9 +448,45 @@ class HostOffload:
             for p, m in todo:
                 p.data.copy_(m)
 
+    def attach_block_copy_back(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
+        """zero: copy the resident weights back in forward-order segments, each waited for by the
+        forward of ``model`` (the first segment: outside ``blocks``) or of its block."""
+        assert self._half_push is not None, "the block copy-back is memory.offload=zero's"
+        pairs = [(p, m) for p, m in self.resident if id(p) not in self._streamed_homes]
+
+        def reserve(segments: list[list[tuple[nn.Parameter, torch.Tensor]]]) -> None:
+            # Staging for the largest push: one segment's 16-bit weights (m6.memory.estimate counts it so).
+            self._half_push.reserve(max((sum(p.numel() for p, _ in s if p.dtype == self.weight_dtype)
+                                         for s in segments), default=0))
+        self.block_copy_back = BlockCopyBack(model, blocks, pairs, self.push_to_device, self.device, self.copy_stream,
+                                             reserve)
+
+    def push_to_device(self, pairs: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """zero: copy ``pairs``' masters to their resident device weights (the 16-bit ones through
+        the pinned staging, a router's fp32 gate directly); on CUDA on the current stream, which
+        the block copy-back makes the copy stream."""
+        self._half_push.push([(p.data, m) for p, m in pairs if p.dtype == self.weight_dtype])
+        non_blocking = self.copy_stream is not None
+        for p, m in pairs:
+            if p.dtype != self.weight_dtype:
+                p.data.copy_(m, non_blocking=non_blocking)
+
+    def settle_weights(self) -> None:
+        """zero with the block copy-back: every device weight copied back before it is read outside
+        a forward (a checkpoint, the run's end); a no-op otherwise."""
+        if self.block_copy_back is not None:
+            self.block_copy_back.settle()
+
+    def masters_read(self) -> Future | None:
+        """A Future done once the copy back has read every master handed to it (None: nothing in
+        flight); the delayed update waits for it before changing the masters."""
+        return self.block_copy_back.masters_read() if self.block_copy_back is not None else None
+
     def step(self, apply: GroupedApply) -> None:
         """Run the host update group by group; group i's weights copy back while group i+1 updates."""
         self.finish_backward()  # a no-op when the trainer already called it before clipping
+        if self.block_copy_back is not None:
+            self.block_copy_back.begin()
         if self.half_grads:  # each group's fp32 gradients exist only while it updates
             def after(i: int) -> None:
                 self.release_grads(apply.groups[i])
@@ -447,7 +494,7 @@ class HostOffload:
             apply.step(after_group=after, before_group=lambda i: self.materialize_grads(apply.groups[i]))
         else:
             apply.step(after_group=lambda i: self._copy_back(apply.groups[i]))
-        if self.copy_stream is not None:
+        if self.copy_stream is not None and self.block_copy_back is None:
             # Asynchronous: the next forward's kernels wait for the copies, the host does not.
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
@@ -525,8 +572,10 @@ class HostOffload:
     def push_weights(self) -> None:
         """Copy every resident master to its device parameter (after an update that did not copy
         back); on CUDA asynchronous, the next forward's kernels wait for it."""
+        if self.block_copy_back is not None:
+            self.block_copy_back.begin()
         self._copy_back([m for _, m in self.resident])
-        if self.copy_stream is not None:
+        if self.copy_stream is not None and self.block_copy_back is None:
             self._pushed = torch.cuda.Event()
             self._pushed.record(self.copy_stream)
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from m6.plan.offload_layouts import ZERO
+from m6.plan.offload_layouts import BLOCK_COPY_BACK, ZERO
 from m6.plan.timing import StepTime
 
 
@@ -30,12 +30,23 @@ def describe_overlaps(t: StepTime, delayed_after: int) -> list[str]:
     for copy in t.copies:
         parts.append(f"{copy.name} {copy.seconds:.3f} ({copy.exposed:.3f} exposed)")
     lines = ["    overlaps: " + "; ".join(parts)] if parts else []
-    if t.synchronous_total is not None:
+    blocks = any(c.name == BLOCK_COPY_BACK for c in t.copies)
+    if t.synchronous_total is not None and blocks:
+        device = t.compute + t.all_to_all + t.grad_sync + t.small_collectives + sum(c.exposed for c in t.copies)
+        back = next(c for c in t.copies if c.name == BLOCK_COPY_BACK)
+        lines.append(f"    delayed update: host update {t.update + t.update_hidden:.3f} beside the next step's device "
+                     f"phase {device:.3f}, from when the weights back ({back.seconds:.3f}) have read the masters "
+                     f"({t.update:.3f} exposed); steps 1-{delayed_after} update synchronously: step "
+                     f"{t.synchronous_total:.3f} s")
+    elif t.synchronous_total is not None:
         device = t.compute + t.all_to_all + t.grad_sync + t.small_collectives \
             + sum(c.exposed for c in t.copies if "back" not in c.name)
         lines.append(f"    delayed update: host update {t.update + t.update_hidden:.3f} beside the next step's device "
                      f"phase {device:.3f} ({t.update:.3f} exposed), then the weights back; steps 1-{delayed_after} "
                      f"update synchronously: step {t.synchronous_total:.3f} s")
+    elif blocks:
+        lines.append(f"    host update {t.update:.3f} after the device's step, the weights going back group by group "
+                     "beside it and the rest beside the next forward")
     elif t.copies:
         lines.append(f"    host update {t.update:.3f} after the device's step, the weights going back group by group "
                      "beside it")

@@ -729,7 +729,7 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         half_grads = cfg.memory.host_grad_dtype == "compute"
         update = host.host_step_s(facts.num_trainable, updated, cfg.optim.name, half_grads=half_grads,
                                   host=host.host_update_of(cfg), half_weights=zero)
-        if zero and cfg.optim.delayed_update:  # the cast runs at the catch-up, not in the background update
+        if zero:  # the cast runs on the copy-back thread, not in the update (m6.memory.block_copy_back)
             cast = max(0.0, update - host.host_step_s(facts.num_trainable, updated, cfg.optim.name,
                                                       half_grads=half_grads, host=host.host_update_of(cfg)))
     else:
@@ -746,13 +746,18 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     elif cfg.memory.offload != "none":
         copy_Bps = (hw.pcie_GBps if hw.pcie_GBps else 10.0) * 1e9
         streamed = 0
+        first, resident_blocks = 0, 0  # zero's copy back: its first piece, the blocks it copies
         if cfg.memory.offload in ("optimizer+params", ZERO):
-            streamed = sum(p.numel() for i in streamed_blocks(cfg, len(model.blocks))
-                           for p in model.blocks[i].parameters())
+            streamed_ids = streamed_blocks(cfg, len(model.blocks))
+            block_numels = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+            streamed = sum(block_numels[i] for i in streamed_ids)
+            resident = [n for i, n in enumerate(block_numels) if i not in streamed_ids]
+            first = numel - sum(block_numels) + (resident[0] if resident else 0)
+            resident_blocks = len(resident)
         # The delayed update's overlap is a GPU's: on a CPU device the update thread shares the cores.
         step = offload_step(cfg, numel, numel_exp, streamed, world_size, ep, compute, a2a + sync + small, update,
                             copy_Bps, c, delayed=cfg.optim.delayed_update and hw.peak_tflops is not None,
-                            cast_s=cast)
+                            cast_s=cast, first_numel=first, num_resident_blocks=resident_blocks)
         return StepTime(compute, a2a, sync, step.offload, step.update, flops_mb * accum * world_size, small,
                         all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden, offload_hidden=step.offload_hidden,
                         update_hidden=step.update_hidden, copies=step.copies,

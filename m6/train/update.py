@@ -74,6 +74,9 @@ class ParameterUpdate:
             grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype,
             keep_fp32=[layer.router.weight for layer in model.moe_layers().values()],
             grads_in_homes=grads_land_in_homes(cfg))
+        if self.offload is not None and cfg.memory.offload == "zero":
+            # The copy back overlaps the next forward: each block waits for its own weights only.
+            self.offload.attach_block_copy_back(model, model.blocks)
         # train.weight_copy=per_step: bf16 module weights, fp32 masters here (config.py allows it only
         # unsharded, without offload). Built before the sync: its gradient hooks must run first.
         self.masters = MasterWeights(model, compute_dtype) if cfg.train.weight_copy == "per_step" else None
@@ -121,7 +124,10 @@ class ParameterUpdate:
         t = cfg.train
         self.loss_scale = DynamicLossScale(t.loss_scale_init, t.loss_scale_growth_interval, t.loss_scale_min) \
             if t.precision == "fp16" else None
-        self.apply = GroupedApply(self.optimizer, replicated + split + self.uncounted, experts, cfg.optim.apply_groups)
+        # zero: the groups update in forward order, each going back to the device as it finishes.
+        forward_order = self.offload.masters_of(trainable) if cfg.memory.offload == "zero" and self.offload else ()
+        self.apply = GroupedApply(self.optimizer, replicated + split + self.uncounted, experts, cfg.optim.apply_groups,
+                                  forward_order)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.max_steps)
         # optim.delayed_update (config.py allows it with m6's unsharded offload): step t's host update
         # runs in the background during step t+1's forward/backward.
@@ -232,9 +238,12 @@ class ParameterUpdate:
         checkpoint reads the optimizer state and the masters, and at the run's end."""
         if self.delayed is not None:
             self.delayed.wait()
+        if self.offload is not None:  # zero: the copies back are in place before the weights are read
+            self.offload.settle_weights()
 
     def zero_grad(self) -> None:
-        self.wait()  # an update in flight reads the masters' gradients: never drop them under it
+        if self.delayed is not None:  # an update in flight reads the masters' gradients: never drop them under it
+            self.delayed.wait()
         self.grad_bytes_after_backward = 0
         self.optimizer.zero_grad(set_to_none=True)
         if self.offload:

@@ -10,7 +10,8 @@ training forwards, and happen once). Autograd's
 device thread works for the training thread (which waits in ``backward``), so it shares its phase;
 the checkpoint writer thread's syncs belong to ``save``, and the delayed update's worker's to
 ``step`` (it runs a step's update beside whatever the training thread does next, an evaluation
-or a save included, so the training thread's phase would be a race).
+or a save included, so the training thread's phase would be a race), as do zero's copy-back
+thread's (it copies a step's weights back beside the next forward).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections import Counter
 PHASES = ("run", "step", "moe_forward", "logging_step", "save", "eval", "resume", "recompute_plan")
 _STICKY = {"recompute_plan"}
 # A thread's name, or a ThreadPoolExecutor's prefix (its threads are "<prefix>_<n>"), -> its phase.
-THREAD_PHASES = {"m6-checkpoint-writer": "save", "m6-delayed-update": "step"}
+THREAD_PHASES = {"m6-checkpoint-writer": "save", "m6-delayed-update": "step", "m6-copy-back": "step"}
 
 events: Counter = Counter()
 _stack: list[str] = []

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -348,6 +349,51 @@ def trainer_precision(workdir: Path) -> dict:
 @scenario("trainer_memory")
 def trainer_memory(workdir: Path) -> dict:
     return {name: _trainer_run(name, overrides, workdir) for name, overrides in MEMORY_VARIANTS.items()}
+
+
+@scenario("trainer_memory")
+def zero_copy_back_waits(workdir: Path) -> dict:
+    """memory.offload=zero's block copy-back (m6.memory.block_copy_back), synchronous update and
+    delayed from step 1, three steps: before each forward of the model (segment 0: the weights
+    outside the blocks) and of each block, the events the training thread made the compute stream
+    wait for since the forward before, and whether each is that segment's copy-back event."""
+    import m6
+    from fake_cuda_api import FakeStream
+    out = {}
+    for name, extra in (("sync", []), ("delayed", ["optim.delayed_update=true", "optim.delayed_update_after=0"])):
+        cfg = _tiny_config(["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[]",
+                            "memory.host_optimizer=torch", "train.max_steps=3", *extra], workdir / f"copy-back-{name}")
+        run_phases.reset()
+        waits: list[int] = []  # id() of each event the training thread's streams waited for
+        forwards: list[dict] = []
+        real_wait = FakeStream.wait_event
+
+        def wait_event(stream, event, real_wait=real_wait, waits=waits):
+            if threading.current_thread() is threading.main_thread():
+                waits.append(id(event))
+            return real_wait(stream, event)
+        with simulated_cuda(), RECORD.capture() as found:
+            trainer = m6.Trainer(cfg)
+            copy_back = trainer.update.offload.block_copy_back
+
+            def log(segment: int):
+                def hook(module, args):
+                    event = copy_back.event(segment)
+                    forwards.append({"segment": segment, "waited": len(waits),
+                                     "own": [w == id(event) for w in waits], "step": trainer.step})
+                    waits.clear()
+                return hook
+            trainer.model.register_forward_pre_hook(log(0))
+            for i, block in enumerate(trainer.model.blocks):
+                block.register_forward_pre_hook(log(i + 1))
+            FakeStream.wait_event = wait_event
+            try:
+                trainer.fit()
+            finally:
+                FakeStream.wait_event = real_wait
+        out[name] = {"facts": {"forwards": forwards, "segments": copy_back.num_segments},
+                     "events": dict(run_phases.events), "findings": found.to_json()}
+    return out
 
 
 @scenario("expert_parallel")

@@ -55,7 +55,7 @@ def test_trainer_run_is_clean_on_simulated_cuda(simcuda, group, name):
     assert facts["params_on_device"] == facts["params"] - streamed, facts
     if name.startswith("offload-zero"):  # 16-bit weights; the masters cast into pinned staging
         assert facts["weight_dtypes"] == ["torch.bfloat16", "torch.float32"], facts  # the routers' gates fp32
-        assert facts["staging_pinned"] == [True], facts
+        assert facts["staging_pinned"] == [True, True], facts  # two buffers, allocated before the first copy back
 
 
 def test_simulated_run_computes_what_the_cpu_computes(simcuda):
@@ -146,3 +146,31 @@ def test_host_sync_counts_per_event(simcuda, capsys):
     with capsys.disabled():
         print("\nhost syncs per event, measured on simulated CUDA (configs/tiny.yaml):\n" + table)
     assert "| fp32 | 2 | 1 |" in table  # two MoE forwards per step, one host sync each
+
+
+def test_zero_block_waits_for_its_own_copy_back_only(simcuda):
+    """memory.offload=zero: after an update's copy back, the forward of the model (the weights
+    outside the blocks) and of each block makes the compute stream wait for that segment's event
+    and no other (block i + 1's copy still runs while block i computes); a forward with nothing
+    copied back since waits for nothing. The copy-back thread adds no host sync (the allow-list)."""
+    result = scenario_result(simcuda("trainer_memory"), "zero_copy_back_waits")
+    for name, run in result.items():
+        assert run["findings"]["problems"] == [], (name, run["findings"]["problems"])
+        assert violations(run["findings"], run["events"]) == [], name
+        forwards, segments = run["facts"]["forwards"], run["facts"]["segments"]
+        # Training forwards: 3 steps x 2 micro-batches x (model + blocks); the evaluation's after them.
+        by_step: dict[int, list[dict]] = {}
+        for f in forwards:
+            by_step.setdefault(f["step"], []).append(f)
+        # Which steps' forwards run on copied-back weights: the synchronous update's from step 2;
+        # delayed from step 1, step 2 runs on the initial weights, step 3 on step 1's update's.
+        copied = {"sync": {1, 2}, "delayed": {2}}[name]
+        assert sorted(by_step)[:3] == [0, 1, 2], (name, sorted(by_step))
+        for step, fs in sorted(by_step.items())[:3]:  # the training steps (an evaluation may follow)
+            first = fs[:segments]
+            assert [f["segment"] for f in first] == list(range(segments)), (name, step)
+            if step in copied:
+                assert all(f["own"] == [True] for f in first), (name, step, first)
+            else:
+                assert all(f["waited"] == 0 for f in first), (name, step, first)
+            assert all(f["waited"] == 0 for f in fs[segments:]), (name, step)  # the second micro-batch: no wait

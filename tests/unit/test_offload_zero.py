@@ -246,7 +246,12 @@ def test_bytes_per_parameter_on_the_device_and_the_host(tmp_path):
         assert nbytes(off._grad_buffers.values()) == grad_bytes * n
         state = [v for s in tr.update.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
         assert nbytes(state) == 8 * n
-        assert off._half_push.staging_bytes() == 2 * (n - gates)  # one buffer of the whole (tiny) model
+        # Two buffers of the largest push (the copy back's segments: outside the blocks, each block).
+        in_blocks = [[p for p in block.parameters() if p.dtype == torch.bfloat16] for block in tr.model.blocks]
+        inside = {id(p) for block in in_blocks for p in block}
+        outside = [p for p in params if id(p) not in inside and p.dtype == torch.bfloat16]
+        largest = max(sum(p.numel() for p in segment) for segment in [outside, *in_blocks])
+        assert off._half_push.staging_bytes() == 2 * 2 * largest
 
 
 def test_staging_is_double_buffered_and_bounded_by_the_chunk():
@@ -264,11 +269,15 @@ def test_staging_is_double_buffered_and_bounded_by_the_chunk():
         masters = [m * 3 for m in masters]
     assert push.max_staged_numel == 7 and all(b is not None for b in push._buffers)
     assert push.staging_bytes() == 2 * 7 * 2
-    # A push that fits one chunk uses one buffer of its size, push after push.
+    # Pushes that fit one chunk alternate between two buffers of the largest push's size.
     small = HalfWeightPush(torch.bfloat16, torch.device("cpu"), None, chunk_numel=64)
-    for _ in range(3):
+    small.push(list(zip(dsts[1:2], masters[1:2])))
+    assert small._buffers[1] is None and small.staging_bytes() == 2 * 5
+    for _ in range(2):
         small.push(list(zip(dsts, masters)))
-    assert small._buffers[1] is None and small.staging_bytes() == 2 * 25
+        for d, m in zip(dsts, masters):
+            assert torch.equal(d, m.to(torch.bfloat16))
+    assert [b.numel() for b in small._buffers] == [25, 25] and small.staging_bytes() == 2 * 2 * 25
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -13,7 +13,8 @@ from m6 import config as m6config
 from m6.config import accumulation_steps
 from m6.plan.__main__ import describe
 from m6.plan.memory import RankMemory
-from m6.plan.offload_layouts import PLANNED_OFFLOAD, WEIGHT_STAGING, ZERO, runnable_offload_modes
+from m6.plan.copy_back_overlap import weights_back_exposed
+from m6.plan.offload_layouts import BLOCK_COPY_BACK, PLANNED_OFFLOAD, WEIGHT_STAGING, ZERO, runnable_offload_modes
 from m6.plan.search import apply_choice, search
 from m6.plan.timing import GPUS, HostProfile, step_time
 
@@ -54,7 +55,9 @@ def test_zero_holds_16_bit_weights_on_the_device_and_fp32_masters_on_the_host():
     assert zero.peak_device < fp32.peak_device
     assert zero.host["params"] == 4 * numel and zero.host["grads"] == 2 * numel
     assert zero.host["optimizer state"] == fp32.host["optimizer state"]
-    assert zero.host[WEIGHT_STAGING] == 2 * numel  # the copy back's one buffer (the push is under 2^25)
+    # The copy back's two buffers of its largest push (one segment: outside the blocks, or a block).
+    assert zero.host[WEIGHT_STAGING] == 2 * 2 * rm.facts.largest_copy_back_push(frozenset())
+    assert rm.facts.largest_copy_back_push(frozenset()) == max(numel - sum(blocks), *blocks)
     assert rm.report(_zero(cfg, 16)).host["grads"] == 4 * numel  # fp32 host buffers
     # Blocks 0 and 1 streamed: their 16-bit weights live on the host, two blocks' worth on the device.
     streamed = rm.report(_zero(cfg, 16, blocks=[0, 1]))
@@ -62,9 +65,10 @@ def test_zero_holds_16_bit_weights_on_the_device_and_fp32_masters_on_the_host():
     streamed = rm.report(_zero(cfg, 16, blocks=[0, 1, 2], groups=4))
     assert streamed.device["params"] == 2 * (numel - sum(blocks[:3])) + 2 * max(blocks[0] + blocks[1],
                                                                                 blocks[1] + blocks[2])
-    # The streamed blocks' homes + one copy-back buffer of the largest apply group's resident weights at most.
-    assert streamed.host[WEIGHT_STAGING] == 2 * sum(blocks[:3]) + 2 * min(numel - sum(blocks[:3]),
-                                                                          rm.facts.largest_group(4))
+    # The streamed blocks' homes + two copy-back buffers of the largest push (one resident segment).
+    push = rm.facts.largest_copy_back_push(frozenset({0, 1, 2}))
+    assert push == max(numel - sum(blocks), *blocks[3:])
+    assert streamed.host[WEIGHT_STAGING] == 2 * sum(blocks[:3]) + 2 * 2 * push
     # Accumulation: with 16-bit host gradients they stay on the device until the last micro-batch;
     # with fp32 host buffers the unshared ones (at world 1 all) leave in every micro-batch.
     accum = rm.report(_zero(cfg, 4, host_grads="compute"))
@@ -94,10 +98,16 @@ def test_zero_moves_half_the_bytes_and_the_step_waits_only_for_what_compute_does
     t = step_time(_zero(cfg, 16, groups=4, host_grads="compute"), 1, 1, 8, V100, host, model=rm.model)
     copies = {c.name: c for c in t.copies}
     assert copies["gradients out (16-bit)"].seconds == pytest.approx(2 * numel / bps)
-    assert copies["weights back (16-bit)"].seconds == pytest.approx(2 * numel / bps)
+    assert copies[BLOCK_COPY_BACK].seconds == pytest.approx(2 * numel / bps)
     back = 2 * numel / bps
-    # Synchronous: back group by group beside the update; the gradients beside the last backward.
-    assert copies["weights back (16-bit)"].exposed == pytest.approx(max(back / 4, back - t.update * 3 / 4))
+    # Synchronous: back group by group beside the update, what is left beside the next forward,
+    # block by block (its first piece, outside the blocks and block 0, shows).
+    left = max(back / 4, back - t.update * 3 / 4)
+    blocks = rm.facts.block_numels
+    first = 2 * (numel - sum(blocks) + blocks[0]) / bps
+    assert copies[BLOCK_COPY_BACK].exposed == pytest.approx(
+        weights_back_exposed(left, first, t.compute / 3, len(blocks)))
+    assert first <= copies[BLOCK_COPY_BACK].exposed < left
     grads = 2 * numel / bps
     assert copies["gradients out (16-bit)"].exposed == pytest.approx(
         max(min(grads, cfg.parallel.bucket_size_mb * 2**20 / bps), grads - 2 / 3 * t.compute))
@@ -115,14 +125,18 @@ def test_zero_moves_half_the_bytes_and_the_step_waits_only_for_what_compute_does
     s = step_time(_zero(cfg, 8, blocks=[0, 1], host_grads="compute"), 1, 1, 8, V100, host, model=rm.model)
     fetch = {c.name: c for c in s.copies}["streamed blocks' weights in (16-bit)"]
     assert fetch.seconds == pytest.approx(2 * 2 * (blocks[0] + blocks[1]) * 2 / bps)
-    assert {c.name: c for c in s.copies}["weights back (16-bit)"].seconds == pytest.approx(
+    assert {c.name: c for c in s.copies}[BLOCK_COPY_BACK].seconds == pytest.approx(
         2 * (numel - blocks[0] - blocks[1]) / bps)
     # One link for both: what the step's compute does not cover shows, the gradients' own share
     # (their last bucket, or what outlasts the last backward) named apart from the fetches'.
     out = {c.name: c for c in s.copies}["gradients out (16-bit)"]
     own = min(out.seconds, max(cfg.parallel.bucket_size_mb * 2**20 / bps, out.seconds - 2 / 3 * s.compute / 2))
     assert out.exposed == pytest.approx(own)
-    assert out.exposed + fetch.exposed == pytest.approx(max(own, out.seconds + fetch.seconds - s.compute))
+    # The copy back's hidden part loads the same link.
+    back = {c.name: c for c in s.copies}[BLOCK_COPY_BACK]
+    left = back.seconds  # one apply group: all of it is left for the next forward
+    assert out.exposed + fetch.exposed == pytest.approx(
+        max(own, out.seconds + fetch.seconds + left - back.exposed - s.compute))
 
 
 @pytest.mark.parametrize("offload, host_grads", [(ZERO, "fp32"), ("optimizer", "fp32"), ("optimizer+params", "fp32")])
@@ -139,11 +153,19 @@ def test_the_delayed_update_overlaps_the_next_step_and_the_first_steps_stay_sync
         c.exposed for c in t.copies if c is not back)
     host_update = t.update + t.update_hidden
     assert host_update == pytest.approx(sync.update)
-    # A step: the longer of the device phase and the host update, then the whole copy back.
-    assert t.total == pytest.approx(max(device, host_update) + back.seconds)
-    assert back.exposed == pytest.approx(back.seconds)
-    assert t.update == pytest.approx(max(0.0, host_update - device))
     assert t.synchronous_total == pytest.approx(sync.total)
+    if offload == ZERO:
+        # The copy back beside the next forward, block by block; the update from when the
+        # copy-back thread has read the masters, beside the rest of the device phase.
+        assert back.name == BLOCK_COPY_BACK and 0 < back.exposed < back.seconds
+        device += back.exposed
+        assert t.update == pytest.approx(max(0.0, back.seconds + host_update - device))
+        assert t.total == pytest.approx(device + t.update)
+    else:
+        # A step: the longer of the device phase and the host update, then the whole copy back.
+        assert t.total == pytest.approx(max(device, host_update) + back.seconds)
+        assert back.exposed == pytest.approx(back.seconds)
+        assert t.update == pytest.approx(max(0.0, host_update - device))
     # On a host whose update outlasts the device phase, that is what the step waits for.
     slow = _host()
     for key in list(slow._step_costs):
@@ -153,13 +175,17 @@ def test_the_delayed_update_overlaps_the_next_step_and_the_first_steps_stay_sync
     assert t.update > 0 and t.update_hidden > 0
     assert t.total < t.synchronous_total
     if offload == ZERO:
-        # zero casts its masters to 16 bits at the catch-up, beside the copy back (the longer shows).
+        # zero's copy-back thread casts its masters to 16 bits beside the copy (the longer paces
+        # the blocks' copies); the update waits for the cast.
         casting = _host()
         casting._step_costs[("adamw", "torch", False, True)] = (1e-6, 4e-9 + 1e-3)
         t = step_time(_zero(cfg, 4, offload=offload, delayed=True), 2, 2, 8, V100, casting, model=rm.model)
         cast = casting.host_step_s(*_count(rm), "adamw", False, "torch", True) - casting.host_step_s(*_count(rm))
         back = [c for c in t.copies if "back" in c.name][0]
-        assert cast > back.seconds and back.exposed == pytest.approx(cast)
+        assert cast > back.seconds
+        blocks = rm.facts.block_numels
+        first = cast * (rm.facts.numel - sum(blocks) + blocks[0]) / rm.facts.numel
+        assert back.exposed == pytest.approx(weights_back_exposed(cast, first, t.compute / 2 / 3, len(blocks)))
         assert t.update + t.update_hidden == pytest.approx(casting.host_step_s(*_count(rm)))
 
 

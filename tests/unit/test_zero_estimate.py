@@ -75,16 +75,14 @@ def test_offload_blocks_auto_with_zero_keeps_the_blocks_that_fit(monkeypatch):
 
 
 def test_copy_back_staging_is_what_the_runtime_pins(tmp_path, monkeypatch):
-    """The estimate's 16-bit weight staging against HalfWeightPush's buffers after real steps: one
-    buffer of the largest push (an apply group's resident weights) under a chunk; a full chunk and
-    the rest of the push up to a second chunk when a push is larger. Before, the estimate counted
-    two full buffers of min(rank's elements, 2^25): 2 B per parameter too many on a small model."""
+    """The estimate's 16-bit weight staging against HalfWeightPush's buffers after real steps: two
+    buffers of the largest push (one forward-order segment's resident weights), each at most a chunk."""
     from m6.memory import estimate as estimate_module
     from m6.memory.estimate import STAGING_CHUNK, WEIGHT_STAGING, copy_back_staging
     from m6.model.param_groups import no_decay_ids
     from tests.unit.test_offload_zero import ZERO, trainer
 
-    assert copy_back_staging(10) == 10
+    assert copy_back_staging(10) == 20 and copy_back_staging(3 * STAGING_CHUNK) == 2 * STAGING_CHUNK
     for chunk in (STAGING_CHUNK, 5000):  # 5000: pushes larger than a chunk (the model has ~40k elements)
         monkeypatch.setattr(estimate_module, "STAGING_CHUNK", chunk)
         for extra in ([], ["optim.apply_groups=2"], ["memory.offload_blocks=[1]"]):
@@ -95,11 +93,12 @@ def test_copy_back_staging_is_what_the_runtime_pins(tmp_path, monkeypatch):
             off = tr.update.offload
             homes = sum(h.numel() * h.element_size() for h in off.streamer.homes().values()) if off.streamer else 0
             est = estimate_memory(tr.cfg, tr.model, no_decay_ids(tr.model), 1, 1, "cpu")
-            # The estimate counts the routers' fp32 gates at 2 B: in the push (the runtime copies them
-            # apart) and in a streamed block's homes (the runtime's are fp32).
+            # The estimate counts the routers' fp32 gates at 2 B: in the push, in each of the two
+            # buffers (the runtime copies them apart), and in a streamed block's homes (the
+            # runtime's are fp32).
             gates = sum(layer.router.weight.numel() for layer in tr.model.moe_layers().values())
             over = est.host[WEIGHT_STAGING] - off._half_push.staging_bytes() - homes
-            assert abs(over) <= 2 * gates, (chunk, extra, over)
+            assert abs(over) <= 4 * gates, (chunk, extra, over)
 
 
 def test_one_memory_holds_the_update_temporaries_after_backward_not_beside_it():
