@@ -218,10 +218,29 @@ def _rank(rank: int, world: int, port: int, cases: list[dict], forward_ms: float
                             **{f"{k}_ms": _spread_ms([q[k] for q in parts]) for k in ("makespan", *EXCESS)},
                             "per_action_gap_ms": statistics.median(q["gap_ms"] for q in parts),
                             "message_ms": statistics.median(q["message_ms"] for q in parts)})
+    alone = dist.new_group([0])
     if rank == 0:
-        out.put(results)
+        out.put({"cases": results, "action_cpu_ms": {v: action_cpu_ms(v, alone) for v in (1, 2)}})
     dist.barrier()
     dist.destroy_process_group()
+
+
+def action_cpu_ms(v: int, group, num_micro_batches: int = 32, steps: int = 9) -> float:
+    """The CPU time of one schedule action with empty holds, on a one-rank pipeline (v stages, no
+    messages), median over steps: torch's schedule and stage Python, autograd and this bench's
+    stage, what each action costs before this machine's load stretches it."""
+    stages = [PipelineStage(EqualStage(s, 0.0, []), s, v, torch.device("cpu"), group=group) for s in range(v)]
+    cls = SCHEDULES["1f1b" if v == 1 else "interleaved"]
+    sched = cls(stages[0] if v == 1 else stages, num_micro_batches, loss_fn=lambda y, t: (y * t).sum(),
+                scale_grads=False)
+    x = torch.ones(num_micro_batches, 4)
+    seconds = []
+    for r in range(steps + 2):
+        t0 = time.process_time()
+        sched.step(x, target=x)
+        if r >= 2:
+            seconds.append(time.process_time() - t0)
+    return 1000 * statistics.median(seconds) / (2 * v * num_micro_batches)
 
 
 NOTE = ("How to read it. *schedule's own*: the schedule's idle share replayed from torch's own action order "
@@ -274,7 +293,8 @@ def main() -> None:
     t0 = time.monotonic()
     mp.start_processes(_rank, args=(world, free_port(), cases, args.forward_ms, args.rounds, queue), nprocs=world,
                        start_method="spawn")
-    results = queue.get()
+    measured = queue.get()
+    results, action_cpu = measured["cases"], measured["action_cpu_ms"]
     tag = machine_tag(torch.device("cpu"))
     lines = [f"# Pipeline bubble: measured idle share per rank vs the schedule's formula ({tag})",
              "",
@@ -284,9 +304,14 @@ def main() -> None:
              f"ScheduleZBVZeroBubble as m6.train.pipeline_step builds them. Idle share = 1 - busy / makespan (see "
              f"bench/pipeline_bubble.py). Load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores. "
              f"Total wall {time.monotonic() - t0:.0f} s.",
-             "", *_table(results)]
+             "", *_table(results), "",
+             f"One action's CPU time alone (a one-rank pipeline with empty holds, no messages, "
+             f"bench.pipeline_bubble.action_cpu_ms): {action_cpu[1]:.2f} ms at one stage per rank, "
+             f"{action_cpu[2]:.2f} ms at two; the *per action* column's wall time beyond it is waiting, for a core on this shared "
+             f"machine and for gloo's threads to post the action's messages."]
     write_results(args.out, f"pipeline_bubble-{tag}",
-                  {"cases": results, "forward_ms": args.forward_ms, "machine": machine_info(torch.device("cpu"))},
+                  {"cases": results, "action_cpu_ms": action_cpu, "forward_ms": args.forward_ms,
+                   "load_average": os.getloadavg()[0], "machine": machine_info(torch.device("cpu"))},
                   "\n".join(lines + ["", NOTE]))
 
 
