@@ -148,9 +148,15 @@ def decompose(order: dict[int, list[Op]], schedule: str, p: int, v: int, forward
     inner = {op: last(op) - first(op) - held[op] if spans[op] else 0.0 for op in spans}  # between B's holds
     local, hops = [], []
     for rank, ops in order.items():
+        waits_on: dict[Op, list[Op]] = {}  # a held action's remote inputs, and those of the actions without holds
+        pending: list[Op] = []  # before it (they wait on their inputs, then run nothing)
+        for op in ops:
+            pending += [i for i in action_inputs(op, num_stages) if i in spans and to_rank(i.stage) != rank]
+            if spans[op]:
+                waits_on[op], pending = pending, []
         ops = [op for op in ops if spans[op]]
         for before, op in zip([None] + ops[:-1], ops):
-            remote = [i for i in action_inputs(op, num_stages) if i in spans and to_rank(i.stage) != rank]
+            remote = [i for i in waits_on[op] if spans[i]]
             free = last(before) if before is not None else None
             ready = max((last(i) for i in remote), default=None)
             if ready is not None and (free is None or ready > free):
