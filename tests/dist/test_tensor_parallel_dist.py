@@ -122,3 +122,19 @@ def test_checkpoint_saved_at_tp1_resumes_at_tp2(gqa_reference, tmp_path):
     resumed = run(tmp_path / "tp2", 2, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, "parallel.tensor_parallel_size=2",
                   f"checkpoint.resume={ckpt}")
     assert_same_curve(resumed, reference[5:])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_tp2_recompute_full_trains_like_one_process(tmp_path, sequence_parallel):
+    """memory.activation_checkpointing=full at tp 2: every attention sub-block and dense MLP runs
+    again in backward, its tp collectives (the row-parallel all-reduce; under sequence parallel the
+    all-gather and reduce-scatter) issued again in the same order on both tp ranks; the curve
+    matches one process without recompute, and memory.check_checkpointing's gradient comparison
+    (with vs without recompute, on every rank) passes."""
+    args = (*ARCHS["gqa-swiglu"], NO_CHECKPOINTS, "data.seq_len=79")
+    reference = run(tmp_path / "w1", 1, *args)
+    sp = ["parallel.sequence_parallel=true"] if sequence_parallel else []
+    tp = run(tmp_path / "tp2", 2, *args, *sp, "parallel.tensor_parallel_size=2",
+             "memory.activation_checkpointing=full", "memory.check_checkpointing=true", "logging.console=true")
+    assert "checkpointing check: largest gradient difference" in run.stdout
+    assert_same_curve(tp, reference)
