@@ -42,7 +42,9 @@ from m6.model.activation_bytes import RESIDUAL_BYTES, norm_saved
 
 # What tensor parallel composes with today (m6.config.check_tensor_parallel refuses the rest):
 # the search tries tp > 1 only with these. auto recompute decides per rank (a tp group must agree).
-TP_RECOMPUTE, TP_OFFLOAD, TP_SHARD = ("none", "full"), ("none",), ("none",)
+# Sharded, the rank model's states are sharded over the data-parallel world it is sized at: the
+# shards of the tp shard (FSDP2 over each tp coordinate's data-parallel ranks, m6.parallel.fsdp).
+TP_RECOMPUTE, TP_OFFLOAD, TP_SHARD = ("none", "full"), ("none",), ("none", "optimizer", "full")
 
 
 def tensor_parallel_refusal(cfg: Config, tp: int) -> str | None:

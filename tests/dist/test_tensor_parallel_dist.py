@@ -138,3 +138,39 @@ def test_tp2_recompute_full_trains_like_one_process(tmp_path, sequence_parallel)
              "memory.activation_checkpointing=full", "memory.check_checkpointing=true", "logging.console=true")
     assert "checkpointing check: largest gradient difference" in run.stdout
     assert_same_curve(tp, reference)
+
+
+# tp 2 x FSDP2 over 2 data-parallel ranks at world 4: ranks (0, 1) and (2, 3) are the tp groups;
+# each tp coordinate's ranks (0, 2) and (1, 3) shard its own parameters (its split shards, the
+# replicated rest and, at EP 1, the experts over the expert-data-parallel dim).
+TP2_SHARD = ["parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=1"]
+
+
+@pytest.mark.parametrize("shard, recompute", [("optimizer", "none"), ("full", "full")])
+def test_tp2_by_shard_over_edp2_at_world_4_trains_like_one_process(gqa_reference, tmp_path, shard, recompute):
+    """The clip norm counts each tp shard once and every replicated and expert gradient once (each
+    tp coordinate holds its own sharded copy of those); the checkpoint's chunks (the FSDP2 rows of
+    each tp shard, the fused qkv's q, k and v sections cut by both) export to the one-process
+    weights. shard full with full recompute: torchtitan's 2-D layout with activation checkpointing."""
+    reference_dir, reference = gqa_reference
+    tp = run(tmp_path / "tp2", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, f"parallel.shard={shard}",
+             f"memory.activation_checkpointing={recompute}")
+    assert (f"tensor-parallel 2 x expert-parallel 1 x expert-data-parallel 2, sharded" in run.stdout
+            and f"parallel.shard={shard}" in run.stdout)
+    assert_same_curve(tp, reference)
+    assert_same_weights(tmp_path / "tp2", reference_dir, 10)
+
+
+def test_checkpoint_saved_at_tp2_by_shard_resumes_at_world_1_and_back(gqa_reference, tmp_path):
+    """tp 2 x shard full at world 4 writes step 5; one process resumes it (weights and Adam moments,
+    each a DTensor shard of a tp shard) and continues the one-process curve; and the one-process
+    checkpoint resumes at tp 2 x shard and continues it too."""
+    reference_dir, reference = gqa_reference
+    run(tmp_path / "tp2", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, "parallel.shard=full", "train.max_steps=5")
+    ckpt = tmp_path / "tp2" / "checkpoints" / "step_00000005"
+    resumed = run(tmp_path / "tp1", 1, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, f"checkpoint.resume={ckpt}")
+    assert "tensor-parallel size 2 -> 1" in run.stdout
+    assert_same_curve(resumed, reference[5:])
+    back = run(tmp_path / "back", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, "parallel.shard=full", NO_CHECKPOINTS,
+               f"checkpoint.resume={reference_dir / 'checkpoints' / 'step_00000005'}")
+    assert_same_curve(back, reference[5:])

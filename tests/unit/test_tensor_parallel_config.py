@@ -33,7 +33,6 @@ def test_sizes_that_do_not_split_name_their_keys(extra, key):
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["parallel.shard=full"], "parallel.shard=full"),
     (["memory.offload=optimizer"], "memory.offload=optimizer"),
     (["train.precision=fp16"], "train.precision=fp16"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
@@ -49,6 +48,12 @@ def test_combinations_not_built_are_refused_by_name(extra, key):
     with pytest.raises(ConfigError) as e:
         load(None, [*TP2, *extra])
     assert "parallel.tensor_parallel_size=2" in str(e.value) and key in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_shard_composes_with_tp(shard):
+    """FSDP2 over each tp coordinate's data-parallel ranks, on top of the tp split."""
+    assert load(None, [*TP2, f"parallel.shard={shard}"]).parallel.shard == shard
 
 
 def test_recompute_full_composes_with_tp():
