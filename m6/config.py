@@ -775,7 +775,6 @@ def check_tensor_parallel(cfg: Config) -> None:
             raise ConfigError(f"{key} must divide {name} ({value})")
     refused = [
         (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
-        (cfg.train.precision == "fp16", "train.precision=fp16"),
         (cfg.parallel.balance != "even", f"parallel.balance={cfg.parallel.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
         (m.moe.a2a_dispatch == "node_aware", "model.moe.a2a_dispatch=node_aware"),

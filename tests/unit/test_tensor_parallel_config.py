@@ -34,7 +34,6 @@ def test_sizes_that_do_not_split_name_their_keys(extra, key):
 
 @pytest.mark.parametrize("extra, key", [
     (["memory.offload=optimizer"], "memory.offload=optimizer"),
-    (["train.precision=fp16"], "train.precision=fp16"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2"], "model.share_layers=2"),
     (["model.moe.a2a_dispatch=node_aware"], "model.moe.a2a_dispatch=node_aware"),
@@ -54,6 +53,10 @@ def test_combinations_not_built_are_refused_by_name(extra, key):
 def test_shard_composes_with_tp(shard):
     """FSDP2 over each tp coordinate's data-parallel ranks, on top of the tp split."""
     assert load(None, [*TP2, f"parallel.shard={shard}"]).parallel.shard == shard
+
+
+def test_fp16_composes_with_tp():
+    assert load(None, [*TP2, "train.precision=fp16"]).train.precision == "fp16"
 
 
 def test_recompute_full_composes_with_tp():
