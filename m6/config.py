@@ -784,7 +784,6 @@ def check_tensor_parallel(cfg: Config) -> None:
         # group whose ranks decided apart would mismatch them (full recomputes the same parts everywhere)
         (cfg.memory.activation_checkpointing == "auto", "memory.activation_checkpointing=auto"),
         (m.qk_norm == "full", "model.qk_norm=full"),  # an RMSNorm over all heads: a tp rank holds some
-        (m.dropout > 0, f"model.dropout={m.dropout}"),  # replicated activations need one mask per tp group
         (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),
     ]
     for hit, what in refused:

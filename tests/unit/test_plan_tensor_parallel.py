@@ -71,5 +71,5 @@ def test_sequence_parallel_saving_and_refusal():
     assert sequence_parallel_saving(cfg, 4, 2) == pytest.approx(1.5 * sequence_parallel_saving(cfg, 2, 2))
     assert tensor_parallel_refusal(cfg, 2) is None
     assert "model.num_heads" in tensor_parallel_refusal(cfg, 8)
-    dropout = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.1))
-    assert "model.dropout" in tensor_parallel_refusal(dropout, 2)
+    full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, qk_norm="full"))
+    assert "model.qk_norm=full" in tensor_parallel_refusal(full, 2)

@@ -40,7 +40,6 @@ def test_sizes_that_do_not_split_name_their_keys(extra, key):
     (["model.moe.aux_loss_scope=local"], "model.moe.aux_loss_scope=local"),
     (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
     (["model.qk_norm=full"], "model.qk_norm=full"),
-    (["model.dropout=0.1"], "model.dropout=0.1"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
 ])
 def test_combinations_not_built_are_refused_by_name(extra, key):
@@ -53,6 +52,10 @@ def test_combinations_not_built_are_refused_by_name(extra, key):
 def test_shard_composes_with_tp(shard):
     """FSDP2 over each tp coordinate's data-parallel ranks, on top of the tp split."""
     assert load(None, [*TP2, f"parallel.shard={shard}"]).parallel.shard == shard
+
+
+def test_dropout_composes_with_tp():
+    assert load(None, [*TP2, "model.dropout=0.1"]).model.dropout == 0.1
 
 
 def test_fp16_composes_with_tp():
