@@ -146,15 +146,17 @@ def test_tp2_recompute_full_trains_like_one_process(tmp_path, sequence_parallel)
 TP2_SHARD = ["parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=1"]
 
 
-@pytest.mark.parametrize("shard, recompute", [("optimizer", "none"), ("full", "full")])
-def test_tp2_by_shard_over_edp2_at_world_4_trains_like_one_process(gqa_reference, tmp_path, shard, recompute):
+@pytest.mark.parametrize("shard, extra", [("optimizer", []), ("full", ["memory.activation_checkpointing=full"]),
+                                          ("full", ["parallel.sequence_parallel=true"])],
+                         ids=["optimizer", "full-recompute", "full-sequence-parallel"])
+def test_tp2_by_shard_over_edp2_at_world_4_trains_like_one_process(gqa_reference, tmp_path, shard, extra):
     """The clip norm counts each tp shard once and every replicated and expert gradient once (each
     tp coordinate holds its own sharded copy of those); the checkpoint's chunks (the FSDP2 rows of
     each tp shard, the fused qkv's q, k and v sections cut by both) export to the one-process
-    weights. shard full with full recompute: torchtitan's 2-D layout with activation checkpointing."""
+    weights. shard full with full recompute: torchtitan's 2-D layout with activation checkpointing;
+    with sequence parallel, the norms' weights (summed over the tp group) are FSDP2's gathered copies."""
     reference_dir, reference = gqa_reference
-    tp = run(tmp_path / "tp2", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, f"parallel.shard={shard}",
-             f"memory.activation_checkpointing={recompute}")
+    tp = run(tmp_path / "tp2", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, f"parallel.shard={shard}", *extra)
     assert (f"tensor-parallel 2 x expert-parallel 1 x expert-data-parallel 2, sharded" in run.stdout
             and f"parallel.shard={shard}" in run.stdout)
     assert_same_curve(tp, reference)
