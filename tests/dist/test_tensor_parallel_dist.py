@@ -176,3 +176,16 @@ def test_checkpoint_saved_at_tp2_by_shard_resumes_at_world_1_and_back(gqa_refere
     back = run(tmp_path / "back", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, "parallel.shard=full", NO_CHECKPOINTS,
                f"checkpoint.resume={reference_dir / 'checkpoints' / 'step_00000005'}")
     assert_same_curve(back, reference[5:])
+
+
+def test_pp2_by_tp2_with_shard_and_recompute_trains_like_one_process(tmp_path):
+    """Pipeline 2 x tp 2 at world 4 (mesh ("pp", "edp", "ep", "tp")) with FSDP2 over each stage's
+    tp coordinate (one rank: the units, their reduce-scatters and the sharded norm's 1/tp count
+    all run) and full recompute of each stage's blocks: the one-process curve over 3 steps."""
+    from test_pipeline_parallel_dist import run as pipeline_run
+
+    base = ("data.eval_samples=0", NO_CHECKPOINTS, "train.max_steps=3")
+    reference = pipeline_run(tmp_path / "w1", 1, *base)
+    rows = pipeline_run(tmp_path / "pp2tp2", 4, *base, "parallel.pipeline_parallel_size=2",
+                        "parallel.tensor_parallel_size=2", "parallel.shard=full", "memory.activation_checkpointing=full")
+    assert_same_curve(rows, reference)
