@@ -927,6 +927,7 @@ def check_weight_copy(cfg: Config) -> None:
         (cfg.train.precision not in ("bf16", "fp16"),
          f"train.precision={cfg.train.precision} (per_step needs bf16 or fp16)"),
         (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
+        (cfg.parallel.shard != "none", f"parallel.shard={cfg.parallel.shard}"),
         (cfg.parallel.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={cfg.parallel.tensor_parallel_size}"),
         (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
         (cfg.train.delink_at_step > 0, f"train.delink_at_step={cfg.train.delink_at_step}"),
