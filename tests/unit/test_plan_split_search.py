@@ -93,9 +93,9 @@ def test_pipeline_layouts_add_bubble_sends_and_in_flight_memory():
 
 
 def test_split_degrees_left_out_say_why():
-    cfg = load("configs/tiny.yaml", [*SMALL, "model.dropout=0.1"])
+    cfg = load("configs/tiny.yaml", [*SMALL, "model.qk_norm=full"])
     result = _search(cfg, 2, tps=(1, 2), pps=(1,), recompute=("none",), shard=("none",), micro_batches=[16])
-    assert "model.dropout" in result.skipped_splits["tp 2"]
+    assert "model.qk_norm=full" in result.skipped_splits["tp 2"]
     assert all(c.tensor_parallel_size == 1 for c in result.feasible)
 
 
