@@ -123,6 +123,9 @@ PLANS = [
     Plan("w4-tp2-ep2", 4, [*SMALL, ep(2), "parallel.tensor_parallel_size=2"]),
     Plan("w4-tp2-sp-ep1-mb4", 4, [*SMALL, ep(1), "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true",
                                   "train.micro_batch_size=4"]),
+    # tp x FSDP2 over the 2 data-parallel ranks of each tp coordinate: `--only tp2-shard` runs these alone.
+    Plan("w4-tp2-shard-opt", 4, [*SMALL, ep(1), "parallel.tensor_parallel_size=2", "parallel.shard=optimizer"]),
+    Plan("w4-tp2-shard-full-rc", 4, [*SMALL, ep(1), "parallel.tensor_parallel_size=2", "parallel.shard=full", FULL]),
     # ZeRO-Offload's layout (memory.offload=zero, #46): bf16 device weights, fp32 host masters;
     # `--only zero` runs these alone. The delayed update from the first step (delayed_update_after=0).
     Plan("w1-zero-bf16", 1, [*SMALL, *ZERO]),

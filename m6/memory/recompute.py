@@ -6,7 +6,11 @@ dense MLPs). The router, the dispatch (permutation, all-to-all) and the combine 
 part, so their results are kept and never recomputed: a recompute cannot route tokens
 differently, change how many tokens an all-to-all sends, or issue a collective a second time.
 Parts run under torch.utils.checkpoint (non-reentrant, RNG state preserved: dropout masks are
-identical).
+identical). One exception, by construction: under tensor parallel (m6.parallel.tensor_parallel) an
+attention sub-block or dense MLP holds its tp group's collectives (the row-parallel all-reduce;
+under sequence parallel an all-gather and a reduce-scatter), which its recompute issues again in
+backward; every rank recomputes the same parts in the same order (memory.activation_checkpointing
+full), so a tp group's ranks reissue them together.
 
 Parts are wrapped by replacing the method on the module *instance*: the model's code, its module
 tree and its parameter names (hence checkpoints) stay exactly as they were. (A deep copy of a

@@ -66,7 +66,8 @@ class TransformerBlock(nn.Module):
 
     def attention_residual(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor, rotary: Rotary = None) -> torch.Tensor:
         """x + dropout(attn(norm(x))) [B, S, D]: the attention sub-block, a unit that runs no
-        collective, so m6.parallel may recompute it in backward (activation checkpointing)."""
+        collective of its own, so m6.parallel may recompute it in backward (activation
+        checkpointing; under tensor parallel the collectives m6.parallel installs run again)."""
         return x_BSD + self.dropout(self.attn(self.attn_norm(x_BSD), mask_B1SS, rotary))
 
     def forward(self, x_BSD: torch.Tensor, mask_B1SS: torch.Tensor, token_mask_BS: torch.Tensor | None = None,

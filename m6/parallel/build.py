@@ -17,6 +17,7 @@ from m6.parallel.plan import ShardedModel, classify_parameters, default_plan, sh
 from m6.parallel.sequence_parallel import apply_sequence_parallel
 from m6.parallel.tensor_parallel import apply_tensor_parallel
 from m6.parallel.tp_regions import SequenceShape
+from m6.parallel.tp_rng import fork_split_region_dropout
 
 
 def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
@@ -78,6 +79,8 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     tp = apply_tensor_parallel(model, layout.tensor_parallel_size, layout.tp_rank, groups.tensor_mesh, sequence)
     if sequence is not None:
         apply_sequence_parallel(model, groups.tensor_mesh, sequence)
+    if layout.tensor_parallel_size > 1 and m.dropout > 0:  # per-rank masks off the shared stream (m6.parallel.tp_rng)
+        fork_split_region_dropout(model, layout.tp_rank, sequence is not None)
     if cfg.train.compile == "blocks":
         # Before FSDP2 wraps the blocks (as torchtitan compiles each block before fully_shard); the
         # recompute wrappers come later and wrap the compiled regions (m6.parallel.compile).

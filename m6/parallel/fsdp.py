@@ -43,7 +43,10 @@ SHARD_MODES = ("none", "optimizer", "full")
 
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """All ranks as one mesh dim ("dp", in rank order): where replicated parameters are sharded."""
+    """All ranks as one mesh dim ("dp", in rank order): where replicated parameters are sharded.
+    At tensor parallel (mesh ("edp", "ep", "tp")) the ranks of this rank's tp coordinate: FSDP2
+    shards the tp rank's own parameters (its split shards and the replicated rest) over them, as
+    torchtitan's 2-D layout (FSDP over data parallel, tp inside)."""
     return mesh["edp", "ep"]._flatten("dp")
 
 
@@ -188,7 +191,8 @@ def shard_rows(t: DTensor) -> tuple[int, int]:
 
 
 def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, device: torch.device,
-                           grad_scale: float = 1.0, uncounted: list[nn.Parameter] = ()) -> float:
+                           grad_scale: float = 1.0, uncounted: list[nn.Parameter] = (),
+                           split: list[nn.Parameter] = (), copies: int = 1) -> float:
     """Clip the gradients of a model in FSDP2 units to the norm of the GLOBAL gradient; returns it.
 
     Every gradient is a DTensor shard: dense ones of the whole tensor over all ranks, expert ones
@@ -204,10 +208,17 @@ def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, d
     shard makes the norm non-finite on every rank, so every rank skips the step together, and a
     non-finite norm leaves the gradients as they are. ``uncounted``: clipped, not in the norm (the
     tied token embedding's copy on a pipeline's last stage: its first stage counts it).
+
+    Tensor parallel (m6.parallel.tensor_parallel) with sharding: each tp coordinate's data-parallel
+    ranks shard their own model, so ``split`` (the tensor-parallel shards, different on every tp
+    coordinate) holds each element once over ``group`` (all ranks), while every one of ``params``
+    (replicated and expert gradients) is held the same by ``copies`` (tp) coordinates: its squares
+    count 1/copies each (in float64; an inf or nan in any rank's shard still reaches every rank's norm).
     """
     grads = [local_part(p.grad) for p in params if p.grad is not None]
-    copies = [local_part(p.grad) for p in uncounted if p.grad is not None]
-    total_sq = sum_sq_of(grads)
+    split_grads = [local_part(p.grad) for p in split if p.grad is not None]
+    extra = [local_part(p.grad) for p in uncounted if p.grad is not None]
+    total_sq = sum_sq_of(grads) / copies + sum_sq_of(split_grads)
     if group is not None and dist.get_world_size(group) > 1:
         total_sq = total_sq.to(device)
         dist.all_reduce(total_sq, group=group)
@@ -215,6 +226,6 @@ def clip_sharded_grad_norm(params: list[nn.Parameter], max_norm: float, group, d
     if math.isfinite(total):  # a non-finite norm skips the step: the gradients are dropped unscaled
         coef = clip_coefficient(total, max_norm) / grad_scale
         if coef != 1.0:
-            for g in grads + copies:
+            for g in grads + split_grads + extra:
                 g.mul_(coef)
     return total

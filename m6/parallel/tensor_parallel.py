@@ -102,18 +102,27 @@ class TensorSplit:
         shape[self.dim] = sum(self.sections)
         return torch.Size(shape)
 
-    def pieces(self, local_shape: torch.Size, tp: int, rank: int) -> list[tuple[tuple[int, ...], tuple[int, ...],
-                                                                               tuple[int, ...]]]:
+    def pieces(self, local_shape: torch.Size, tp: int, rank: int, rows: tuple[int, int] | None = None
+               ) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
         """Where rank ``rank``'s tensor of ``local_shape`` lies in the global one: one (global
-        offsets, local offsets, sizes) per section (a checkpoint's chunks)."""
+        offsets, local offsets, sizes) per section (a checkpoint's chunks). ``rows``: (first, count)
+        of the tp rank's tensor's dim-0 rows this process holds (parallel.shard: FSDP2 shards the
+        tp rank's tensor by rows over its data-parallel ranks); local offsets are then within those
+        rows, and a section with none of them gives no piece."""
+        first, count = rows if rows is not None else (0, local_shape[0])
         out, global_start, local_start = [], 0, 0
         for size in self.sections:
             share = size // tp
             g, l_, n = [0] * len(local_shape), [0] * len(local_shape), list(local_shape)
             g[self.dim], l_[self.dim], n[self.dim] = global_start + rank * share, local_start, share
-            out.append((tuple(g), tuple(l_), tuple(n)))
             global_start += size
             local_start += share
+            # Keep the held rows [first, first + count) of the tp rank's dim 0 (all of them unsharded).
+            lo, hi = max(l_[0], first), min(l_[0] + n[0], first + count)
+            if hi <= lo:
+                continue
+            g[0], l_[0], n[0] = g[0] + lo - l_[0], lo - first, hi - lo
+            out.append((tuple(g), tuple(l_), tuple(n)))
         return out
 
 

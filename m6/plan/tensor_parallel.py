@@ -21,6 +21,11 @@ What that does not see, added here:
   sequence parallel the blocks' norms too) all-reduce their gradients in every micro-batch: a
   latency each. None of it overlaps compute (m6 runs them in the compute stream), on the
   intra-node link (the search keeps a tp group inside a node).
+- with full recompute (memory.activation_checkpointing=full) the recomputed parts issue their
+  forward collectives again in backward: each attention sub-block its row-parallel all-reduce
+  (sequence parallel: its entry all-gather and exit reduce-scatter), each dense MLP its
+  row-parallel all-reduce (sequence parallel: its exit reduce-scatter; the entry all-gather runs
+  outside the recomputed part, on the MLP's input).
 - sequence parallel's memory (``sequence_parallel_saving``): the residual stream each block saves
   for its two norms (input and statistics) is 1/tp per rank.
 - MFU's numerator: the whole model's FLOPs, not tp x the rank model's (the MoE work replicated
@@ -36,13 +41,16 @@ from m6.config import (Config, ConfigError, check_tensor_parallel, expert_ffn_di
 from m6.model.activation_bytes import RESIDUAL_BYTES, norm_saved
 
 # What tensor parallel composes with today (m6.config.check_tensor_parallel refuses the rest):
-# the search tries tp > 1 only with these.
-TP_RECOMPUTE, TP_OFFLOAD, TP_SHARD = ("none",), ("none",), ("none",)
+# the search tries tp > 1 only with these. auto recompute decides per rank (a tp group must agree).
+# Sharded, the rank model's states are sharded over the data-parallel world it is sized at: the
+# shards of the tp shard (FSDP2 over each tp coordinate's data-parallel ranks, m6.parallel.fsdp).
+TP_RECOMPUTE, TP_OFFLOAD, TP_SHARD = ("none", "full"), ("none",), ("none", "optimizer", "full")
 
 
 def tensor_parallel_refusal(cfg: Config, tp: int) -> str | None:
     """Why ``cfg`` cannot run at parallel.tensor_parallel_size=tp with the planner's settings for
-    it (recompute, offload and shard none), or None: the config check's own message."""
+    it (recompute, offload and shard none: the others are searched from TP_*), or None: the config
+    check's own message."""
     trial = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, tensor_parallel_size=tp, shard="none"),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing="none", offload="none"),
@@ -91,11 +99,14 @@ def tensor_parallel_s(cfg: Config, tp: int, sequence_parallel: bool, micro_batch
         return latency_s + share * nbytes * gather_scatter_cost / bandwidth_Bps
 
     small = 2 * m.num_layers if m.qk_norm == "head" else 0  # q/k norm weights' gradients
+    recompute = cfg.memory.activation_checkpointing == "full"
     if not sequence_parallel:
-        per_micro = regions * 2 * all_reduce(region)
+        per_micro = regions * (2 + recompute) * all_reduce(region)
     else:
         per_micro = regions * 2 * (gather_or_scatter(region) + gather_or_scatter(region))
         per_micro += moe_blocks * 2 * gather_or_scatter(residual) + 2 * gather_or_scatter(residual)
+        if recompute:  # attention: entry and exit again; a dense MLP its exit only
+            per_micro += (2 * m.num_layers + (m.num_layers - moe_blocks)) * gather_or_scatter(region)
         small += 2 * m.num_layers  # the blocks' two norms see a chunk: their gradients summed
     return accum * (per_micro + small * latency_s)
 

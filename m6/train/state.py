@@ -176,7 +176,8 @@ def placement(sharded: ShardedModel, name: str, t: torch.Tensor) -> int | list:
     tensor-parallel split (its q, k and v sections for the fused qkv)."""
     if name in sharded.tensor_split:
         layout = sharded.groups.layout
-        return sharded.tensor_split[name].pieces(t.shape, layout.tensor_parallel_size, layout.tp_rank)
+        rows = shard_rows(t) if isinstance(t, DTensor) else None  # parallel.shard: this rank's rows of its tp shard
+        return sharded.tensor_split[name].pieces(t.shape, layout.tensor_parallel_size, layout.tp_rank, rows)
     return first_row(sharded, name, t)
 
 

@@ -88,7 +88,9 @@ class StepTotals:
     flops: float  # model FLOPs (m6.model.flops.step_flops)
     tokens: float  # real (non-padding) tokens
     new_skips: int  # records the loader skipped this step
-    overflow_ranks: int  # ranks whose gradient norm is not finite
+    # ranks whose gradient norm is not finite, over the tp x pp copies the sum divides by (a tp
+    # rank alone with an inf in its own shard still counts 1: a share of a copy is rounded up)
+    overflow_ranks: int
     inter_node_bytes: float  # this step's, forward and backward; 0 inside one node
     rank_compute_s: list[float]  # per rank (m6.train.compute_timer); [] where not measured
 
@@ -123,4 +125,4 @@ class StepReduction:
             [local.lm_sum, step_flops(self.flop_rates, counts, local.kept), float(tokens), float(new_skips),
              float(not math.isfinite(grad_norm)), inter_node - self._inter_node_last, *rank_compute_s])
         self._inter_node_last = inter_node
-        return StepTotals(lm_sum, flops, tokens, int(skips), int(overflow), inter_node_step, compute_s)
+        return StepTotals(lm_sum, flops, tokens, int(skips), math.ceil(overflow), inter_node_step, compute_s)

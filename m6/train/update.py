@@ -94,6 +94,7 @@ class ParameterUpdate:
                       and n not in copies]
         experts = list(sharded.expert_params.values())
         self.split, self.tensor_group = split, sharded.groups.tensor
+        self.tensor_parallel_size = layout.tensor_parallel_size
         self.pipeline_group = sharded.groups.pipeline  # the norm spans every pipeline stage
         if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
@@ -191,7 +192,8 @@ class ParameterUpdate:
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         if self.sharded_dp:
             return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device,
-                                          grad_scale=scale, uncounted=self.uncounted)
+                                          grad_scale=scale, uncounted=self.uncounted, split=self.split,
+                                          copies=self.tensor_parallel_size)
         if self.offload is not None and self.offload.half_grads:
             # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
             # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in

@@ -122,3 +122,70 @@ def test_checkpoint_saved_at_tp1_resumes_at_tp2(gqa_reference, tmp_path):
     resumed = run(tmp_path / "tp2", 2, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, "parallel.tensor_parallel_size=2",
                   f"checkpoint.resume={ckpt}")
     assert_same_curve(resumed, reference[5:])
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_tp2_recompute_full_trains_like_one_process(tmp_path, sequence_parallel):
+    """memory.activation_checkpointing=full at tp 2: every attention sub-block and dense MLP runs
+    again in backward, its tp collectives (the row-parallel all-reduce; under sequence parallel the
+    all-gather and reduce-scatter) issued again in the same order on both tp ranks; the curve
+    matches one process without recompute, and memory.check_checkpointing's gradient comparison
+    (with vs without recompute, on every rank) passes."""
+    args = (*ARCHS["gqa-swiglu"], NO_CHECKPOINTS, "data.seq_len=79")
+    reference = run(tmp_path / "w1", 1, *args)
+    sp = ["parallel.sequence_parallel=true"] if sequence_parallel else []
+    tp = run(tmp_path / "tp2", 2, *args, *sp, "parallel.tensor_parallel_size=2",
+             "memory.activation_checkpointing=full", "memory.check_checkpointing=true", "logging.console=true")
+    assert "checkpointing check: largest gradient difference" in run.stdout
+    assert_same_curve(tp, reference)
+
+
+# tp 2 x FSDP2 over 2 data-parallel ranks at world 4: ranks (0, 1) and (2, 3) are the tp groups;
+# each tp coordinate's ranks (0, 2) and (1, 3) shard its own parameters (its split shards, the
+# replicated rest and, at EP 1, the experts over the expert-data-parallel dim).
+TP2_SHARD = ["parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=1"]
+
+
+@pytest.mark.parametrize("shard, extra", [("optimizer", []), ("full", ["memory.activation_checkpointing=full"]),
+                                          ("full", ["parallel.sequence_parallel=true"])],
+                         ids=["optimizer", "full-recompute", "full-sequence-parallel"])
+def test_tp2_by_shard_over_edp2_at_world_4_trains_like_one_process(gqa_reference, tmp_path, shard, extra):
+    """The clip norm counts each tp shard once and every replicated and expert gradient once (each
+    tp coordinate holds its own sharded copy of those); the checkpoint's chunks (the FSDP2 rows of
+    each tp shard, the fused qkv's q, k and v sections cut by both) export to the one-process
+    weights. shard full with full recompute: torchtitan's 2-D layout with activation checkpointing;
+    with sequence parallel, the norms' weights (summed over the tp group) are FSDP2's gathered copies."""
+    reference_dir, reference = gqa_reference
+    tp = run(tmp_path / "tp2", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, f"parallel.shard={shard}", *extra)
+    assert (f"tensor-parallel 2 x expert-parallel 1 x expert-data-parallel 2, sharded" in run.stdout
+            and f"parallel.shard={shard}" in run.stdout)
+    assert_same_curve(tp, reference)
+    assert_same_weights(tmp_path / "tp2", reference_dir, 10)
+
+
+def test_checkpoint_saved_at_tp2_by_shard_resumes_at_world_1_and_back(gqa_reference, tmp_path):
+    """tp 2 x shard full at world 4 writes step 5; one process resumes it (weights and Adam moments,
+    each a DTensor shard of a tp shard) and continues the one-process curve; and the one-process
+    checkpoint resumes at tp 2 x shard and continues it too."""
+    reference_dir, reference = gqa_reference
+    run(tmp_path / "tp2", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, "parallel.shard=full", "train.max_steps=5")
+    ckpt = tmp_path / "tp2" / "checkpoints" / "step_00000005"
+    resumed = run(tmp_path / "tp1", 1, *ARCHS["gqa-swiglu"], NO_CHECKPOINTS, f"checkpoint.resume={ckpt}")
+    assert "tensor-parallel size 2 -> 1" in run.stdout
+    assert_same_curve(resumed, reference[5:])
+    back = run(tmp_path / "back", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, "parallel.shard=full", NO_CHECKPOINTS,
+               f"checkpoint.resume={reference_dir / 'checkpoints' / 'step_00000005'}")
+    assert_same_curve(back, reference[5:])
+
+
+def test_pp2_by_tp2_with_shard_and_recompute_trains_like_one_process(tmp_path):
+    """Pipeline 2 x tp 2 at world 4 (mesh ("pp", "edp", "ep", "tp")) with FSDP2 over each stage's
+    tp coordinate (one rank: the units, their reduce-scatters and the sharded norm's 1/tp count
+    all run) and full recompute of each stage's blocks: the one-process curve over 3 steps."""
+    from test_pipeline_parallel_dist import run as pipeline_run
+
+    base = ("data.eval_samples=0", NO_CHECKPOINTS, "train.max_steps=3")
+    reference = pipeline_run(tmp_path / "w1", 1, *base)
+    rows = pipeline_run(tmp_path / "pp2tp2", 4, *base, "parallel.pipeline_parallel_size=2",
+                        "parallel.tensor_parallel_size=2", "parallel.shard=full", "memory.activation_checkpointing=full")
+    assert_same_curve(rows, reference)

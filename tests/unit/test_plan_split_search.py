@@ -56,6 +56,22 @@ def test_tensor_parallel_layouts_are_searched_and_their_overrides_load():
     assert sp[True] < sp[False]
 
 
+def test_tensor_parallel_is_searched_with_shard_and_full_recompute():
+    """tp x FSDP2 (the rank model's states sharded over the data-parallel ranks: 1/dp of the tp
+    shard) and full recompute (less activation memory, the forward collectives again)."""
+    cfg = load("configs/tiny.yaml", SMALL)
+    result = _search(cfg, 8, tps=(2,), pps=(1,), eps=[1], recompute=("none", "full"),
+                     shard=("none", "full"), micro_batches=[8])
+    tp = {(c.shard, c.recompute, c.sequence_parallel): c for c in result.feasible if c.tensor_parallel_size == 2}
+    assert {(s, r) for s, r, _ in tp} == {("none", "none"), ("none", "full"), ("full", "none"), ("full", "full")}
+    plain, sharded = tp[("none", "none", False)], tp[("full", "none", False)]
+    assert sharded.memory.peak_device < plain.memory.peak_device
+    assert tp[("none", "full", False)].time.tensor_parallel > plain.time.tensor_parallel
+    loaded = load("configs/tiny.yaml", [*SMALL, *tp[("full", "full", False)].overrides()])
+    assert (loaded.parallel.tensor_parallel_size, loaded.parallel.shard,
+            loaded.memory.activation_checkpointing) == (2, "full", "full")
+
+
 def test_pipeline_layouts_add_bubble_sends_and_in_flight_memory():
     # No caption eval: m6 refuses it on the zero-bubble schedule (config.check_pipeline), which the
     # search respects.
@@ -77,9 +93,9 @@ def test_pipeline_layouts_add_bubble_sends_and_in_flight_memory():
 
 
 def test_split_degrees_left_out_say_why():
-    cfg = load("configs/tiny.yaml", [*SMALL, "model.dropout=0.1"])
+    cfg = load("configs/tiny.yaml", [*SMALL, "model.qk_norm=full"])
     result = _search(cfg, 2, tps=(1, 2), pps=(1,), recompute=("none",), shard=("none",), micro_batches=[16])
-    assert "model.dropout" in result.skipped_splits["tp 2"]
+    assert "model.qk_norm=full" in result.skipped_splits["tp 2"]
     assert all(c.tensor_parallel_size == 1 for c in result.feasible)
 
 

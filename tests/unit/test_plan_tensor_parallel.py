@@ -48,11 +48,28 @@ def test_tensor_parallel_collectives_by_the_formula():
         3 * (regions * 2 * 2 * 0.5 * nbytes / bw + (2 + 1) * 2 * 0.5 * nbytes / bw))
 
 
+def test_full_recompute_repeats_the_forward_collectives():
+    """memory.activation_checkpointing=full: each attention's and dense MLP's forward all-reduce runs
+    again in backward (sequence parallel: attention's all-gather and reduce-scatter, the MLP's
+    reduce-scatter)."""
+    cfg = load("configs/tiny.yaml", [*SMALL, "train.precision=fp32"])
+    full = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, activation_checkpointing="full"))
+    S = 16 + (16 // cfg.model.patch_size) ** 2
+    nbytes = 2 * S * 64 * 4
+    lat, bw = 1e-4, 1e9
+    all_reduce, half = lat + 2 * 0.5 * nbytes / bw, lat + 0.5 * nbytes / bw
+    regions = 4 + 2
+    assert tensor_parallel_s(full, 2, False, 2, 3, lat, bw) - tensor_parallel_s(cfg, 2, False, 2, 3, lat, bw) == \
+        pytest.approx(3 * regions * all_reduce)
+    assert tensor_parallel_s(full, 2, True, 2, 3, lat, bw) - tensor_parallel_s(cfg, 2, True, 2, 3, lat, bw) == \
+        pytest.approx(3 * (2 * 4 + 2) * half)
+
+
 def test_sequence_parallel_saving_and_refusal():
     cfg = load("configs/tiny.yaml", SMALL)
     assert sequence_parallel_saving(cfg, 1, 2) == 0.0
     assert sequence_parallel_saving(cfg, 4, 2) == pytest.approx(1.5 * sequence_parallel_saving(cfg, 2, 2))
     assert tensor_parallel_refusal(cfg, 2) is None
     assert "model.num_heads" in tensor_parallel_refusal(cfg, 8)
-    dropout = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dropout=0.1))
-    assert "model.dropout" in tensor_parallel_refusal(dropout, 2)
+    full = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, qk_norm="full"))
+    assert "model.qk_norm=full" in tensor_parallel_refusal(full, 2)

@@ -33,22 +33,38 @@ def test_sizes_that_do_not_split_name_their_keys(extra, key):
 
 
 @pytest.mark.parametrize("extra, key", [
-    (["parallel.shard=full"], "parallel.shard=full"),
     (["memory.offload=optimizer"], "memory.offload=optimizer"),
-    (["train.precision=fp16"], "train.precision=fp16"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2"], "model.share_layers=2"),
     (["model.moe.a2a_dispatch=node_aware"], "model.moe.a2a_dispatch=node_aware"),
     (["model.moe.aux_loss_scope=local"], "model.moe.aux_loss_scope=local"),
-    (["memory.activation_checkpointing=full"], "memory.activation_checkpointing=full"),
+    (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
     (["model.qk_norm=full"], "model.qk_norm=full"),
-    (["model.dropout=0.1"], "model.dropout=0.1"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
 ])
 def test_combinations_not_built_are_refused_by_name(extra, key):
     with pytest.raises(ConfigError) as e:
         load(None, [*TP2, *extra])
     assert "parallel.tensor_parallel_size=2" in str(e.value) and key in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "full"])
+def test_shard_composes_with_tp(shard):
+    """FSDP2 over each tp coordinate's data-parallel ranks, on top of the tp split."""
+    assert load(None, [*TP2, f"parallel.shard={shard}"]).parallel.shard == shard
+
+
+def test_dropout_composes_with_tp():
+    assert load(None, [*TP2, "model.dropout=0.1"]).model.dropout == 0.1
+
+
+def test_fp16_composes_with_tp():
+    assert load(None, [*TP2, "train.precision=fp16"]).train.precision == "fp16"
+
+
+def test_recompute_full_composes_with_tp():
+    """Every rank recomputes the same parts (so each tp group reissues its collectives together)."""
+    assert load(None, [*TP2, "memory.activation_checkpointing=full"]).memory.activation_checkpointing == "full"
 
 
 def test_sequence_parallel_needs_tensor_parallel():
