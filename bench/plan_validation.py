@@ -222,7 +222,7 @@ def predict(plan: Plan, link: dict, profiles: dict[int, HostProfile]) -> tuple[l
         base = stage_config(rank_config(cfg, tp), pp)
         rm = RankMemory(base, dp, ep_size, "cpu")
         mem = split_memory(base, rm, split, dp, ep_size, micro_batch_size(base.train, dp),
-                           accumulation_steps(base.train, dp), "cpu")
+                           accumulation_steps(base.train, dp), "cpu", rank_config(cfg, tp))
         t = split_step_time(cfg, base, split, world, dp, ep_size, world, hw, host, CORES, rm.model)
     else:
         rm = RankMemory(cfg, world, ep_size, "cpu")
