@@ -51,21 +51,25 @@ def stages_per_rank(schedule: str) -> int:
 
 
 # What pipelines compose with in the search: recompute none or full (each stage recomputes its own
-# blocks' parts; auto is refused with a pipeline), offload none (refused), no tensor parallel (not
-# modelled with a pipeline yet) and no sharding (its per-stage memory is not modelled here).
+# blocks' parts; auto is refused with a pipeline), offload none (refused), tensor parallel without
+# sequence parallel (each tp rank of a stage sized as tp's rank model: m6.plan.tensor_parallel;
+# with tp, recompute none, as tp is searched) and no sharding (its per-stage memory is not modelled
+# by m6.plan.pipeline_memory yet).
 PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none", "full"), ("none",), ("none",)
 
 
-def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int) -> str | None:
+def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int, tp: int = 1) -> str | None:
     """The config check's own refusal of ``cfg`` at this pipeline (m6.config.check_pipeline, where
-    this m6 has it), with the search's settings for pipelines (recompute and offload none)."""
+    this m6 has it), with the search's settings for pipelines (recompute and offload none) and
+    ``tp`` tensor-parallel ranks per stage (no sequence parallel)."""
     from m6 import config as m6config
     check = getattr(m6config, "check_pipeline", None)
     if check is None:
         return None
     trial = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_parallel_size=pp, pipeline_schedule=schedule,
-                                          pipeline_stages_per_rank=v, tensor_parallel_size=1, shard="none"),
+                                          pipeline_stages_per_rank=v, tensor_parallel_size=tp,
+                                          sequence_parallel=False, shard="none"),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing="none", offload="none"))
     try:
         check(trial)

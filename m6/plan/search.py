@@ -202,7 +202,7 @@ def model_splits(cfg: Config, world_size: int, gpus_per_node: int, tps: tuple[in
             skipped[f"tp {tp}"] = why
             continue
         for pp in pps:
-            if world_size % (tp * pp) or (tp > 1 and pp > 1):  # pipelines refuse tensor parallel
+            if world_size % (tp * pp):
                 continue
             for schedule in (SCHEDULES if pp > 1 else (None,)):
                 if schedule is not None and schedule not in schedules:
@@ -212,10 +212,11 @@ def model_splits(cfg: Config, world_size: int, gpus_per_node: int, tps: tuple[in
                     skipped[f"pp {pp} {schedule}"] = (f"model.num_layers ({cfg.model.num_layers}) is not a multiple "
                                                       f"of {pp} ranks x {v} stages per rank")
                     continue
-                if pp > 1 and (why := pipeline_check_refusal(cfg, pp, schedule, v)):
-                    skipped[f"pp {pp} {schedule}"] = why
+                if pp > 1 and (why := pipeline_check_refusal(cfg, pp, schedule, v, tp)):
+                    skipped[f"pp {pp} {schedule}" + (f" x tp {tp}" if tp > 1 else "")] = why
                     continue
-                for sp in ((False, True) if tp > 1 else (False,)):
+                # A stage sends whole sequences: pipelines refuse sequence parallel (config.check_pipeline).
+                for sp in ((False, True) if tp > 1 and pp == 1 else (False,)):
                     splits.append(ModelSplit(tp, sp, pp, schedule, v))
     return splits, skipped
 

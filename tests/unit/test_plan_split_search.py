@@ -95,15 +95,27 @@ def test_cli_prints_whether_tp_or_pp_wins(capsys):
 
 
 def test_pipelines_only_with_what_they_are_built_with():
-    """The search combines pipelines with full recompute (built), not with tensor parallel, auto
-    recompute or offload (not modelled or refused with a pipeline); full recompute never needs more,
-    and less where the activations set the rank's peak (not where the update's temporaries do)."""
+    """The search combines pipelines with full recompute (built) and with tensor parallel (pp x tp,
+    built; without sequence parallel, which a pipeline refuses, and recompute none, as tp is
+    searched), not with auto recompute or offload (refused with a pipeline); full recompute never
+    needs more, and less where the activations set the rank's peak (not where the update's
+    temporaries do)."""
     cfg = load("configs/tiny.yaml", SMALL)
     result = _search(cfg, 4, tps=(1, 2), pps=(1, 2), recompute=("none", "auto", "full"), shard=("none",),
                      micro_batches=[2])
     pp = [c for c in result.feasible if c.pipeline_parallel_size > 1]
-    assert pp and all(c.tensor_parallel_size == 1 and c.recompute in ("none", "full") and c.offload == "none"
-                      for c in pp)
-    by = {(c.pipeline_schedule, c.expert_parallel_size, c.recompute): c.memory.peak_device for c in pp}
+    assert pp and all(c.recompute in ("none", "full") and c.offload == "none" for c in pp)
+    both = [c for c in pp if c.tensor_parallel_size == 2]
+    assert both and all(not c.sequence_parallel and c.recompute == "none" and c.time.tensor_parallel > 0
+                        and c.time.pipeline_bubble > 0 for c in both)
+    assert both[0].layout_name().startswith("PP 2") and "TP 2" in both[0].layout_name()
+    loaded = load("configs/tiny.yaml", [*SMALL, *both[0].overrides()])
+    assert (loaded.parallel.pipeline_parallel_size, loaded.parallel.tensor_parallel_size) == (2, 2)
+    # A tp rank of a stage holds half the stage's attention and dense MLP weights.
+    alone = next(c for c in pp if c.tensor_parallel_size == 1 and c.pipeline_schedule == both[0].pipeline_schedule
+                 and c.expert_parallel_size == both[0].expert_parallel_size and c.recompute == "none")
+    assert both[0].memory.device["params"] < alone.memory.device["params"]
+    by = {(c.pipeline_schedule, c.expert_parallel_size, c.recompute): c.memory.peak_device for c in pp
+          if c.tensor_parallel_size == 1}
     pairs = [(v, by[(s, e, "none")]) for (s, e, r), v in by.items() if r == "full" and (s, e, "none") in by]
     assert pairs and all(full <= none for full, none in pairs) and any(full < none for full, none in pairs)
