@@ -136,14 +136,19 @@ PLANS = [
 ]
 
 # Pipeline parallel (#47): measured only where this m6 builds pipelines (parallel.pipeline_parallel_size);
-# `--only pp` runs these alone. 8 micro-batches of 2 per rank at pp 2 x dp 1, 4 of 2 at pp 2 x dp 2.
+# `--only pp` runs these alone. 8 micro-batches of 2 per rank at pp 2 x dp 1 (x tp 2), 4 of 2 at pp 2 x dp 2.
 PIPELINE_PLANS = [
     Plan(f"w2-pp2-{schedule}", 2, [*SMALL, ep(1), "parallel.pipeline_parallel_size=2", "train.micro_batch_size=2",
                                    f"parallel.pipeline_schedule={schedule}",
                                    f"parallel.pipeline_stages_per_rank={stages_per_rank(schedule)}"])
     for schedule in SCHEDULES
 ] + [Plan("w4-pp2-ep2-1f1b", 4, [*SMALL, ep(2), "parallel.pipeline_parallel_size=2", "train.micro_batch_size=2",
-                                 "parallel.pipeline_schedule=1f1b", "parallel.pipeline_stages_per_rank=1"])]
+                                 "parallel.pipeline_schedule=1f1b", "parallel.pipeline_stages_per_rank=1"]),
+       # Tensor parallel inside each stage: `--only pp2-tp2` runs it alone.
+       Plan("w4-pp2-tp2-interleaved", 4, [*SMALL, ep(1), "parallel.pipeline_parallel_size=2",
+                                          "parallel.tensor_parallel_size=2", "train.micro_batch_size=2",
+                                          "parallel.pipeline_schedule=interleaved",
+                                          "parallel.pipeline_stages_per_rank=2"])]
 
 
 def threads_per_rank(world_size: int) -> int:

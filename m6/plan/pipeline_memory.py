@@ -43,9 +43,8 @@ from torch import nn
 from m6.config import Config, is_moe_block, micro_batch_size, num_patches
 from m6.memory.estimate import (MemoryReport, ModelFacts, activation_report, kept_activations, optimizer_state_sizes,
                                 recomputed_parts, staging_bytes)
-from m6.model.activation_bytes import ActivationBytes
 from m6.memory.shard_estimate import fused_update
-from m6.model.activation_bytes import RESIDUAL_BYTES
+from m6.model.activation_bytes import RESIDUAL_BYTES, ActivationBytes
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.pipeline import drop_other_stages, rank_stage_indices, stage_first_blocks
 from m6.plan.memory import rank_model
