@@ -17,8 +17,9 @@ runs of the same layouts on this host (CPU, gloo, torchrun at world 1, 2 and 4).
    alone rather than searched. Memory: the estimate's ``peak_shared`` (device
    and host are one memory on CPU; equal to its device peak when nothing is offloaded).
 3. MEASURED, per plan: a real Trainer under torchrun (bench.plan_measure): 3 warm-up steps, the
-   median [min-max] of step_time_s - data_wait_s over 8 steps (data_wait_s shown), then one metered step: live
-   tensor storages at its start + LiveBytes peak over it, the largest of the ranks.
+   median [min-max] of step_time_s - data_wait_s over 8 steps (data_wait_s shown), then one metered step: its
+   high-water mark of live tensor storages (LiveBytes from the storages alive at its start, each uncounted once
+   freed), the largest of the ranks.
    Steps 2 and 3 alternate ``--rounds`` times per plan (the host's speed drifts); the medians of
    the rounds' predicted and measured step times are compared, and the largest measured peak.
 
