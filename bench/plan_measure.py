@@ -3,12 +3,14 @@ and peak live tensor bytes, and the gloo link (latency, bandwidth) the planner's
 
 Run by bench.plan_validation under torchrun (gloo, CPU); not meant to be started by hand.
 
-Peak tensor bytes of one step (per rank) = bytes of every live tensor storage at the step's start
-(``gc`` walk, each storage once: weights, AdamW moments, offload masters and gradient buffers,
-model buffers) + the peak of the storages allocated during ``train_step`` and still alive
-(m6.memory.live_bytes.LiveBytes: activations, gradients, buckets, all-to-all payloads, the
-update's temporaries, and the step's batch). Process RSS is not used: it holds the Python/torch
-runtime and whatever the allocator kept.
+Peak tensor bytes of one step (per rank): the high-water mark over ``train_step`` of the live
+tensor storages, counted by m6.memory.live_bytes.LiveBytes from every storage alive at the step's
+start (``gc`` walk, each storage once: weights, AdamW moments, offload masters and gradient
+buffers, model buffers, pipeline receive buffers) and those the step allocates (activations,
+gradients, buckets, all-to-all payloads, the update's temporaries, the step's batch), each
+uncounted once freed: a storage of the step before that this one frees (the last batch, a pipeline
+schedule's buffers it replaces or clears) does not count past its free. Process RSS is not used: it
+holds the Python/torch runtime and whatever the allocator kept.
 """
 
 from __future__ import annotations
@@ -78,10 +80,10 @@ def offload_host_bytes(trainer) -> int:
     return sum(seen.values())
 
 
-def live_storage_bytes() -> int:
-    """Bytes of every distinct tensor storage reachable from Python now (after a full gc)."""
+def live_storages() -> list[torch.UntypedStorage]:
+    """Every distinct tensor storage reachable from Python now (after a full gc)."""
     gc.collect()
-    seen: dict[int, int] = {}
+    seen: dict[int, torch.UntypedStorage] = {}
     with warnings.catch_warnings():  # isinstance touches deprecated module attributes among gc's objects
         warnings.simplefilter("ignore")
         objects = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
@@ -91,12 +93,17 @@ def live_storage_bytes() -> int:
                 continue
             s = obj.untyped_storage()
             if s.nbytes():
-                seen[s.data_ptr()] = s.nbytes()
+                seen[s.data_ptr()] = s
         except (RuntimeError, ReferenceError):
             # Tensors without a storage of their own: sparse, functional wrappers, FSDP2's DTensor
             # parameters (their local shards are tensors of their own, counted as such).
             continue
-    return sum(seen.values())
+    return list(seen.values())
+
+
+def live_storage_bytes() -> int:
+    """Bytes of every distinct tensor storage reachable from Python now (after a full gc)."""
+    return sum(s.nbytes() for s in live_storages())
 
 
 # At pipeline parallel the schedule runs every forward and backward, and the update's finish.
@@ -189,8 +196,12 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
                 waits.append(metrics["data_wait_s"])
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         loads.append(os.getloadavg()[0])
-        at_start, host_at_start = live_storage_bytes(), offload_host_bytes(trainer)
-        with LiveBytes() as live:
+        storages = live_storages()
+        at_start, host_at_start = sum(s.nbytes() for s in storages), offload_host_bytes(trainer)
+        live = LiveBytes()
+        live.include(storages)  # freed during the step (the last step's batch, buffers replaced): no longer counted
+        del storages
+        with live:
             metrics = trainer.train_step()
         rank = trainer.rank
         saved = metrics.get("activation_saved_mb")
@@ -199,8 +210,8 @@ def run_plan(overrides: list[str], warmup: int, steps: int, out_dir: Path) -> No
                   "phase_s_per_step": {k: v / steps for k, v in clock.seconds.items()},
                   "all_to_all_s_per_step": a2a.seconds / steps, "all_to_all_calls_per_step": a2a.calls / steps,
                   "load_1min": loads, "threads": torch.get_num_threads(),
-                  "live_at_step_start": at_start, "step_alloc_peak": live.peak, "peak_bytes": at_start + live.peak,
-                  "host_bytes": host_at_start, "device_peak_bytes": at_start + live.peak - host_at_start,
+                  "live_at_step_start": at_start, "step_alloc_peak": live.peak - at_start, "peak_bytes": live.peak,
+                  "host_bytes": host_at_start, "device_peak_bytes": live.peak - host_at_start,
                   "activation_saved_bytes": None if saved is None else saved * 2**20,
                   "recompute_plan": None if trainer.activations.plan is None else
                   sorted(trainer.activations.plan.recompute)}

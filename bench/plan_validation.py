@@ -17,8 +17,9 @@ runs of the same layouts on this host (CPU, gloo, torchrun at world 1, 2 and 4).
    alone rather than searched. Memory: the estimate's ``peak_shared`` (device
    and host are one memory on CPU; equal to its device peak when nothing is offloaded).
 3. MEASURED, per plan: a real Trainer under torchrun (bench.plan_measure): 3 warm-up steps, the
-   median [min-max] of step_time_s - data_wait_s over 8 steps (data_wait_s shown), then one metered step: live
-   tensor storages at its start + LiveBytes peak over it, the largest of the ranks.
+   median [min-max] of step_time_s - data_wait_s over 8 steps (data_wait_s shown), then one metered step: its
+   high-water mark of live tensor storages (LiveBytes from the storages alive at its start, each uncounted once
+   freed), the largest of the ranks.
    Steps 2 and 3 alternate ``--rounds`` times per plan (the host's speed drifts); the medians of
    the rounds' predicted and measured step times are compared, and the largest measured peak.
 
@@ -139,14 +140,19 @@ PLANS = [
 ]
 
 # Pipeline parallel (#47): measured only where this m6 builds pipelines (parallel.pipeline_parallel_size);
-# `--only pp` runs these alone. 8 micro-batches of 2 per rank at pp 2 x dp 1, 4 of 2 at pp 2 x dp 2.
+# `--only pp` runs these alone. 8 micro-batches of 2 per rank at pp 2 x dp 1 (x tp 2), 4 of 2 at pp 2 x dp 2.
 PIPELINE_PLANS = [
     Plan(f"w2-pp2-{schedule}", 2, [*SMALL, ep(1), "parallel.pipeline_parallel_size=2", "train.micro_batch_size=2",
                                    f"parallel.pipeline_schedule={schedule}",
                                    f"parallel.pipeline_stages_per_rank={stages_per_rank(schedule)}"])
     for schedule in SCHEDULES
 ] + [Plan("w4-pp2-ep2-1f1b", 4, [*SMALL, ep(2), "parallel.pipeline_parallel_size=2", "train.micro_batch_size=2",
-                                 "parallel.pipeline_schedule=1f1b", "parallel.pipeline_stages_per_rank=1"])]
+                                 "parallel.pipeline_schedule=1f1b", "parallel.pipeline_stages_per_rank=1"]),
+       # Tensor parallel inside each stage: `--only pp2-tp2` runs it alone.
+       Plan("w4-pp2-tp2-interleaved", 4, [*SMALL, ep(1), "parallel.pipeline_parallel_size=2",
+                                          "parallel.tensor_parallel_size=2", "train.micro_batch_size=2",
+                                          "parallel.pipeline_schedule=interleaved",
+                                          "parallel.pipeline_stages_per_rank=2"])]
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -225,7 +231,7 @@ def predict(plan: Plan, link: dict, profiles: dict[int, HostProfile]) -> tuple[l
         base = stage_config(rank_config(cfg, tp), pp)
         rm = RankMemory(base, dp, ep_size, "cpu")
         mem = split_memory(base, rm, split, dp, ep_size, micro_batch_size(base.train, dp),
-                           accumulation_steps(base.train, dp), "cpu")
+                           accumulation_steps(base.train, dp), "cpu", rank_config(cfg, tp))
         t = split_step_time(cfg, base, split, world, dp, ep_size, world, hw, host, CORES, rm.model)
     else:
         rm = RankMemory(cfg, world, ep_size, "cpu")

@@ -63,6 +63,15 @@ class LiveBytes(TorchDispatchMode):
         self._counted[key] = nbytes
         self.peak = max(self.peak, self.live)
 
+    def include(self, storages) -> None:
+        """Count ``storages`` (alive before the region) as live from its start: each one freed
+        inside the region then lowers the count, so the peak is the region's true high-water mark
+        rather than the bytes at its start plus its allocations' peak."""
+        for storage in storages:
+            key = storage._cdata
+            if key not in self._counted and storage.nbytes():
+                self._count(storage, key, storage.nbytes())
+
     def __enter__(self) -> "LiveBytes":
         self._resize = resize = torch.UntypedStorage.resize_
         counter = self

@@ -82,6 +82,8 @@ class ActivationBytes:
     parts: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (saved, inputs)
     a2a_buffers: float = 0.0  # send + receive payload of one MoE layer's exchange (transient)
     backward_transient: float = 0.0  # gradient buffers alive at once at the backward's worst point
+    # The same per unit ("blocks.<i>", "head"): what one pipeline stage's backward sees (m6.plan.pipeline_memory).
+    transient_by_unit: dict[str, float] = field(default_factory=dict)
 
     @property
     def outside(self) -> float:
@@ -279,6 +281,7 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
         # Attention's backward: dq, dk, dv and the incoming gradient, beside the residual's.
         layer_transient = max(layer_transient, c * T * (2 * Q + 2 * Kv) + r * T * D)
         out.backward_transient = max(out.backward_transient, layer_transient)
+        out.transient_by_unit[f"blocks.{i}"] = layer_transient
     # Head: final norm input (last residual) and stats, the gathered target rows (the output
     # projection's input: in the compute dtype, and under plain autocast its weight copy), fp32
     # logits and labels. The logits' gradient (same size) is the backward's first transient.
@@ -291,7 +294,9 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     if 0 < chunk < targets:
         out._add_outside("head", r * T * D + head_norm + targets * (4 * D + 4 + INDEX_BYTES) + B * L)
         out.backward_transient = max(out.backward_transient, (c + 4) * chunk * V)
+        out.transient_by_unit["head"] = (c + 4) * chunk * V
     else:
         out._add_outside("head", r * T * D + head_norm + targets * (c * D + 4 * V + INDEX_BYTES) + B * L + wc * V * D)
         out.backward_transient = max(out.backward_transient, 4 * targets * V)
+        out.transient_by_unit["head"] = 4 * targets * V
     return out

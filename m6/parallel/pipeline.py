@@ -147,24 +147,45 @@ class PipelineStageModule(nn.Module):
 def materialize_stages(model: M6Model, stages: list[int], firsts: list[int], device: torch.device,
                        seed: int) -> list[PipelineStageModule]:
     """Allocate and initialise on ``device`` the parts of a ``meta`` model that ``stages`` own,
-    drop the rest (see the module docstring), and return one module per stage, in ``stages`` order.
-    ``model.tied_embedding_copy``: this rank's last stage holds a copy of the first stage's token
-    embedding (tied head, stages on other ranks). ``model.other_stages_state`` then names the state-dict entries the other stages hold (a
+    drop the rest (``drop_other_stages``), and return one module per stage, in ``stages`` order.
+    ``model.other_stages_state`` then names the state-dict entries the other stages hold (a
     checkpoint of any layout holds them; this rank neither loads nor expects them)."""
     num_stages = len(firsts) - 1
-    owned = {i for s in stages for i in range(firsts[s], firsts[s + 1])}
     keep_first, keep_last = 0 in stages, num_stages - 1 in stages
-    tied_copy = keep_last and not keep_first and model.lm_head is None  # the head's copy of the token embedding
     with torch.no_grad():
-        for i in sorted(owned):
+        for i in sorted(owned_blocks(stages, firsts)):
             model.blocks[i].to_empty(device=device)
         for name in (FIRST_STAGE_MODULES if keep_first else ()) + (LAST_STAGE_MODULES if keep_last else ()):
             if getattr(model, name) is not None:
                 getattr(model, name).to_empty(device=device)
-        if tied_copy:
+        if _holds_tied_copy(model, stages, num_stages):
             model.text_embed.tokens.to_empty(device=device)
     model.materialize(device, seed, partial=True)
     kept = set(model.state_dict())
+    drop_other_stages(model, stages, firsts)
+    model.other_stages_state = frozenset(kept - set(model.state_dict()))
+    return [PipelineStageModule(model, s, num_stages, range(firsts[s], firsts[s + 1])) for s in stages]
+
+
+def owned_blocks(stages: list[int], firsts: list[int]) -> set[int]:
+    """The blocks of ``stages`` (``firsts``: stage_first_blocks)."""
+    return {i for s in stages for i in range(firsts[s], firsts[s + 1])}
+
+
+def _holds_tied_copy(model: M6Model, stages: list[int], num_stages: int) -> bool:
+    """Whether a rank of ``stages`` keeps a copy of the token embedding for its tied LM head."""
+    return num_stages - 1 in stages and 0 not in stages and model.lm_head is None
+
+
+def drop_other_stages(model: M6Model, stages: list[int], firsts: list[int]) -> None:
+    """Remove from ``model`` (on any device, ``meta`` included: the planner sizes a pipeline rank
+    this way) every part ``stages`` do not own: other blocks become ``StageGap``, the other end's
+    modules None. ``model.tied_embedding_copy``: this rank's last stage holds a copy of the first
+    stage's token embedding (tied head, stages on other ranks)."""
+    num_stages = len(firsts) - 1
+    owned = owned_blocks(stages, firsts)
+    keep_first, keep_last = 0 in stages, num_stages - 1 in stages
+    tied_copy = _holds_tied_copy(model, stages, num_stages)
     for i in range(len(model.blocks)):
         if i not in owned:
             model.blocks[i] = StageGap()
@@ -174,5 +195,3 @@ def materialize_stages(model: M6Model, stages: list[int], firsts: list[int], dev
     if tied_copy:  # the token table alone: the positions are the first stage's
         model.text_embed.positions = None
         model.tied_embedding_copy = True
-    model.other_stages_state = frozenset(kept - set(model.state_dict()))
-    return [PipelineStageModule(model, s, num_stages, range(firsts[s], firsts[s + 1])) for s in stages]

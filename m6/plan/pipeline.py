@@ -3,26 +3,24 @@ parallel.pipeline_stages_per_rank = v): the block stack cut into p x v even stag
 text embeddings in the first and the head and loss in the last; the accumulation micro-batches
 are the pipeline's (m of them per step).
 
-A rank is sized and timed as an M6 model of its num_layers / p blocks with the embeddings and the
-head (``stage_config``): its compute per micro-batch is then that of the slowest stage plus the
-cheaper end's (the patch projection, or the head), an upper bound; its memory is corrected for
-the end it does not hold (``stage_memory``). ASSUMED: the blocks of a stage are as dense or MoE as
-the model's on average (moe.every divides the blocks per rank).
+A rank is timed as an M6 model of its num_layers / p blocks with the embeddings and the head
+(``stage_config``): its compute per micro-batch is then that of the slowest stage plus the
+cheaper end's (the patch projection, or the head), an upper bound. ASSUMED for the time: the
+blocks of a stage are as dense or MoE as the model's on average (moe.every divides the blocks per
+rank). Its memory is sized rank by rank, each its own stages' blocks and ends, over torch's order
+of its actions (m6.plan.pipeline_memory).
 
 Schedules (torch.distributed.pipelining), F / B / W: one micro-batch's forward, input-gradient
 and weight-gradient time on a rank:
   1f1b         Schedule1F1B: idle share of a rank (p - 1) / (m + p - 1) (Narayanan et al., SC'21,
-               section 2.2); stage s holds min(m, p - s) micro-batches' activations, stage 0 p.
+               section 2.2).
   interleaved  ScheduleInterleaved1F1B, v chunks per rank: idle share (p - 1) / (v m + p - 1)
-               (ibid., section 2.2.2); rank 0 holds 2 (p - 1) + (v - 1) p + 1 chunks (Megatron's
-               warm-up count), each 1/v of its micro-batch activations.
+               (ibid., section 2.2.2).
   zero_bubble  ScheduleZBVZeroBubble, the ZB-V schedule of Qi et al., "Zero Bubble Pipeline
                Parallelism" (ICLR 2024, section 6; torch's docstring cites it): v = 2 chunks in a V
                (rank 0 holds the first and the last stage: the embeddings and the head), the
-               weight gradients deferred into the bubble; idle (p - 1) (F + B - 2W) per chunk,
-               peak activations those of 1F1B (p micro-batches on rank 0: torch's schedule runs
-               2p - 1 first-chunk forwards, then one second-chunk forward, before its first
-               backward). torch lays the schedule out for max(m, 2p - 1) micro-batches, so with
+               weight gradients deferred into the bubble; idle (p - 1) (F + B - 2W) per chunk.
+               torch lays the schedule out for max(m, 2p - 1) micro-batches, so with
                m < 2p - 1 the missing ones' slots (F + B + W each) are idle too. F, B and W from FLOPs:
                each linear layer's backward is one matmul for the input gradient and one for the
                weight gradient, each the forward's cost, while attention's QK^T and PV have no
@@ -41,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 
 from m6.config import Config, num_patches
-from m6.memory.estimate import MemoryReport, optimizer_state_sizes
 from m6.model.activation_bytes import RESIDUAL_BYTES
 
 SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
@@ -54,21 +51,25 @@ def stages_per_rank(schedule: str) -> int:
 
 
 # What pipelines compose with in the search: recompute none or full (each stage recomputes its own
-# blocks' parts; auto is refused with a pipeline), offload none (refused), no tensor parallel (not
-# modelled with a pipeline yet) and no sharding (its per-stage memory is not modelled here).
+# blocks' parts; auto is refused with a pipeline), offload none (refused), tensor parallel without
+# sequence parallel (each tp rank of a stage sized as tp's rank model: m6.plan.tensor_parallel;
+# with tp, recompute none, as tp is searched) and no sharding (its per-stage memory is not modelled
+# by m6.plan.pipeline_memory yet).
 PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none", "full"), ("none",), ("none",)
 
 
-def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int) -> str | None:
+def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int, tp: int = 1) -> str | None:
     """The config check's own refusal of ``cfg`` at this pipeline (m6.config.check_pipeline, where
-    this m6 has it), with the search's settings for pipelines (recompute and offload none)."""
+    this m6 has it), with the search's settings for pipelines (recompute and offload none) and
+    ``tp`` tensor-parallel ranks per stage (no sequence parallel)."""
     from m6 import config as m6config
     check = getattr(m6config, "check_pipeline", None)
     if check is None:
         return None
     trial = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_parallel_size=pp, pipeline_schedule=schedule,
-                                          pipeline_stages_per_rank=v, tensor_parallel_size=1, shard="none"),
+                                          pipeline_stages_per_rank=v, tensor_parallel_size=tp,
+                                          sequence_parallel=False, shard="none"),
         memory=dataclasses.replace(cfg.memory, activation_checkpointing="none", offload="none"))
     try:
         check(trial)
@@ -92,20 +93,11 @@ def pipeline_refusal(cfg: Config, pp: int, v: int, micro_batches: int) -> str | 
 
 
 def stage_config(cfg: Config, pp: int) -> Config:
-    """``cfg`` with the model of one pipeline rank's blocks (see the module docstring)."""
+    """``cfg`` with the model of num_layers / pp blocks: the rank model the step time is profiled
+    on (see the module docstring; the memory is sized per rank by ``PipelineMemory``)."""
     if pp == 1:
         return cfg
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=cfg.model.num_layers // pp))
-
-
-def in_flight(schedule: str, pp: int, v: int, m: int, rank: int = 0) -> float:
-    """Micro-batches' activations pipeline rank ``rank`` holds at its peak (in units of one whole
-    micro-batch of its blocks)."""
-    if schedule == "interleaved":
-        return min(v * m, 2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
-    if schedule == "zero_bubble":  # rank 0: up to 2p - 1 first-chunk forwards, then one of its second chunk
-        return (min(m, 2 * pp - 1) + 1) / 2
-    return float(min(m, pp - rank))
 
 
 def bubble_s(schedule: str, pp: int, v: int, m: int, micro_s: float, attention_share: float) -> float:
@@ -136,32 +128,3 @@ def p2p_s(cfg: Config, pp: int, v: int, m: int, micro_batch: int, world_size: in
     return (v * m + pp - 1) * 2 * (latency_s + nbytes / bw)
 
 
-def _states_bytes(cfg: Config, params) -> float:
-    """Weight, gradient and optimizer state bytes of ``params`` (nothing offloaded or sharded)."""
-    return float(sum(8 * p.numel() + sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params))
-
-
-def stage_memory(cfg: Config, report: MemoryReport, model, units: dict[str, float], schedule: str, pp: int, v: int,
-                 m: int) -> MemoryReport:
-    """The worst pipeline rank's memory from ``report``, the estimate of ``stage_config``'s model
-    (its blocks, the embeddings and the head, one micro-batch's activations): the first rank with
-    its in-flight micro-batches and without the head's states, the last with one and without the
-    embeddings' (zero_bubble's rank 0 holds both ends). ``units``: the kept activation bytes of
-    one micro-batch by unit (ActivationBytes.kept_by_unit, recompute applied)."""
-    if pp == 1:
-        return report
-    blocks = sum(b for u, b in units.items() if u.startswith("blocks."))
-    named = dict(model.named_parameters())
-    head = [p for n, p in named.items() if n.startswith(("lm_head.", "final_norm."))]
-    tied = getattr(model, "lm_head", True) is None
-    ends = [p for n, p in named.items() if not n.startswith(("blocks.", "lm_head.", "final_norm."))
-            and not (tied and n == "text_embed.tokens.weight")]
-    first_extra = (in_flight(schedule, pp, v, m, 0) - 1) * (blocks + units.get("embeddings", 0.0))
-    if schedule == "zero_bubble":
-        extra = first_extra
-    else:
-        last_extra = (in_flight(schedule, pp, v, m, pp - 1) - 1) * blocks
-        extra = max(first_extra - _states_bytes(cfg, head), last_extra - _states_bytes(cfg, ends))
-    device = {**report.device, "pipeline: in-flight activations less the other end's states": extra}
-    return dataclasses.replace(report, device=device, peak_device=report.peak_device + extra,
-                               peak_shared=report.peak_shared + extra)

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 from m6.config import Config, accumulation_steps, micro_batch_size, num_patches
-from m6.memory.estimate import MemoryReport, activation_report, recomputed_parts
+from m6.memory.estimate import MemoryReport
 from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.model.flops import step_flops
 from m6.plan.memory import RankMemory, rank_model
 from m6.plan.offload_layouts import ZERO, runnable_offload_modes
 from m6.plan.pipeline import (PP_OFFLOAD, PP_RECOMPUTE, PP_SHARD, SCHEDULES, bubble_s, p2p_s,
-                              pipeline_check_refusal, pipeline_refusal, stage_config, stage_memory, stages_per_rank)
+                              pipeline_check_refusal, pipeline_refusal, stage_config, stages_per_rank)
+from m6.plan.pipeline_memory import pipeline_memory
 from m6.plan.tensor_parallel import (TP_OFFLOAD, TP_RECOMPUTE, TP_SHARD, rank_config, sequence_parallel_saving,
                                      tensor_parallel_refusal, tensor_parallel_s)
 from m6.plan.timing import Hardware, HostProfile, StepTime, densest_counts, model_facts, step_time
@@ -201,7 +202,7 @@ def model_splits(cfg: Config, world_size: int, gpus_per_node: int, tps: tuple[in
             skipped[f"tp {tp}"] = why
             continue
         for pp in pps:
-            if world_size % (tp * pp) or (tp > 1 and pp > 1):  # pipelines refuse tensor parallel
+            if world_size % (tp * pp):
                 continue
             for schedule in (SCHEDULES if pp > 1 else (None,)):
                 if schedule is not None and schedule not in schedules:
@@ -211,10 +212,11 @@ def model_splits(cfg: Config, world_size: int, gpus_per_node: int, tps: tuple[in
                     skipped[f"pp {pp} {schedule}"] = (f"model.num_layers ({cfg.model.num_layers}) is not a multiple "
                                                       f"of {pp} ranks x {v} stages per rank")
                     continue
-                if pp > 1 and (why := pipeline_check_refusal(cfg, pp, schedule, v)):
-                    skipped[f"pp {pp} {schedule}"] = why
+                if pp > 1 and (why := pipeline_check_refusal(cfg, pp, schedule, v, tp)):
+                    skipped[f"pp {pp} {schedule}" + (f" x tp {tp}" if tp > 1 else "")] = why
                     continue
-                for sp in ((False, True) if tp > 1 else (False,)):
+                # A stage sends whole sequences: pipelines refuse sequence parallel (config.check_pipeline).
+                for sp in ((False, True) if tp > 1 and pp == 1 else (False,)):
                     splits.append(ModelSplit(tp, sp, pp, schedule, v))
     return splits, skipped
 
@@ -321,7 +323,7 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                                          delayed=dl, offload_blocks=blocks_to_stream(len(rm.model.blocks), zero_peak,
                                                                                      AUTO_MEMORY_FRACTION * limit))
                 considered += 1
-                mem = split_memory(trial, rm, split, dp, ep, mb, per_rank // mb, device_type)
+                mem = split_memory(trial, rm, split, dp, ep, mb, per_rank // mb, device_type, rank_config(cfg, split.tp))
                 cand = Candidate(ep, mb, rc, off, groups, wire, mem, None, 0.0, None, budget, shard=sh,  # type: ignore[arg-type]
                                  host_grad_dtype=hg if off != "none" else "fp32", delayed_update=dl,
                                  offload_blocks=list(trial.memory.offload_blocks) if off == ZERO else None,
@@ -370,10 +372,14 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
 
 
 def split_memory(trial: Config, rm: RankMemory, split: ModelSplit, dp: int, ep: int, micro_batch: int,
-                 num_micro: int, device_type: str) -> MemoryReport:
-    """The memory estimate of the rank model (``rm``: the tp rank's share of the pipeline rank's
-    blocks, at the data-parallel world ``dp``), with sequence parallel's saving and the worst
-    pipeline rank's in-flight activations and ends (m6.plan.tensor_parallel, m6.plan.pipeline)."""
+                 num_micro: int, device_type: str, whole: Config) -> MemoryReport:
+    """The memory estimate of the rank model (``rm``: the tp rank's share of the blocks, at the
+    data-parallel world ``dp``), with sequence parallel's saving; with a pipeline, the largest
+    pipeline rank's (m6.plan.pipeline_memory: each rank's own stages of ``whole``, the tp rank's
+    whole model, with ``trial``'s settings)."""
+    if split.pp > 1:
+        sized = pipeline_memory(whole, split.pp, split.schedule, split.v, dp, ep, device_type)
+        return sized.report(dataclasses.replace(trial, model=whole.model))
     mem = rm.report(trial)
     if split.sequence_parallel:
         saved = sequence_parallel_saving(trial, split.tp, micro_batch)
@@ -381,10 +387,6 @@ def split_memory(trial: Config, rm: RankMemory, split: ModelSplit, dp: int, ep: 
         device["activations (per micro-batch)"] -= saved
         mem = dataclasses.replace(mem, device=device, peak_device=mem.peak_device - saved,
                                   peak_shared=mem.peak_shared - saved)
-    if split.pp > 1:
-        acts = activation_report(trial, dp, ep, device_type)
-        units = acts.kept_by_unit(recomputed_parts(trial, acts))
-        mem = stage_memory(trial, mem, rm.model, units, split.schedule, split.pp, split.v, num_micro)
     return mem
 
 

@@ -60,3 +60,19 @@ def test_nested_regions_each_count() -> None:
             buf.untyped_storage().resize_(2048)
         assert (inner.peak, outer.peak) == (2048, 1024 + 2048)
     del x
+
+
+def test_included_storages_freed_inside_the_region_stop_counting() -> None:
+    """A tensor alive at the start and replaced inside the region (a step's last batch, a pipeline
+    schedule's buffer) counts until it is freed: the peak is the true high-water mark, not the
+    bytes at the start plus the region's allocations."""
+    old = torch.zeros(1024)
+    live = LiveBytes()
+    live.include([old.untyped_storage()])
+    assert (live.live, live.peak) == (4096, 4096)
+    with live:
+        del old
+        new = torch.ones(1024)
+    assert (live.live, live.peak) == (4096, 4096)
+    del new
+    assert live.live == 0
