@@ -136,7 +136,7 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"{info['date']}. 1 TB host memory per node, 8 GPUs per node. Searched: tp 1/2/4/8 inside a node "
              f"(with and without sequence parallel; with recompute {'/'.join(TP_RECOMPUTE)}, offload "
              f"{'/'.join(TP_OFFLOAD)} and sharding {'/'.join(TP_SHARD)}, as m6 builds tensor parallel today), pp 1/2/4/8 with each schedule (recompute none or full, offload and sharding none; also x tp "
-             f"inside each stage, recompute none, no sequence parallel; each pipeline rank sized with its own stages; "
+             f"inside each stage, recompute none or full, no sequence parallel; each pipeline rank sized with its own stages; "
              f"zero_bubble not where the config has a caption eval, which m6 refuses on it), beside EP, micro-batch, "
              f"recompute, offload and parallel.shard none/optimizer/full.",
              f"Pipelines: {info['pipelines']}", "",
