@@ -848,7 +848,6 @@ def check_pipeline(cfg: Config) -> None:
     refused = [
         # a stage's output would be its tp rank's sequence chunk: the sends are built for whole sequences
         (p.sequence_parallel, "parallel.sequence_parallel=true"),
-        (cfg.optim.delayed_update, "optim.delayed_update=true"),
         (p.balance != "even", f"parallel.balance={p.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
         # auto profiles a forward of the whole model, which no pipeline rank holds; full recomputes every stage's blocks

@@ -20,6 +20,8 @@ memory.offload leave for the host, as that backward writes them, overlapping the
 schedule; zero_bubble splits weight gradients into a pass that writes ``.grad`` itself (no
 accumulate hook), so its gradients are reduced and streamed after the schedule. The tied token
 embedding's gradient stays on the device until the first and last stages have summed it.
+With optim.delayed_update, step t's host update (m6.memory.delayed_update) runs beside step t+1's
+whole schedule; ``update.finish`` after the schedule waits for it and copies its weights over.
 
 memory.activation_checkpointing=full recomputes every block part of the rank's stages in their
 backward (m6.memory.recompute: attention sub-block, local experts, dense MLP; routing, dispatch and

@@ -130,3 +130,31 @@ def test_pp2_zero_offload_follows_one_process(tmp_path):
     reference = run(tmp_path / "w1", 1, *args)
     rows = run(tmp_path / "pp2", 2, *args, PP2)
     assert_bf16_curve(rows, reference)
+
+
+@pytest.mark.parametrize("schedule, offload", [("1f1b", "optimizer"), ("zero_bubble", "optimizer"),
+                                               ("interleaved", "optimizer+params")])
+def test_pp2_with_the_delayed_update_trains_like_one_process(tmp_path, schedule, offload):
+    """optim.delayed_update from step 4: step t's host update runs in a background thread beside
+    step t+1's pipeline schedule (whose gradients stream into the second buffer set), and its
+    weights reach each rank's stages after that schedule; one process's delayed curve (the same
+    one-step staleness)."""
+    args = (NO_CHECKPOINTS, f"memory.offload={offload}", HOST, "data.eval_samples=0", "optim.delayed_update=true",
+            "optim.delayed_update_after=3")
+    reference = run(tmp_path / "w1", 1, *args)
+    rows = run(tmp_path / "pp2", 2, *args, PP2, f"parallel.pipeline_schedule={schedule}")
+    assert "delayed update from step 4" in run.stdout
+    assert_same_curve(rows, reference)
+    if schedule == "1f1b":
+        # The staleness is real: the synchronous run's curve leaves it after step 4.
+        synchronous = run(tmp_path / "sync", 1, *args[:-2])
+        assert_same_curve(rows[:4], synchronous[:4])
+        assert rows[5]["loss"] != pytest.approx(synchronous[5]["loss"], rel=1e-5)
+        # A pp 2 checkpoint at step 5 (the masters after the step's update and the device weights the
+        # next forward uses, per stage) resumes at pp 2 on the uninterrupted curve.
+        saved = (f"memory.offload={offload}", HOST, "data.eval_samples=0", "optim.delayed_update=true",
+                 "optim.delayed_update_after=3", PP2)
+        run(tmp_path / "save", 2, *saved, "train.max_steps=5")
+        resumed = run(tmp_path / "resume", 2, *saved, NO_CHECKPOINTS,
+                      f"checkpoint.resume={tmp_path / 'save' / 'checkpoints' / 'step_00000005'}")
+        assert_same_curve(resumed, reference[5:])

@@ -33,6 +33,7 @@ def test_pp2_config_loads():
         assert load(None, [*PP2, f"memory.offload={offload}", precision]).memory.offload == offload
     assert load(None, [*PP2, "memory.offload=optimizer", "parallel.pipeline_schedule=zero_bubble"]).memory.offload \
         == "optimizer"
+    assert load(None, [*PP2, "memory.offload=optimizer", "optim.delayed_update=true"]).optim.delayed_update
 
 
 @pytest.mark.parametrize("extra, reason", [
@@ -78,7 +79,6 @@ def test_stages_need_a_pipeline():
 
 @pytest.mark.parametrize("extra, key", [
     (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
-    (["memory.offload=optimizer", "optim.delayed_update=true"], "optim.delayed_update=true"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
     (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
