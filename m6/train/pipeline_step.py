@@ -26,13 +26,15 @@ whole schedule; ``update.finish`` after the schedule waits for it and copies its
 memory.activation_checkpointing=full recomputes every block part of the rank's stages in their
 backward (m6.memory.recompute: attention sub-block, local experts, dense MLP; routing, dispatch and
 the stages' sends kept), applied here, not by the loop's ActivationMemory, whose plan profiles a
-forward of the whole model, which no pipeline rank holds.
+forward of the whole model, which no pipeline rank holds; auto profiles each rank's own stages on
+the first step and chooses its parts against its own budget (m6.train.pipeline_recompute).
 """
 
 from __future__ import annotations
 
 import functools
 from contextlib import AbstractContextManager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,9 @@ from m6.data.batch import MultimodalBatch
 from m6.memory.recompute import RecomputeParts
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part
+from m6.plan.pipeline import in_flight
 from m6.train.expert_bias import ExpertBiasUpdate
+from m6.train.pipeline_recompute import plan_stage_recompute, stage_owners
 from m6.train.step_scalars import AllReduceSum, LocalLosses, local_losses
 from m6.train.update import ParameterUpdate
 
@@ -89,7 +93,8 @@ class PipelineStep:
     """Runs the step's micro-batches through this rank's pipeline stages and returns its losses."""
 
     def __init__(self, sharded: ShardedModel, cfg: Config, update: ParameterUpdate, expert_bias: ExpertBiasUpdate,
-                 device: torch.device, accumulation: int, aux_ranks: int) -> None:
+                 device: torch.device, accumulation: int, aux_ranks: int,
+                 log: Callable[[str], None] = lambda line: None) -> None:
         check_micro_batches(cfg, accumulation)
         self.sharded, self.update, self.expert_bias, self.device = sharded, update, expert_bias, device
         self.accumulation, self.aux_ranks = accumulation, aux_ranks
@@ -100,6 +105,13 @@ class PipelineStep:
                 parts = RecomputeParts(m)
                 parts.apply(parts.parts)
         self.num_stages = cfg.parallel.pipeline_parallel_size * len(self.stage_modules)
+        # memory.activation_checkpointing=auto: this rank's plan, made on the first step (pipeline_recompute)
+        self.memory, self.log, self.recompute_plan = cfg.memory, log, None
+        p = cfg.parallel
+        self.pp_rank = sharded.groups.layout.pp_rank
+        self.stage_owners = stage_owners(p.pipeline_parallel_size, len(self.stage_modules), p.pipeline_schedule)
+        self.in_flight = in_flight(p.pipeline_schedule, p.pipeline_parallel_size, len(self.stage_modules),
+                                   accumulation, self.pp_rank)
         # Reduce (and offload) a stage's gradients in its last backward, inside the schedule (see the
         # module docstring): m6's gradient sync, on schedules whose every backward is a full one.
         self.sync_in_schedule = cfg.parallel.shard == "none" and cfg.parallel.pipeline_schedule != "zero_bubble"
@@ -163,6 +175,11 @@ class PipelineStep:
         for m in self.stage_modules:
             m.terms, m.routed = [], []
             m.aux_scale = self._loss_scale / (self.accumulation * self.aux_ranks)
+        if self.memory.activation_checkpointing == "auto" and self.recompute_plan is None:
+            with autocast:  # every pipeline rank together, before the schedule's first step
+                self.recompute_plan = plan_stage_recompute(self.stage_modules, self.memory, batches[0].densest(),
+                                                           self.stage_owners, self.pp_rank, self.group, self.device,
+                                                           self.in_flight, self.log)
         cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731 (split back by the schedule)
         self.update.begin_micro_batch(last=False)  # the schedule's backwards accumulate locally
         with autocast:

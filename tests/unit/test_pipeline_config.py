@@ -27,6 +27,7 @@ def test_pp2_config_loads():
     assert cfg.parallel.pipeline_parallel_size == 2 and cfg.parallel.pipeline_stages == [0, 3]
     assert load(None, [*PP2, "parallel.shard=full"]).parallel.shard == "full"  # FSDP2 inside each stage
     assert load(None, [*PP2, "memory.activation_checkpointing=full"]).memory.activation_checkpointing == "full"
+    assert load(None, [*PP2, "memory.activation_checkpointing=auto"]).memory.activation_checkpointing == "auto"
     assert load(None, [*PP2, "train.compile=blocks"]).train.compile == "blocks"
     for offload in ("optimizer", "optimizer+params", "zero"):  # m6's offload of each rank's stages
         precision = "train.precision=bf16" if offload == "zero" else "train.precision=fp32"
@@ -81,7 +82,6 @@ def test_stages_need_a_pipeline():
     (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
-    (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
     (["memory.activation_checkpointing=full", "memory.check_checkpointing=true"], "memory.check_checkpointing=true"),
     (["train.precision=bf16", "train.weight_copy=per_step"], "train.weight_copy=per_step"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),
