@@ -39,6 +39,19 @@ def test_pp2_with_streamed_weights_trains_like_one_process(tmp_path, schedule):
     assert_same_curve(rows, reference)
 
 
+def test_pp2_with_two_data_parallel_ranks_per_stage_offloads_after_the_all_reduce(tmp_path):
+    """World 4, stage 0 on ranks 0-1 and stage 1 on ranks 2-3 (EP 1: every gradient all-reduced
+    over the stage's pair, in buckets launched inside the stage's last backward): each gradient
+    leaves for the host once reduced, the tied embedding's after the pair sum too. aux_loss_scope=
+    local as in the other world-4 pipeline tests (2 data-parallel ranks per stage)."""
+    args = (NO_CHECKPOINTS, "memory.offload=optimizer", HOST, "data.eval_samples=0", "model.moe.aux_loss_scope=local",
+            "parallel.expert_parallel_size=1", "parallel.bucket_size_mb=0.01")
+    reference = run(tmp_path / "w1", 1, *args)
+    rows = run(tmp_path / "pp2", 4, *args, PP2)
+    assert "parallel world 4 = pipeline-parallel 2 (1f1b) x expert-parallel 1 x expert-data-parallel 2" in run.stdout
+    assert_same_curve(rows, reference)
+
+
 def assert_bf16_curve(rows: list[dict], reference: list[dict]) -> None:
     """A bf16 pipeline run against one process's bf16 run. The stages sum some gradients in
     another fp32 order than one process does (the tied embedding's: each stage's micro-batches,
