@@ -134,8 +134,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"see docs/planning.md), none measured on these GPUs. Host: {info['host']}; torch {info['torch']}; "
              f"{info['date']}. 1 TB host memory per node, 8 GPUs per node. Searched: tp 1/2/4/8 inside a node "
              f"(with and without sequence parallel; with recompute, offload and sharding none, as m6 builds tensor "
-             f"parallel today), pp 1/2/4/8 with each schedule (recompute none or full, offload and sharding none, no tensor "
-             f"parallel; zero_bubble not where the config has a caption eval, which m6 refuses on it), beside EP, micro-batch, "
+             f"parallel today), pp 1/2/4/8 with each schedule (recompute none or full, offload none or optimizer, sharding "
+             f"none, no tensor parallel; zero_bubble not where the config has a caption eval, which m6 refuses on it), beside EP, micro-batch, "
              f"recompute, offload and parallel.shard none/optimizer/full.",
              f"Pipelines: {info['pipelines']}", "",
              "| config | GPUs | fastest fitting plan | tokens/s | MFU | best without tp/pp | best with tp | "
@@ -169,8 +169,9 @@ def markdown(rows: list[dict], info: dict) -> str:
             if used:
                 needs.append(f"{r['case']['name']} ({', '.join(used)})")
     if needs:
-        lines += ["", "Where neither split fits, the fastest plan needs memory features that tensor parallel and "
-                  "pipelines are not built with (recompute, offload, sharding): " + "; ".join(needs) + ". At those "
+        lines += ["", "Where neither split fits, the fastest plan needs memory features the splits are not built "
+                  "with (tensor parallel: any recompute, offload or sharding; pipelines: sharding, auto recompute, "
+                  "offload other than optimizer): " + "; ".join(needs) + ". At those "
                   "scales the model states, not the compute or the links, decide the layout."]
     return "\n".join(lines) + "\n"
 

@@ -54,9 +54,9 @@ def stages_per_rank(schedule: str) -> int:
 
 
 # What pipelines compose with in the search: recompute none or full (each stage recomputes its own
-# blocks' parts; auto is refused with a pipeline), offload none (refused), no tensor parallel (not
-# modelled with a pipeline yet) and no sharding (its per-stage memory is not modelled here).
-PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none", "full"), ("none",), ("none",)
+# blocks' parts; auto's per-rank budgets are not modelled), no tensor parallel (not modelled with a pipeline
+# yet) and no sharding (its per-stage memory is not modelled here); offload: m6.plan.pipeline_offload.
+PP_RECOMPUTE, PP_SHARD = ("none", "full"), ("none",)
 
 
 def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int) -> str | None:
@@ -137,8 +137,10 @@ def p2p_s(cfg: Config, pp: int, v: int, m: int, micro_batch: int, world_size: in
 
 
 def _states_bytes(cfg: Config, params) -> float:
-    """Weight, gradient and optimizer state bytes of ``params`` (nothing offloaded or sharded)."""
-    return float(sum(8 * p.numel() + sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params))
+    """Device weight, gradient and optimizer state bytes of ``params`` (unsharded; offloaded: the
+    optimizer state is on the host)."""
+    state = 0 if cfg.memory.offload != "none" else 1
+    return float(sum(8 * p.numel() + state * sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params))
 
 
 def stage_memory(cfg: Config, report: MemoryReport, model, units: dict[str, float], schedule: str, pp: int, v: int,

@@ -19,7 +19,8 @@ from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.model.flops import step_flops
 from m6.plan.memory import RankMemory, rank_model
 from m6.plan.offload_layouts import ZERO, runnable_offload_modes
-from m6.plan.pipeline import (PP_OFFLOAD, PP_RECOMPUTE, PP_SHARD, SCHEDULES, bubble_s, p2p_s,
+from m6.plan.pipeline_offload import PP_OFFLOAD, pipeline_offload_memory
+from m6.plan.pipeline import (PP_RECOMPUTE, PP_SHARD, SCHEDULES, bubble_s, p2p_s,
                               pipeline_check_refusal, pipeline_refusal, stage_config, stage_memory, stages_per_rank)
 from m6.plan.tensor_parallel import (TP_OFFLOAD, TP_RECOMPUTE, TP_SHARD, rank_config, sequence_parallel_saving,
                                      tensor_parallel_refusal, tensor_parallel_s)
@@ -382,6 +383,7 @@ def split_memory(trial: Config, rm: RankMemory, split: ModelSplit, dp: int, ep: 
         mem = dataclasses.replace(mem, device=device, peak_device=mem.peak_device - saved,
                                   peak_shared=mem.peak_shared - saved)
     if split.pp > 1:
+        mem = pipeline_offload_memory(trial, mem, rm.facts, dp, ep, device_type)
         acts = activation_report(trial, dp, ep, device_type)
         units = acts.kept_by_unit(recomputed_parts(trial, acts))
         mem = stage_memory(trial, mem, rm.model, units, split.schedule, split.pp, split.v, num_micro)
