@@ -10,8 +10,8 @@ and every rank chooses from its profile alone (recompute_plan.choose_recompute, 
 knapsack as without a pipeline).
 
 The budget: ``memory.activation_budget_gb`` is what one process may keep, and a pipeline rank keeps
-several micro-batches' activations at once (the schedule's in-flight count: 1F1B's stage s holds
-p - s, m6.plan.pipeline.in_flight), so a micro-batch's share is the budget over that count;
+several micro-batches' activations at once (the schedule's in-flight count, ``in_flight``: 1F1B's
+stage s holds p - s), so a micro-batch's share is the budget over that count;
 ``memory.activation_budget_fraction`` is a share of one micro-batch's profiled bytes, as without a
 pipeline. What the budget guard adds without a pipeline (metering every training micro-batch and
 recomputing more on a heavier one, m6.memory.recompute_guard) does not run inside torch's schedules:
@@ -43,6 +43,19 @@ class RankStages:
 
     def recomputable_parts(self) -> list[RecomputablePart]:
         return [part for m in self.stage_modules for part in m.recomputable_parts()]
+
+
+def in_flight(schedule: str, pp: int, v: int, m: int, pp_rank: int) -> float:
+    """Micro-batches' activations pipeline rank ``pp_rank`` holds at its peak, in units of one
+    micro-batch through all its stages: 1f1b min(m, p - rank); interleaved Megatron's warm-up count
+    of chunks, 1/v each; zero_bubble rank 0's (2p - 1 first-chunk forwards, then one of its second
+    chunk, before its first backward), for every rank. The planner counts the same
+    (m6.plan.pipeline.in_flight; a test holds the two equal)."""
+    if schedule == "interleaved":
+        return min(v * m, 2 * (pp - pp_rank - 1) + (v - 1) * pp + 1) / v
+    if schedule == "zero_bubble":
+        return (min(m, 2 * pp - 1) + 1) / 2
+    return float(min(m, pp - pp_rank))
 
 
 def stage_owners(pipeline_parallel_size: int, stages_per_rank: int, schedule: str) -> dict[int, int]:

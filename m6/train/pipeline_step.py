@@ -46,9 +46,8 @@ from m6.data.batch import MultimodalBatch
 from m6.memory.recompute import RecomputeParts
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part
-from m6.plan.pipeline import in_flight
 from m6.train.expert_bias import ExpertBiasUpdate
-from m6.train.pipeline_recompute import plan_stage_recompute, stage_owners
+from m6.train.pipeline_recompute import in_flight, plan_stage_recompute, stage_owners
 from m6.train.step_scalars import AllReduceSum, LocalLosses, local_losses
 from m6.train.update import ParameterUpdate
 

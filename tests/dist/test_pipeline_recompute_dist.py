@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_pipeline_parallel_dist import NO_CHECKPOINTS, reference, reference_run, run  # noqa: F401 (fixtures)
+from test_pipeline_parallel_dist import NO_CHECKPOINTS, run
 from test_train_world_sizes import assert_same_curve
 
 BUDGET_GIB = 0.0009  # between the stages' all-recomputed and no-recompute bytes per micro-batch (~0.3 / ~1 MiB)
@@ -16,8 +16,14 @@ PLAN = re.compile(r"pipeline rank (\d): ([\d.]+) micro-batches in flight, activa
                   r"(\d+)/(\d+) parts \[([^\]]*)\].*budget ([\d.]+) MiB")
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process, no recompute: the curve every plan must reproduce."""
+    return run(tmp_path_factory.mktemp("w1"), 1, NO_CHECKPOINTS, "data.eval_samples=0")
+
+
 @pytest.mark.parametrize("schedule, blocks", [("1f1b", [{0, 1}, {2, 3}]), ("zero_bubble", [{0, 3}, {1, 2}])])
-def test_pp2_auto_recompute_plans_each_ranks_own_stages(tmp_path, reference, schedule, blocks):  # noqa: F811
+def test_pp2_auto_recompute_plans_each_ranks_own_stages(tmp_path, reference, schedule, blocks):
     rows = run(tmp_path, 2, NO_CHECKPOINTS, "data.eval_samples=0", "parallel.pipeline_parallel_size=2",
                f"parallel.pipeline_schedule={schedule}", "memory.activation_checkpointing=auto",
                f"memory.activation_budget_gb={BUDGET_GIB}")
