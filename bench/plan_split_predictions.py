@@ -24,6 +24,7 @@ import torch
 from bench.harness import write_results
 from m6.config import load
 from m6.plan.search import SHARD, pipeline_builds, search
+from m6.plan.pipeline_offload import PP_OFFLOAD
 from m6.plan.tensor_parallel import TP_OFFLOAD, TP_RECOMPUTE, TP_SHARD
 from m6.plan.timing import GPUS, HostProfile
 
@@ -135,7 +136,8 @@ def markdown(rows: list[dict], info: dict) -> str:
              f"see docs/planning.md), none measured on these GPUs. Host: {info['host']}; torch {info['torch']}; "
              f"{info['date']}. 1 TB host memory per node, 8 GPUs per node. Searched: tp 1/2/4/8 inside a node "
              f"(with and without sequence parallel; with recompute {'/'.join(TP_RECOMPUTE)}, offload "
-             f"{'/'.join(TP_OFFLOAD)} and sharding {'/'.join(TP_SHARD)}, as m6 builds tensor parallel today), pp 1/2/4/8 with each schedule (recompute none or full, offload and sharding none; also x tp "
+             f"{'/'.join(TP_OFFLOAD)} and sharding {'/'.join(TP_SHARD)}, as m6 builds tensor parallel today), pp 1/2/4/8 "
+             f"with each schedule (recompute none or full, offload {'/'.join(PP_OFFLOAD)}, sharding none; also x tp "
              f"inside each stage, recompute none or full, no sequence parallel; each pipeline rank sized with its own stages; "
              f"zero_bubble not where the config has a caption eval, which m6 refuses on it), beside EP, micro-batch, "
              f"recompute, offload and parallel.shard none/optimizer/full.",
@@ -172,8 +174,8 @@ def markdown(rows: list[dict], info: dict) -> str:
                 needs.append(f"{r['case']['name']} ({', '.join(used)})")
     if needs:
         lines += ["", "Where neither split fits, the fastest plan needs memory features that tensor parallel or "
-                  "pipelines are not searched with (tensor parallel: offload and auto recompute; pipelines: offload, "
-                  "auto recompute and sharding): " + "; ".join(needs) + ". At those "
+                  "pipelines are not searched with (tensor parallel: offload and auto recompute; pipelines: sharding, "
+                  "auto recompute and offload other than optimizer): " + "; ".join(needs) + ". At those "
                   "scales the model states, not the compute or the links, decide the layout."]
     return "\n".join(lines) + "\n"
 

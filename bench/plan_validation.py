@@ -152,7 +152,11 @@ PIPELINE_PLANS = [
        Plan("w4-pp2-tp2-interleaved", 4, [*SMALL, ep(1), "parallel.pipeline_parallel_size=2",
                                           "parallel.tensor_parallel_size=2", "train.micro_batch_size=2",
                                           "parallel.pipeline_schedule=interleaved",
-                                          "parallel.pipeline_stages_per_rank=2"])]
+                                          "parallel.pipeline_stages_per_rank=2"]),
+       # each rank's stages' masters and optimizer state on the host; `--only pp2-1f1b-off` runs it alone
+       Plan("w2-pp2-1f1b-off-opt", 2, [*SMALL, ep(1), "parallel.pipeline_parallel_size=2", "train.micro_batch_size=2",
+                                       "parallel.pipeline_schedule=1f1b", "parallel.pipeline_stages_per_rank=1",
+                                       "memory.offload=optimizer"])]
 
 
 def threads_per_rank(world_size: int) -> int:

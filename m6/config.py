@@ -855,17 +855,15 @@ def check_pipeline(cfg: Config) -> None:
     refused = [
         # a stage's output would be its tp rank's sequence chunk: the sends are built for whole sequences
         (p.sequence_parallel, "parallel.sequence_parallel=true"),
-        (cfg.memory.offload != "none", f"memory.offload={cfg.memory.offload}"),
-        (cfg.optim.delayed_update, "optim.delayed_update=true"),
         (p.balance != "even", f"parallel.balance={p.balance}"),
         (m.share_layers > 1, f"model.share_layers={m.share_layers}"),
-        # auto profiles a forward of the whole model, which no pipeline rank holds; full recomputes every stage's blocks
-        (cfg.memory.activation_checkpointing == "auto", "memory.activation_checkpointing=auto"),
+        # the check compares a forward of the whole model with and without recompute: no pipeline rank holds it
         (cfg.memory.check_checkpointing, "memory.check_checkpointing=true"),
         (cfg.train.weight_copy != "per_use", f"train.weight_copy={cfg.train.weight_copy}"),
         (bool(cfg.train.delink_at_step), f"train.delink_at_step={cfg.train.delink_at_step}"),
         (cfg.checkpoint.init_from is not None, f"checkpoint.init_from={cfg.checkpoint.init_from}"),
     ]
+    check_pipeline_offload(cfg)
     if p.pipeline_schedule == "zero_bubble" and cfg.data.eval_samples > 0:
         # torch's ScheduleZBVZeroBubble runs backward actions in its forward-only eval (torch 2.13)
         raise ConfigError(f"parallel.pipeline_schedule=zero_bubble with data.eval_samples={cfg.data.eval_samples}: "
@@ -875,6 +873,29 @@ def check_pipeline(cfg: Config) -> None:
         if hit:
             raise ConfigError(f"{key} with {what}: not built together yet (docs/parallelism.md, Pipeline parallel); "
                               f"use parallel.pipeline_parallel_size=1 or change {what.split('=')[0]}")
+
+
+def check_pipeline_offload(cfg: Config) -> None:
+    """Pipeline parallel with memory.offload: m6's own offload of each rank's stages composes
+    (docs/parallelism.md); what does not is refused with its reason."""
+    p, mem = cfg.parallel, cfg.memory
+    key = f"parallel.pipeline_parallel_size={p.pipeline_parallel_size}"
+    if mem.offload == "none":
+        return
+    if p.shard != "none":
+        raise ConfigError(f"{key} with parallel.shard={p.shard} and memory.offload={mem.offload}: FSDP2's CPU offload "
+                          "of the stages' units is not built with the pipeline schedules yet; use parallel.shard=none "
+                          "(m6's offload of each rank's stages) or memory.offload=none")
+    streams = mem.offload in ("optimizer+params", "zero")
+    if streams and mem.offload_blocks == "auto":
+        raise ConfigError(f"{key} with memory.offload={mem.offload} and memory.offload_blocks=auto: auto sizes the "
+                          "streamed blocks by the whole model's memory estimate, not a pipeline rank's stages; name "
+                          "the blocks (memory.offload_blocks=all or a list)")
+    if streams and p.pipeline_schedule == "zero_bubble":
+        raise ConfigError(f"{key} with parallel.pipeline_schedule=zero_bubble and memory.offload={mem.offload}: a "
+                          "streamed block is fetched for its backward and released after it, and zero_bubble splits "
+                          "that backward into input- and weight-gradient passes run apart; use pipeline_schedule=1f1b "
+                          "or interleaved, or memory.offload=optimizer")
 
 
 def check_shard_offload(cfg: Config) -> None:

@@ -51,11 +51,11 @@ def stages_per_rank(schedule: str) -> int:
 
 
 # What pipelines compose with in the search: recompute none or full (each stage recomputes its own
-# blocks' parts; auto is refused with a pipeline), offload none (refused), tensor parallel without
-# sequence parallel (each tp rank of a stage sized as tp's rank model: m6.plan.tensor_parallel;
-# with tp, recompute none, as tp is searched) and no sharding (its per-stage memory is not modelled
-# by m6.plan.pipeline_memory yet).
-PP_RECOMPUTE, PP_OFFLOAD, PP_SHARD = ("none", "full"), ("none",), ("none",)
+# blocks' parts; auto's per-rank budgets are not modelled), tensor parallel without sequence
+# parallel (each tp rank of a stage sized as tp's rank model: m6.plan.tensor_parallel) and no
+# sharding (its per-stage memory is not modelled by m6.plan.pipeline_memory yet); offload:
+# m6.plan.pipeline_offload.
+PP_RECOMPUTE, PP_SHARD = ("none", "full"), ("none",)
 
 
 def pipeline_check_refusal(cfg: Config, pp: int, schedule: str, v: int, tp: int = 1) -> str | None:

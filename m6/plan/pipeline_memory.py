@@ -17,7 +17,7 @@ from a ``meta`` model here, so the parameters are exactly the run's):
   is not the last, each the [B, S, D] fp32 residual stream. A stage's received input is its first
   block's input, which that block saves: the activations count it once, as the buffer;
 - activations, walked over the rank's actions in the order torch's schedule runs them
-  (m6.plan.pipeline_order): a forward keeps one micro-batch of the stage's units
+  (m6.parallel.pipeline_order): a forward keeps one micro-batch of the stage's units
   (m6.model.activation_bytes, recompute applied) and the stage's output, which the schedule keeps
   for the backward (the [B, S, D] residual; the last stage's [B, L, D] final-normed text); a full
   backward frees them; ZB-V's input-gradient pass keeps them (torch retains the graph) until the
@@ -48,7 +48,8 @@ from m6.model.activation_bytes import RESIDUAL_BYTES, ActivationBytes
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.pipeline import drop_other_stages, rank_stage_indices, stage_first_blocks
 from m6.plan.memory import rank_model
-from m6.plan.pipeline_order import rank_actions
+from m6.plan.pipeline_offload import offloaded_states
+from m6.parallel.pipeline_order import rank_actions
 
 
 def pipeline_firsts(cfg: Config, pp: int, schedule: str, v: int) -> list[int]:
@@ -147,9 +148,10 @@ class PipelineMemory:
                   "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
                   "optimizer step temporaries": 0.0 if fused_update(cfg, self.device_type)
                   else 4.0 * facts.largest_call(cfg.optim.apply_groups, rank.no_decay)}
+        states, offloaded = offloaded_states(cfg, facts, states, self.device_type)
         buckets = facts.walk(self.dp, self.ep, cfg.parallel.bucket_size_mb * 2**20).most_in_flight()
         where = f"pipeline rank {rank.index} of {self.pp} (stages {', '.join(map(str, rank.stages))})"
-        device = {**states, "activations (per micro-batch)": max(per_micro.values()),
+        device = {**{k: b for k, b in states.items() if b or not offloaded}, "activations (per micro-batch)": max(per_micro.values()),
                   f"{where}: activations and sends held at the peak": walk.held,
                   f"{where}: receive buffers (inputs, output gradients)": buffers,
                   "backward transients": transient, "gradient-sync buckets": buckets, "step inputs": inputs}
@@ -158,9 +160,10 @@ class PipelineMemory:
         after = states["grads"] + inputs / 2 + walk.left_after
         peak = resident + max(inputs + walk.peak, after + buckets, after + states["optimizer step temporaries"])
         staging = staging_bytes(cfg, facts.model, facts.params, facts.state_sizes)
-        host = {"checkpoint staging": staging} if staging else {}
-        return MemoryReport(device=device, host=host, peak_device=peak, peak_host=staging,
-                            peak_shared=peak + staging)
+        host = {**offloaded, **({"checkpoint staging": staging} if staging else {})}
+        peak_host = sum(host.values())  # the host update's temporaries counted beside what stays
+        return MemoryReport(device=device, host=host, peak_device=peak, peak_host=peak_host,
+                            peak_shared=peak + peak_host)
 
     def _stage_bytes(self, cfg: Config, rank: _Rank, acts: ActivationBytes, mb: int, m: int,
                      residual: float) -> tuple[dict[int, float], float]:
@@ -199,7 +202,7 @@ class PipelineMemory:
 
     def _walk(self, rank: _Rank, m: int, per_micro: dict[int, float], transient: float,
               residual: float) -> "_Walk":
-        """The rank's actions in torch's order (m6.plan.pipeline_order): the most activations,
+        """The rank's actions in torch's order (m6.parallel.pipeline_order): the most activations,
         kept sends and gradients alive at once. torch's multi-stage schedules (interleaved, ZB-V)
         wait for their sends at the step's end: a stage's output sent to another rank and an input
         gradient sent back stay until then; ZB-V's input-gradient pass also leaves that gradient

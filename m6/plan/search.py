@@ -19,9 +19,10 @@ from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.model.flops import step_flops
 from m6.plan.memory import RankMemory, rank_model
 from m6.plan.offload_layouts import ZERO, runnable_offload_modes
-from m6.plan.pipeline import (PP_OFFLOAD, PP_RECOMPUTE, PP_SHARD, SCHEDULES, bubble_s, p2p_s,
+from m6.plan.pipeline import (PP_RECOMPUTE, PP_SHARD, SCHEDULES, bubble_s, p2p_s,
                               pipeline_check_refusal, pipeline_refusal, stage_config, stages_per_rank)
 from m6.plan.pipeline_memory import pipeline_memory
+from m6.plan.pipeline_offload import PP_OFFLOAD
 from m6.plan.tensor_parallel import (TP_OFFLOAD, TP_RECOMPUTE, TP_SHARD, rank_config, sequence_parallel_saving,
                                      tensor_parallel_refusal, tensor_parallel_s)
 from m6.plan.timing import Hardware, HostProfile, StepTime, densest_counts, model_facts, step_time

@@ -169,7 +169,7 @@ class Trainer:
         self._use_batch_plan(self.batch_plan or self._measure_balance())
         self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.data, self.device)
         self.pipeline = PipelineStep(self.sharded, cfg, self.update, self.expert_bias, self.device, self.accum,
-                                     self.aux_ranks) if self.pp_size > 1 else None
+                                     self.aux_ranks, log=self._print_main) if self.pp_size > 1 else None
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN.
         # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN, a

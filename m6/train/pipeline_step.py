@@ -12,15 +12,29 @@ expert-data-parallel groups (the loop's GradientSync, all buckets after the sche
 step's loss terms summed over the pipeline in one all-reduce, so every stage reports (and agrees
 on) the same numbers.
 
+When a gradient is final: a stage's parameters accumulate over the step's micro-batches, each
+backward inside the schedule, so the gradient sync (and offload's stream to the host, which it
+drives) is off for all of them but the stage's last (torch's ``last_backward``, the hook its
+DDP/FSDP integration uses): under 1f1b and interleaved a stage's gradients are reduced, and with
+memory.offload leave for the host, as that backward writes them, overlapping the rest of the
+schedule; zero_bubble splits weight gradients into a pass that writes ``.grad`` itself (no
+accumulate hook), so its gradients are reduced and streamed after the schedule. The tied token
+embedding's gradient stays on the device until the first and last stages have summed it.
+With optim.delayed_update, step t's host update (m6.memory.delayed_update) runs beside step t+1's
+whole schedule; ``update.finish`` after the schedule waits for it and copies its weights over.
+
 memory.activation_checkpointing=full recomputes every block part of the rank's stages in their
 backward (m6.memory.recompute: attention sub-block, local experts, dense MLP; routing, dispatch and
 the stages' sends kept), applied here, not by the loop's ActivationMemory, whose plan profiles a
-forward of the whole model, which no pipeline rank holds.
+forward of the whole model, which no pipeline rank holds; auto profiles each rank's own stages on
+the first step and chooses its parts against its own budget (m6.train.pipeline_recompute).
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import AbstractContextManager
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -33,6 +47,7 @@ from m6.memory.recompute import RecomputeParts
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part
 from m6.train.expert_bias import ExpertBiasUpdate
+from m6.train.pipeline_recompute import in_flight, plan_stage_recompute, stage_owners
 from m6.train.step_scalars import AllReduceSum, LocalLosses, local_losses
 from m6.train.update import ParameterUpdate
 
@@ -53,11 +68,32 @@ def check_micro_batches(cfg: Config, accumulation: int) -> None:
                           f"parallel.pipeline_parallel_size={pp} micro-batches per step, got {need}")
 
 
+class FinalBackwardStage(PipelineStage):
+    """A PipelineStage whose gradient sync is on only during its last backward of the step
+    (``on_last_backward(True)`` before it, ``(False)`` after), so every gradient is final when the
+    sync sees it. Hooks torch's ``backward_maybe_with_nosync``, which its schedules call with
+    ``last_backward`` for a stage's full and weight backwards (its own DDP/FSDP switch)."""
+
+    def __init__(self, *args, on_last_backward, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_last_backward = on_last_backward
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if not last_backward or backward_type == "input":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        self._on_last_backward(True)
+        try:
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        finally:
+            self._on_last_backward(False)
+
+
 class PipelineStep:
     """Runs the step's micro-batches through this rank's pipeline stages and returns its losses."""
 
     def __init__(self, sharded: ShardedModel, cfg: Config, update: ParameterUpdate, expert_bias: ExpertBiasUpdate,
-                 device: torch.device, accumulation: int, aux_ranks: int) -> None:
+                 device: torch.device, accumulation: int, aux_ranks: int,
+                 log: Callable[[str], None] = lambda line: None) -> None:
         check_micro_batches(cfg, accumulation)
         self.sharded, self.update, self.expert_bias, self.device = sharded, update, expert_bias, device
         self.accumulation, self.aux_ranks = accumulation, aux_ranks
@@ -68,18 +104,34 @@ class PipelineStep:
                 parts = RecomputeParts(m)
                 parts.apply(parts.parts)
         self.num_stages = cfg.parallel.pipeline_parallel_size * len(self.stage_modules)
+        # memory.activation_checkpointing=auto: this rank's plan, made on the first step (pipeline_recompute)
+        self.memory, self.log, self.recompute_plan = cfg.memory, log, None
+        p = cfg.parallel
+        self.pp_rank = sharded.groups.layout.pp_rank
+        self.stage_owners = stage_owners(p.pipeline_parallel_size, len(self.stage_modules), p.pipeline_schedule)
+        self.in_flight = in_flight(p.pipeline_schedule, p.pipeline_parallel_size, len(self.stage_modules),
+                                   accumulation, self.pp_rank)
+        # Reduce (and offload) a stage's gradients in its last backward, inside the schedule (see the
+        # module docstring): m6's gradient sync, on schedules whose every backward is a full one.
+        self.sync_in_schedule = cfg.parallel.shard == "none" and cfg.parallel.pipeline_schedule != "zero_bubble"
+        if sharded.groups.embedding is not None:
+            update.hold_grads([sharded.model.text_embed.tokens.weight])
         self.schedule_class = SCHEDULES[cfg.parallel.pipeline_schedule]
-        self.schedule = self._schedule(self.schedule_class, accumulation, self._loss)
+        self.schedule = self._schedule(self.schedule_class, accumulation, self._loss, training=True)
         self._eval_schedules: dict[tuple, object] = {}
         self.last = next((m for m in self.stage_modules if m.is_last), None)
         self._step_targets = 1.0
         self._loss_scale = 1.0  # fp16: the loss scale's multiple rides on the losses (the clip unscales)
         self._lm_sums: list[torch.Tensor] = []
 
-    def _schedule(self, schedule_class, num_micro_batches: int, loss_fn):
+    def _schedule(self, schedule_class, num_micro_batches: int, loss_fn, training: bool = False):
         """A schedule over new PipelineStages of this rank's stage modules (each keeps its micro-batch
         count and shapes: training and each evaluation shape get their own)."""
-        stages = [PipelineStage(m, m.stage_index, self.num_stages, self.device, group=self.group)
+        stage_class = PipelineStage
+        if self.sync_in_schedule and training:  # evaluation runs no backward
+            stage_class = functools.partial(FinalBackwardStage,
+                                            on_last_backward=lambda last: self.update.begin_micro_batch(last=last))
+        stages = [stage_class(m, m.stage_index, self.num_stages, self.device, group=self.group)
                   for m in self.stage_modules]
         one = len(stages) == 1 and schedule_class in (Schedule1F1B, ScheduleGPipe)
         return schedule_class(stages[0] if one else stages, num_micro_batches, loss_fn=loss_fn, scale_grads=False)
@@ -122,6 +174,11 @@ class PipelineStep:
         for m in self.stage_modules:
             m.terms, m.routed = [], []
             m.aux_scale = self._loss_scale / (self.accumulation * self.aux_ranks)
+        if self.memory.activation_checkpointing == "auto" and self.recompute_plan is None:
+            with autocast:  # every pipeline rank together, before the schedule's first step
+                self.recompute_plan = plan_stage_recompute(self.stage_modules, self.memory, batches[0].densest(),
+                                                           self.stage_owners, self.pp_rank, self.group, self.device,
+                                                           self.in_flight, self.log)
         cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731 (split back by the schedule)
         self.update.begin_micro_batch(last=False)  # the schedule's backwards accumulate locally
         with autocast:
@@ -131,8 +188,8 @@ class PipelineStep:
         on_compute_done()
         self._add_routed_counts()
         self.update.begin_micro_batch(last=True)
-        self.update.finish()  # every bucket reduced over its stage's groups, in the same order on its ranks
-        self._sum_tied_embedding()
+        # every bucket reduced over its stage's groups, in the same order on its ranks; then the tied embedding
+        self.update.finish(after_sync=self._sum_tied_embedding)
         return self._losses(all_reduce_sum)
 
     def _sum_tied_embedding(self) -> None:

@@ -69,6 +69,8 @@ class ParameterUpdate:
         if cfg.memory.offload == "zero" and compute_dtype == torch.float32:
             raise ConfigError(f"memory.offload=zero with train.precision={cfg.train.precision}, which is fp32 on "
                               f"{device.type}: zero keeps 16-bit weights on the device; use train.precision=bf16 or fp16")
+        # A pipeline rank streams the blocks of its own stages (the others are empty StageGaps).
+        streamed = [i for i in streamed if any(True for _ in model.blocks[i].parameters())]
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
             grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype,
@@ -80,9 +82,12 @@ class ParameterUpdate:
         # train.weight_copy=per_step: bf16 module weights, fp32 masters here (config.py allows it only
         # unsharded, without offload). Built before the sync: its gradient hooks must run first.
         self.masters = MasterWeights(model, compute_dtype) if cfg.train.weight_copy == "per_step" else None
+        # Parameters whose gradient stays on the device past the sync until finish's ``after_sync``
+        # (hold_grads: the pipeline's tied token embedding, summed over its two stages first).
+        self._held: set[int] = set()
         self.sync = ShardedGradientSync(model, sharded.stages or None) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
-            on_grads_final=self.offload.grads_final if self.offload else None,
+            on_grads_final=self._grads_final if self.offload else None,
             grad_holder=self.masters.grad_holder if self.masters else None)
         # Tensor-parallel shards count once per tp group in the norm (tp 1: none).
         split = [p for n, p in sharded.replicated_params.items() if n in sharded.tensor_split]
@@ -98,6 +103,7 @@ class ParameterUpdate:
         self.pipeline_group = sharded.groups.pipeline  # the norm spans every pipeline stage
         if self.offload:  # the host masters hold the gradients once offloaded: clip and update those
             replicated, experts = self.offload.masters_of(replicated), self.offload.masters_of(experts)
+            self.uncounted = self.offload.masters_of(self.uncounted)
         # Where the gradients are after a backward (the per-step weight copy's masters, or the params).
         self.grad_holders = self.masters.masters_of(trainable) if self.masters else trainable
         if self.masters:  # so do the device masters of the per-step weight copy
@@ -174,10 +180,21 @@ class ParameterUpdate:
             self.sync.stream_local = False
         self.grad_bytes_after_backward = max(self.grad_bytes_after_backward, grad_bytes(self.grad_holders))
 
-    def finish(self) -> None:
+    def hold_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Keep ``params``' gradients on the device after their reduction, until ``finish``'s
+        ``after_sync`` has run (offload streams them then): a gradient that is still to be summed
+        with another rank's outside the data-parallel sync (the pipeline's tied embedding)."""
+        self._held.update(id(p) for p in params)
+
+    def _grads_final(self, params: list[torch.nn.Parameter]) -> None:
+        self.offload.grads_final([p for p in params if id(p) not in self._held])
+
+    def finish(self, after_sync: Callable[[], None] = lambda: None) -> None:
         """After the last backward: gradients reduced, and on the host when offloaded (clipping
-        needs the global norm before any group updates)."""
+        needs the global norm before any group updates). ``after_sync`` runs once the sync is
+        done, before the gradients still on the device leave for the host."""
         self.sync.finish()
+        after_sync()
         if self.offload:
             self.offload.finish_backward()
         if self.delayed is not None:  # the last step's update is done and on the device; now this step's
@@ -201,7 +218,7 @@ class ParameterUpdate:
             off = self.offload
             total = global_grad_norm(off.host_grads(self.replicated), off.host_grads(self.experts), self.expert_group,
                                      self.device, off.host_grad_factors(self.replicated),
-                                     off.host_grad_factors(self.experts)) / scale
+                                     off.host_grad_factors(self.experts), pipeline_group=self.pipeline_group) / scale
             self.offload.grad_multiplier = clip_coefficient(total, limit) / scale
             return total
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale,

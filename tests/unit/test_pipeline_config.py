@@ -27,7 +27,26 @@ def test_pp2_config_loads():
     assert cfg.parallel.pipeline_parallel_size == 2 and cfg.parallel.pipeline_stages == [0, 3]
     assert load(None, [*PP2, "parallel.shard=full"]).parallel.shard == "full"  # FSDP2 inside each stage
     assert load(None, [*PP2, "memory.activation_checkpointing=full"]).memory.activation_checkpointing == "full"
+    assert load(None, [*PP2, "memory.activation_checkpointing=auto"]).memory.activation_checkpointing == "auto"
     assert load(None, [*PP2, "train.compile=blocks"]).train.compile == "blocks"
+    for offload in ("optimizer", "optimizer+params", "zero"):  # m6's offload of each rank's stages
+        precision = "train.precision=bf16" if offload == "zero" else "train.precision=fp32"
+        assert load(None, [*PP2, f"memory.offload={offload}", precision]).memory.offload == offload
+    assert load(None, [*PP2, "memory.offload=optimizer", "parallel.pipeline_schedule=zero_bubble"]).memory.offload \
+        == "optimizer"
+    assert load(None, [*PP2, "memory.offload=optimizer", "optim.delayed_update=true"]).optim.delayed_update
+
+
+@pytest.mark.parametrize("extra, reason", [
+    (["parallel.shard=full", "memory.offload=optimizer+params"], "FSDP2's CPU offload of the stages' units"),
+    (["memory.offload=optimizer+params", "memory.offload_blocks=auto"], "the whole model's memory estimate"),
+    (["memory.offload=optimizer+params", "parallel.pipeline_schedule=zero_bubble"],
+     "zero_bubble splits that backward into input- and weight-gradient passes"),
+])
+def test_offload_that_does_not_compose_is_refused_with_its_reason(extra, reason):
+    with pytest.raises(ConfigError) as e:
+        load(None, [*PP2, *extra])
+    assert "parallel.pipeline_parallel_size=2" in str(e.value) and reason in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -61,11 +80,8 @@ def test_stages_need_a_pipeline():
 
 @pytest.mark.parametrize("extra, key", [
     (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel=true"),
-    (["memory.offload=optimizer"], "memory.offload=optimizer"),
-    (["memory.offload=optimizer", "optim.delayed_update=true"], "memory.offload=optimizer"),
     (["parallel.balance=auto"], "parallel.balance=auto"),
     (["model.share_layers=2", "model.moe.every=1"], "model.share_layers=2"),
-    (["memory.activation_checkpointing=auto"], "memory.activation_checkpointing=auto"),
     (["memory.activation_checkpointing=full", "memory.check_checkpointing=true"], "memory.check_checkpointing=true"),
     (["train.precision=bf16", "train.weight_copy=per_step"], "train.weight_copy=per_step"),
     (["checkpoint.init_from=/tmp/x"], "checkpoint.init_from=/tmp/x"),

@@ -1,4 +1,4 @@
-"""The planner's pipeline memory (m6.plan.pipeline_memory, m6.plan.pipeline_order): each rank's
+"""The planner's pipeline memory (m6.plan.pipeline_memory, m6.parallel.pipeline_order): each rank's
 actions in torch's own order, each rank sized with the blocks and ends it really holds, the
 plan's peak the worst rank's (named), and torch's per-micro-batch buffers counted. Its peaks
 against measured pipelined steps: tests/dist/test_plan_pipeline_memory_dist.py."""
@@ -12,7 +12,7 @@ from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, Sche
 
 from m6.config import load
 from m6.plan.pipeline_memory import PipelineMemory
-from m6.plan.pipeline_order import rank_actions
+from m6.parallel.pipeline_order import rank_actions
 
 KIND = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
 # 4 blocks, MoE 1 and 3; 8 micro-batches of 2 at pp 2 x dp 1.

@@ -1,6 +1,7 @@
 """The order in which one pipeline rank runs its stages' forwards and backwards, as torch's
 schedules lay it out (torch.distributed.pipelining.schedules, the schedules m6 runs:
-m6.train.pipeline_step), for the planner's memory model (m6.plan.pipeline_memory).
+m6.train.pipeline_step), for the planner's memory model (m6.plan.pipeline_memory) and the
+trainer's count of micro-batches in flight (auto recompute's budget share at pipeline parallel).
 
 Actions are (kind, stage, micro-batch) with kind F (forward), B (full backward: input and weight
 gradients), I (input gradient only, the graph kept for W) and W (weight gradient):
@@ -117,3 +118,17 @@ def _zero_bubble_v(pp: int, m: int, rank: int) -> list[Action]:
     while count["W", first] < count["I", first]:
         act("W", first)
     return [a for a in out if a[2] < m]
+
+
+def most_in_flight(schedule: str, pp: int, v: int, m: int, rank: int) -> float:
+    """The most micro-batches' activations ``rank`` holds at once over its actions, in units of
+    one micro-batch through all its stages (a stage's forward adds 1/v; a full backward, or ZB-V's
+    weight-gradient pass, which frees the graph its input-gradient pass kept, takes it away)."""
+    held = most = 0.0
+    for kind, _stage, _micro in rank_actions(schedule, pp, v, m, rank):
+        if kind == "F":
+            held += 1 / v
+            most = max(most, held)
+        elif kind in ("B", "W"):
+            held -= 1 / v
+    return most
