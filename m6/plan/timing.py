@@ -544,13 +544,15 @@ def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> 
 @dataclass(frozen=True)
 class ModelFacts:
     """What step_time reads off a rank's (meta) model, the same for every setting the search times
-    on it: FLOP rates, replicated and expert parameter counts, trainable tensors, no-decay ids."""
+    on it: FLOP rates, replicated and expert parameter counts, trainable tensors, no-decay ids,
+    each block's parameter count."""
 
     rates: object
     numel_rep: int
     numel_exp: int
     num_trainable: int
     no_decay: frozenset
+    block_numels: tuple
 
 
 _FACTS: "weakref.WeakKeyDictionary[nn.Module, ModelFacts]" = weakref.WeakKeyDictionary()
@@ -565,7 +567,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
         _FACTS[model] = ModelFacts(
             forward_flop_rates(model), sum(p.numel() for n, p in named if ".experts." not in n),
             sum(p.numel() for n, p in named if ".experts." in n), sum(1 for _, p in named if p.requires_grad),
-            frozenset(no_decay_ids(model)))
+            frozenset(no_decay_ids(model)),
+            tuple(sum(p.numel() for p in block.parameters()) for block in getattr(model, "blocks", ())))
     return _FACTS[model]
 
 
@@ -747,8 +750,8 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         copy_Bps = (hw.pcie_GBps if hw.pcie_GBps else 10.0) * 1e9
         streamed = 0
         if cfg.memory.offload in ("optimizer+params", ZERO):
-            streamed = sum(p.numel() for i in streamed_blocks(cfg, len(model.blocks))
-                           for p in model.blocks[i].parameters())
+            block_numels = model_facts(model).block_numels
+            streamed = sum(block_numels[i] for i in streamed_blocks(cfg, len(block_numels)))
         # The delayed update's overlap is a GPU's: on a CPU device the update thread shares the cores.
         step = offload_step(cfg, numel, numel_exp, streamed, world_size, ep, compute, a2a + sync + small, update,
                             copy_Bps, c, delayed=cfg.optim.delayed_update and hw.peak_tflops is not None,
