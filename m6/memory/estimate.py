@@ -72,7 +72,7 @@ from m6.moe import MoELayer
 from m6.memory.master_weights import compute_weight_params
 from m6.memory.grouped_apply import split_apply_groups
 from m6.memory.home_grads import grads_land_in_homes
-from m6.memory.shard_estimate import fused_update, shard_layout, sharded_backward, sharded_states
+from m6.memory.shard_estimate import ShardLayout, fused_update, shard_layout, sharded_backward, sharded_states
 
 
 COMPONENTS = ("params", "grads", "optimizer state", "optimizer step temporaries", "activations (per micro-batch)",
@@ -118,6 +118,10 @@ class ModelFacts:
         self._largest_call: dict[tuple, int] = {}
         self._largest_group: dict[int, int] = {}
         self._largest_push: dict[frozenset[int], int] = {}
+        self._optimizer_state: dict[str, float] = {}
+        self._staging: dict[str, float] = {}
+        self._shard_layouts: dict[tuple, ShardLayout] = {}
+        self._compute_weight_numel: Optional[int] = None
 
     def walk(self, world_size: int, ep: int, bucket_bytes: float) -> "_BackwardWalk":
         key = (world_size, ep, bucket_bytes)
@@ -134,6 +138,35 @@ class ModelFacts:
             self._largest_call[key] = max((sum(p.numel() for p in g if (id(p) in no_decay) == nd)
                                            for g in groups for nd in (False, True)), default=0)
         return self._largest_call[key]
+
+    def optimizer_state_bytes(self, optimizer_name: str) -> float:
+        """Bytes of the optimizer's fp32 state over the trainable parameters (optimizer_state_sizes)."""
+        if optimizer_name not in self._optimizer_state:
+            self._optimizer_state[optimizer_name] = float(
+                sum(sum(optimizer_state_sizes(optimizer_name, p)) for p in self.params))
+        return self._optimizer_state[optimizer_name]
+
+    def staging_bytes(self, cfg: Config) -> float:
+        """staging_bytes of this model's state and its trainable parameters' optimizer state."""
+        if not cfg.checkpoint.async_save:
+            return 0.0
+        if cfg.optim.name not in self._staging:
+            self._staging[cfg.optim.name] = staging_bytes(cfg, self.model, self.params, self.state_sizes)
+        return self._staging[cfg.optim.name]
+
+    def shard_layout(self, cfg: Config, no_decay: set[int], world_size: int, ep: int) -> ShardLayout:
+        """m6.memory.shard_estimate.shard_layout, which reads only the model, the degrees, the
+        no-decay ids and optim.apply_groups off cfg."""
+        key = (world_size, ep, cfg.optim.apply_groups, frozenset(no_decay))
+        if key not in self._shard_layouts:
+            self._shard_layouts[key] = shard_layout(cfg, self.model, no_decay, world_size, ep)
+        return self._shard_layouts[key]
+
+    def compute_weight_numel(self) -> int:
+        """Elements of the weights train.weight_copy=per_step copies (compute_weight_params)."""
+        if self._compute_weight_numel is None:
+            self._compute_weight_numel = sum(p.numel() for p in compute_weight_params(self.model))
+        return self._compute_weight_numel
 
     def largest_group(self, apply_groups: int) -> int:
         """Elements of the largest apply group (optim.apply_groups), both decay groups together."""
@@ -266,7 +299,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     acts = activation_report(cfg, world_size, ep, device_type)
     kept, redo = kept_activations(cfg, acts)
     if cfg.parallel.shard != "none":
-        return _sharded_report(cfg, model, no_decay, world_size, ep, device_type, acts)
+        return _sharded_report(cfg, facts, no_decay, world_size, ep, device_type, acts)
     if cfg.memory.offload == "zero":
         return zero_memory(cfg, model, facts, no_decay, world_size, ep, device_type)
     accum = accumulation_steps(cfg.train, world_size)
@@ -278,11 +311,11 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
                   "backward transients": max(acts.backward_transient, redo), "gradient-sync buckets": buckets}
 
     # train.weight_copy=per_step (config.py: unsharded, no offload): the bf16 copies beside the fp32 masters.
-    copies = 2.0 * sum(p.numel() for p in compute_weight_params(model)) if cfg.train.weight_copy == "per_step" else 0.0
+    copies = 2.0 * facts.compute_weight_numel() if cfg.train.weight_copy == "per_step" else 0.0
     states = {
         "params": 4.0 * numel + copies,
         "grads": 4.0 * numel,
-        "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in params)),
+        "optimizer state": facts.optimizer_state_bytes(cfg.optim.name),
         "optimizer step temporaries": 0.0 if fused_update(cfg, device_type) else 4.0 * largest_call,
     }
     mode = cfg.memory.offload
@@ -341,7 +374,7 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)),
                                                     grads_made=accum == 1 and (mode == "none" or keeps_grads),
                                                     offloaded=mode != "none")
-    staging = staging_bytes(cfg, model, params, facts.state_sizes)
+    staging = facts.staging_bytes(cfg)
     if staging:
         host["checkpoint staging"] = staging  # from the first save on, for the rest of the run
     phases_device = max(backward, grads_end + buckets, update_device)
@@ -354,14 +387,14 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
     )
 
 
-def _sharded_report(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int, ep: int, device_type: str,
+def _sharded_report(cfg: Config, facts: ModelFacts, no_decay: set[int], world_size: int, ep: int, device_type: str,
                     acts: ActivationBytes) -> MemoryReport:
     """parallel.shard optimizer/full (m6.memory.shard_estimate): shards and optimizer state
     resident; backward walked unit by unit (activations not yet released, gathered parameters,
     unsharded and sharded gradients at each); the update over the gradient shards. With
     memory.offload (FSDP2's CPUOffloadPolicy) the shards, their gradients, the optimizer state and
     the update live on the host: the device holds what backward gathers and makes."""
-    layout = shard_layout(cfg, model, no_decay, world_size, ep)
+    layout = facts.shard_layout(cfg, no_decay, world_size, ep)
     states = sharded_states(cfg, layout, world_size, device_type)
     kept, redo = kept_activations(cfg, acts)
     transient = max(acts.a2a_buffers, acts.backward_transient, redo)
@@ -435,6 +468,10 @@ class _BackwardWalk:
         self.buckets = [self.buckets[i] for i in order]
         remap = {old: new for new, old in enumerate(order)}
         self.grads = [(a, f, b, None if i is None else remap[i]) for a, f, b, i in self.grads]
+        # peak() walks backward unit by unit: each unit's gradients as (final after, bucket, bytes).
+        self._made_in: dict[str, list[tuple[str, Optional[int], float]]] = {}
+        for made_in, final_after, nbytes, bucket in self.grads:
+            self._made_in.setdefault(made_in, []).append((final_after, bucket, nbytes))
 
     def most_in_flight(self) -> float:
         """Bytes of the largest MAX_BUCKETS_IN_FLIGHT buckets (the end of backward, the update)."""
@@ -449,16 +486,22 @@ class _BackwardWalk:
         held, launched, next_bucket = sum(kept_by_unit.values()), [], 0
         done: set[str] = set()
         worst = 0.0
+        # The gradients made so far, added unit by unit; once streamed to the host one stays gone
+        # (``done`` and the drained buckets only grow), so it leaves the list for good. Byte counts
+        # are whole numbers: the running sums are exact whatever the order.
+        made_so_far, live = 0.0, []
         for unit, acts in kept_by_unit.items():
-            drained = set(range(max(0, len(launched) - MAX_BUCKETS_IN_FLIGHT)))
+            drained = max(0, len(launched) - MAX_BUCKETS_IN_FLIGHT)  # buckets 0 .. drained-1
             made = 0.0
             if grads_made:
-                for made_in, final_after, nbytes, bucket in self.grads:
-                    if made_in not in done and made_in != unit:
-                        continue  # not made yet
-                    if offloaded and (bucket is None and final_after in done or bucket in drained):
-                        continue  # already streamed to the host
-                    made += nbytes
+                new = self._made_in.get(unit, ())
+                if offloaded:
+                    live = [g for g in (*live, *new) if not (g[1] is None and g[0] in done
+                                                               or g[1] is not None and g[1] < drained)]
+                    made = float(sum(g[2] for g in live))
+                else:
+                    made_so_far += sum(g[2] for g in new)
+                    made = made_so_far
             worst = max(worst, held + made + sum(launched[-MAX_BUCKETS_IN_FLIGHT:]))
             held -= acts
             done.add(unit)
@@ -529,10 +572,10 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
     own_grad_buffers = numel - (sum(sizes) if half_grads and grads_land_in_homes(cfg) else 0)
     host = {"params": 4.0 * numel,
             "grads": float((c if half_grads else 4) * own_grad_buffers) * (2 if cfg.optim.delayed_update else 1),
-            "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
+            "optimizer state": facts.optimizer_state_bytes(cfg.optim.name),
             WEIGHT_STAGING: float(c * sum(sizes) + c * copy_back_staging(push)),
             "optimizer step temporaries": foreach + (4.0 * group if half_grads else 0.0)}
-    staging = staging_bytes(cfg, model, facts.params, facts.state_sizes)
+    staging = facts.staging_bytes(cfg)
     if staging:
         host["checkpoint staging"] = staging
     peak_device = params + max(backward, held + buckets)

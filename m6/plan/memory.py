@@ -9,6 +9,7 @@ import torch
 
 from m6.config import Config
 from m6.memory.estimate import MemoryReport, ModelFacts, estimate_memory
+from m6.model.host_drawn_init import HostDrawnInit
 from m6.model.m6_model import M6Model
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.layout import build_layout
@@ -20,7 +21,9 @@ def rank_model(cfg: Config, world_size: int, expert_parallel_size: int, rank: in
                rank_weights: list[float] | None = None) -> M6Model:
     """The model ``rank`` holds at this layout, on ``meta`` (its experts only; nothing allocated);
     ``rank_weights``: parallel.balance's weights, which size each EP rank's experts."""
-    with torch.device("meta"):
+    # HostDrawnInit skips the random fills of meta tensors (they hold no values): through torch's
+    # decompositions they took a third of a large search, which builds a model per layout.
+    with torch.device("meta"), HostDrawnInit():
         model = M6Model(cfg.model)
     layout = build_layout(world_size, rank, expert_parallel_size, cfg.model.moe.num_experts, world_size,
                           rank_weights=rank_weights)

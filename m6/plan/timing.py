@@ -544,13 +544,15 @@ def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> 
 @dataclass(frozen=True)
 class ModelFacts:
     """What step_time reads off a rank's (meta) model, the same for every setting the search times
-    on it: FLOP rates, replicated and expert parameter counts, trainable tensors, no-decay ids."""
+    on it: FLOP rates, replicated and expert parameter counts, trainable tensors, no-decay ids,
+    each block's parameter count."""
 
     rates: object
     numel_rep: int
     numel_exp: int
     num_trainable: int
     no_decay: frozenset
+    block_numels: tuple
 
 
 _FACTS: "weakref.WeakKeyDictionary[nn.Module, ModelFacts]" = weakref.WeakKeyDictionary()
@@ -565,7 +567,8 @@ def model_facts(model: nn.Module) -> ModelFacts:
         _FACTS[model] = ModelFacts(
             forward_flop_rates(model), sum(p.numel() for n, p in named if ".experts." not in n),
             sum(p.numel() for n, p in named if ".experts." in n), sum(1 for _, p in named if p.requires_grad),
-            frozenset(no_decay_ids(model)))
+            frozenset(no_decay_ids(model)),
+            tuple(sum(p.numel() for p in block.parameters()) for block in getattr(model, "blocks", ())))
     return _FACTS[model]
 
 
@@ -748,8 +751,8 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         streamed = 0
         first, resident_blocks = 0, 0  # zero's copy back: its first piece, the blocks it copies
         if cfg.memory.offload in ("optimizer+params", ZERO):
-            streamed_ids = streamed_blocks(cfg, len(model.blocks))
-            block_numels = [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+            block_numels = model_facts(model).block_numels
+            streamed_ids = streamed_blocks(cfg, len(block_numels))
             streamed = sum(block_numels[i] for i in streamed_ids)
             resident = [n for i, n in enumerate(block_numels) if i not in streamed_ids]
             first = numel - sum(block_numels) + (resident[0] if resident else 0)
