@@ -19,8 +19,9 @@ and optimizer state when it stays on the device):
              yet released + the gradients produced so far + the gradient-sync buckets in flight
              (laid out and launched as m6.parallel.grad_sync does: reverse registration order,
              a bucket goes once it and every bucket before it are complete, at most two in
-             flight) + the largest transient (one layer's gradient buffers, a recomputed part's
-             activations again, or the all-to-all payload). A bucket therefore weighs on the
+             flight) + that unit's own transient (``unit_transients``: the head's two fp32
+             logit-sized gradients, a block's gradient buffers beside its recomputed part's
+             activations made again), at least the all-to-all payload. A bucket therefore weighs on the
              activation peak only when it completes while activations are still held: one bucket
              holding every gradient is copied after they are gone;
   end of backward   every gradient + the buckets;
@@ -67,7 +68,8 @@ from typing import Optional
 from torch import nn
 
 from m6.config import Config, accumulation_steps, expert_ffn_dim, micro_batch_size
-from m6.model.activation_bytes import ActivationBytes, ActivationShape, activation_bytes, resolved_expert_kernel
+from m6.model.activation_bytes import (RESIDUAL_BYTES, ActivationBytes, ActivationShape, activation_bytes,
+                                      resolved_expert_kernel)
 from m6.moe import MoELayer
 from m6.memory.master_weights import compute_weight_params
 from m6.memory.grouped_apply import split_apply_groups
@@ -218,8 +220,13 @@ def activation_report(cfg: Config, world_size: int, expert_parallel_size: int, d
     moe = cfg.model.moe
     kernel = resolved_expert_kernel(moe.expert_kernel, device_type, cfg.train.precision, cfg.train.deterministic,
                                     moe.num_experts, expert_ffn_dim(cfg.model))
+    # memory.offload=zero keeps 16-bit device weights, the embeddings' too: the residual stream is
+    # 16-bit (and on CPU LayerNorm keeps its mean and rstd in a 16-bit input's dtype).
+    residual = c if cfg.memory.offload == "zero" else RESIDUAL_BYTES
     shape = ActivationShape(micro_batch_size(cfg.train, world_size), cfg.data.seq_len, c, a2a, expert_parallel_size,
-                            expert_kernel=kernel, weight_copies=cfg.train.precision == "bf16-autocast")
+                            expert_kernel=kernel, weight_copies=cfg.train.precision == "bf16-autocast",
+                            residual_bytes=residual,
+                            norm_stats_bytes=residual if device_type == "cpu" else 4)
     return activation_bytes(cfg.model, shape)
 
 
@@ -250,6 +257,22 @@ def kept_activations(cfg: Config, acts: ActivationBytes) -> tuple[float, float]:
     """(bytes kept for backward, the largest recomputed part's bytes re-made in backward)."""
     chosen = recomputed_parts(cfg, acts)
     return acts.kept(chosen), max((acts.parts[n][0] for n in chosen), default=0.0)
+
+
+def unit_transients(acts: ActivationBytes, chosen: set[str], least: float = 0.0,
+                    units: Optional[list[str]] = None) -> dict[str, float]:
+    """What each unit's backward makes on top of the activations still held when it runs: its own
+    gradient buffers (ActivationBytes.transient_by_unit: the head's two fp32 logit-sized
+    gradients, a block's) beside the activations of its largest recomputed part, re-made for
+    that backward (``chosen``: the parts recomputed); at least ``least`` (a transient any unit
+    may hold: the all-to-all payload, a gradient being streamed out); ``units``: the names of
+    ``acts.kept_by_unit()`` where the caller has them."""
+    redo: dict[str, float] = {}
+    for name in chosen:
+        unit = name.rsplit(".", 1)[0]  # blocks.<i>.attention -> blocks.<i>
+        redo[unit] = max(redo.get(unit, 0.0), acts.parts[name][0])
+    return {u: max(acts.transient_by_unit.get(u, 0.0) + redo.get(u, 0.0), least)
+            for u in (units if units is not None else acts.kept_by_unit())}
 
 
 def optimizer_state_sizes(optimizer_name: str, p: nn.Parameter) -> tuple[int, ...]:
@@ -368,12 +391,15 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
         grads_end = device_grads
     # Gradients this backward allocates as it goes: all of them when none exist before it (no
     # accumulation); offloaded ones leave as they become final (one at a time at world 1).
-    transient = max(acts.a2a_buffers, acts.backward_transient, redo)
-    if mode != "none":  # the unshared gradient being written and streamed
-        transient = max(transient, streaming)
-    backward = grads_before + transient + walk.peak(acts.kept_by_unit(recomputed_parts(cfg, acts)),
-                                                    grads_made=accum == 1 and (mode == "none" or keeps_grads),
-                                                    offloaded=mode != "none")
+    # Each unit's own transient on the activations still held when it runs (the head's on all);
+    # in every unit at least the all-to-all payload and, offloaded, the unshared gradient being
+    # written and streamed.
+    chosen = recomputed_parts(cfg, acts)
+    floor = max(acts.a2a_buffers, streaming if mode != "none" else 0.0)
+    kept_by_unit = acts.kept_by_unit(chosen)
+    backward = grads_before + walk.peak(kept_by_unit, grads_made=accum == 1 and (mode == "none" or keeps_grads),
+                                        offloaded=mode != "none",
+                                        transients=unit_transients(acts, chosen, floor, list(kept_by_unit)))
     staging = facts.staging_bytes(cfg)
     if staging:
         host["checkpoint staging"] = staging  # from the first save on, for the rest of the run
@@ -477,12 +503,17 @@ class _BackwardWalk:
         """Bytes of the largest MAX_BUCKETS_IN_FLIGHT buckets (the end of backward, the update)."""
         return sum(sorted((b[0] for b in self.buckets), reverse=True)[:MAX_BUCKETS_IN_FLIGHT])
 
-    def peak(self, kept_by_unit: dict[str, float], grads_made: bool, offloaded: bool = False) -> float:
-        """Largest activations still held + gradients made so far + buckets in flight, as each
-        unit's backward runs. ``grads_made``: this backward allocates the gradients (False: they
-        exist before it, accumulation). ``offloaded``: a gradient leaves the device once final:
-        at once when nothing sums it with other ranks, else when its bucket is drained (past the
-        in-flight window)."""
+    def peak(self, kept_by_unit: dict[str, float], grads_made: bool, offloaded: bool = False,
+             transients: Optional[dict[str, float]] = None, least_transient: float = 0.0) -> float:
+        """Largest activations still held + gradients made so far + buckets in flight + the
+        unit's own transient, as each unit's backward runs. ``grads_made``: this backward
+        allocates the gradients (False: they exist before it, accumulation). ``offloaded``: a
+        gradient leaves the device once final: at once when nothing sums it with other ranks, else
+        when its bucket is drained (past the in-flight window). ``transients``: what each unit's
+        backward makes at its worst (ActivationBytes.transient_by_unit), at least
+        ``least_transient`` in every unit (a transient any unit may hold: the all-to-all payload,
+        a recomputed part, a gradient being streamed)."""
+        transients = transients or {}
         held, launched, next_bucket = sum(kept_by_unit.values()), [], 0
         done: set[str] = set()
         worst = 0.0
@@ -502,7 +533,8 @@ class _BackwardWalk:
                 else:
                     made_so_far += sum(g[2] for g in new)
                     made = made_so_far
-            worst = max(worst, held + made + sum(launched[-MAX_BUCKETS_IN_FLIGHT:]))
+            transient = max(transients.get(unit, 0.0), least_transient)
+            worst = max(worst, held + made + sum(launched[-MAX_BUCKETS_IN_FLIGHT:]) + transient)
             held -= acts
             done.add(unit)
             while next_bucket < len(self.buckets) and self.buckets[next_bucket][1] <= done:
@@ -543,8 +575,15 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
     scale = c / 4.0
     walk = facts.walk(world_size, ep, cfg.parallel.bucket_size_mb * 2**20 / scale)
     buckets = scale * walk.most_in_flight()
-    sizes = [facts.block_numels[i] for i in streamed_blocks(cfg, len(facts.block_numels))]
+    streamed = streamed_blocks(cfg, len(facts.block_numels))
+    sizes = [facts.block_numels[i] for i in streamed]
     params = float(c * (numel - sum(sizes) + _streamed_window_of(sizes)))
+    resident_params = float(c * (numel - sum(sizes)))  # the blocks that never leave
+    # A streamed block is on the device only around its forward and its backward, the next one in
+    # that direction prefetched (m6.memory.offload.ParamStreamer): during block k's backward, k
+    # and the streamed block before it; the head's backward and the end of the step hold none.
+    window = {f"blocks.{k}": c * (facts.block_numels[k] + (facts.block_numels[streamed[j - 1]] if j else 0))
+              for j, k in enumerate(streamed)}
     half_grads = cfg.memory.host_grad_dtype == "compute"
     # With accumulation the gradients that wait add up on the device in 16 bits (a 16-bit weight's
     # .grad is 16-bit): all of them with 16-bit host gradients (they leave once, in the last
@@ -556,9 +595,16 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
     held = float(c * (numel if half_grads else numel - local)) if accum > 1 else 0.0
     # One gradient being written and copied: fp32 host buffers widen it to fp32 on the device first.
     largest = (c if half_grads else 4) * max((p.numel() for p in facts.params), default=0)
-    transient = max(acts.a2a_buffers, acts.backward_transient, redo, largest)
-    by_unit = {unit: b / scale for unit, b in acts.kept_by_unit(chosen).items()}
-    backward = held + transient + scale * walk.peak(by_unit, grads_made=accum == 1, offloaded=True)
+    kept_by_unit = acts.kept_by_unit(chosen)
+    by_unit = {unit: b / scale for unit, b in kept_by_unit.items()}
+    # Each unit's own transient on the activations still held when it runs (the head's on all),
+    # at least the all-to-all payload or the gradient being copied out; plus the streamed blocks
+    # on the device then.
+    extra = {u: (b + window.get(u, 0.0)) / scale
+             for u, b in unit_transients(acts, chosen, max(acts.a2a_buffers, largest), list(by_unit)).items()}
+    backward = held + scale * walk.peak(by_unit, grads_made=accum == 1, offloaded=True, transients=extra)
+    # The forward's end: every activation but the head's, the last streamed blocks' window.
+    forward = held + kept - kept_by_unit["head"] + c * _streamed_window_of(sizes)
     device = {"params": params, "grads": held, "activations (per micro-batch)": kept,
               "all-to-all buffers": acts.a2a_buffers,
               "backward transients": max(acts.backward_transient, redo, largest), "gradient-sync buckets": buckets}
@@ -578,11 +624,11 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
     staging = facts.staging_bytes(cfg)
     if staging:
         host["checkpoint staging"] = staging
-    peak_device = params + max(backward, held + buckets)
+    peak_device = resident_params + max(backward, held + buckets, forward)
     peak_host = sum(host.values())
     # One memory (a CPU device): the update's temporaries come after backward's bytes are gone,
     # except with the delayed update, whose host update runs beside the next forward/backward.
     temporaries = host["optimizer step temporaries"]
     shared = peak_device + peak_host if cfg.optim.delayed_update else \
-        params + peak_host - temporaries + max(backward, held + buckets, temporaries)
+        resident_params + peak_host - temporaries + max(backward, held + buckets, forward, temporaries)
     return MemoryReport(device=device, host=host, peak_device=peak_device, peak_host=peak_host, peak_shared=shared)

@@ -60,12 +60,19 @@ def resolve_offload_blocks(cfg: Config, model: nn.Module, no_decay: set[int], wo
 
 def blocks_to_stream(num_blocks: int, peak: Callable[[list[int]], float], budget: float) -> list[int]:
     """The fewest blocks to stream, 0..k-1, so that ``peak(streamed)`` (device bytes) fits ``budget``:
-    blocks are kept on the device from the last one down (see the module docstring). Keeping one
-    more block never lowers the peak, so the count is found by bisection: log2(blocks) estimates.
-    All blocks when even streaming every one does not fit (the caller tells it from the peak)."""
+    blocks are kept on the device from the last one down (see the module docstring). Streaming
+    one more block k saves its bytes everywhere but in k's own backward, which also has block k-1
+    prefetched beside it (m6.memory.offload.ParamStreamer); that outweighs the saving only where
+    the peak is in k's backward, in practice the last block's (the one with most activations held
+    after the head's, whose backward holds no streamed block). So the count is found by bisection,
+    log2(blocks) estimates, over all the blocks or, where streaming every one does not fit, over
+    all but the last; what it returns fits. All blocks when no count fits (the caller tells it
+    from the peak)."""
     lo, hi = 0, num_blocks  # streaming hi blocks fits (or hi = all); find the least that fits
     if peak(list(range(hi))) > budget:
-        return list(range(hi))
+        if num_blocks < 2 or peak(list(range(num_blocks - 1))) > budget:
+            return list(range(num_blocks))
+        hi = num_blocks - 1
     while lo < hi:
         mid = (lo + hi) // 2
         if peak(list(range(mid))) <= budget:

@@ -38,7 +38,11 @@ from m6.config import (ModelConfig, expert_ffn_dim, head_dim, is_moe_block, num_
 from m6.model.chunked_cross_entropy import chunk_rows_for
 from m6.moe.expert_gemm import fine_grained
 
-RESIDUAL_BYTES = 4  # the residual stream stays fp32 (embeddings are fp32; x + bf16 promotes)
+# The residual stream stays fp32 (embeddings are fp32; x + bf16 promotes), except where the
+# embedding weights themselves are 16-bit (memory.offload=zero's device weights): then every
+# residual tensor, its norms' inputs and its gradient are in the compute dtype
+# (ActivationShape.residual_bytes).
+RESIDUAL_BYTES = 4
 INDEX_BYTES = 8  # int64 permutation and label indices
 
 
@@ -55,6 +59,8 @@ class ActivationShape:
     # with auto read as a non-fused kernel, what it picks off CUDA; see ``resolved_expert_kernel``).
     expert_kernel: str | None = None
     weight_copies: bool = False  # plain autocast (train.precision=bf16-autocast): weight casts kept
+    residual_bytes: int = RESIDUAL_BYTES  # the residual stream's element size (c with 16-bit embeddings)
+    norm_stats_bytes: int = 4  # LayerNorm's mean and rstd: fp32, but a 16-bit input's dtype on CPU
 
 
 def resolved_expert_kernel(setting: str, device_type: str, precision: str, deterministic: bool,
@@ -82,7 +88,9 @@ class ActivationBytes:
     parts: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (saved, inputs)
     a2a_buffers: float = 0.0  # send + receive payload of one MoE layer's exchange (transient)
     backward_transient: float = 0.0  # gradient buffers alive at once at the backward's worst point
-    # The same per unit ("blocks.<i>", "head"): what one pipeline stage's backward sees (m6.plan.pipeline_memory).
+    # The same per unit (kept_by_unit's names: "blocks.<i>", "head"): what that unit's backward
+    # makes at its worst point, on top of the activations not yet released when it runs (the
+    # head's at all of them); a pipeline stage's backward sees its own (m6.plan.pipeline_memory).
     transient_by_unit: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -108,16 +116,21 @@ class ActivationBytes:
                  "embeddings"]
         return {u: units.get(u, 0.0) for u in order}
 
+    def _add_transient(self, unit: str, nbytes: float) -> None:
+        self.transient_by_unit[unit] = max(self.transient_by_unit.get(unit, 0.0), nbytes)
+        self.backward_transient = max(self.backward_transient, nbytes)
+
     def _add_outside(self, unit: str, nbytes: float) -> None:
         self.outside_by_unit[unit] = self.outside_by_unit.get(unit, 0.0) + nbytes
 
 
-def norm_saved(cfg: ModelConfig, rows: int) -> float:
-    """What one norm saves besides its input: LayerNorm its mean and rstd (fp32); RMSNorm (torch's
-    composite rms_norm) its rstd and the normalised input it multiplies the weight by."""
+def norm_saved(cfg: ModelConfig, rows: int, stats_bytes: int = 4) -> float:
+    """What one norm saves besides its input: LayerNorm its mean and rstd (fp32, or on CPU in the
+    dtype of a 16-bit input: ``stats_bytes``); RMSNorm (torch's composite rms_norm) its rstd and
+    the normalised input it multiplies the weight by, both fp32 (it computes in fp32)."""
     if cfg.norm == "rmsnorm":
         return RESIDUAL_BYTES * rows * cfg.d_model + 4 * rows
-    return 2 * 4 * rows
+    return 2 * stats_bytes * rows
 
 
 def qk_saved(cfg: ModelConfig, T: int, S: int, c: int) -> float:
@@ -148,11 +161,12 @@ def rotary_tables(cfg: ModelConfig, S: int, c: int) -> float:
     return 2 * 4 * S * head_dim(cfg) if rope and c == 4 else 0.0
 
 
-def input_casts(activation: str, c: int) -> int:
-    """Copies of its (fp32) input a DenseMLP keeps: none in fp32 (the input itself is kept, by
-    whoever owns it); below fp32 one low-precision cast per input projection (fc_in, and fc_gate
-    for SwiGLU), each cast by its own op."""
-    return 0 if c == 4 else (2 if activation == "swiglu" else 1)
+def input_casts(activation: str, c: int, residual_bytes: int = RESIDUAL_BYTES) -> int:
+    """Copies of its input (a norm's output, in the residual stream's dtype) a DenseMLP keeps:
+    none where that is the compute dtype already (fp32, or a 16-bit residual stream: the input
+    itself is kept, by whoever owns it, once for every projection); below fp32 one low-precision
+    cast per input projection (fc_in, and fc_gate for SwiGLU), each cast by its own op."""
+    return 0 if c == residual_bytes else (2 if activation == "swiglu" else 1)
 
 
 def weight_mats(activation: str) -> int:
@@ -196,9 +210,12 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     Fe, Fd = expert_ffn_dim(cfg), cfg.ffn_dim
     N = T * K  # assignments kept (sent by this rank; received, by the balance assumption)
     ep = shape.expert_parallel_size
-    r = RESIDUAL_BYTES
+    r = shape.residual_bytes
+    # What a norm keeps of its input (the residual stream): LayerNorm the input itself; torch's
+    # RMSNorm computes in fp32 and keeps the fp32 upcast of a 16-bit input instead.
+    rn = r if cfg.norm == "layernorm" else RESIDUAL_BYTES
     Q, Kv = H * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
-    norm_stats = norm_saved(cfg, T)
+    norm_stats = norm_saved(cfg, T, shape.norm_stats_bytes)
     kernel = shape.expert_kernel or ("loop" if moe.expert_kernel == "auto" else moe.expert_kernel)
     wc = c if shape.weight_copies else 0  # bytes per element of autocast's kept weight copies
     out = ActivationBytes()
@@ -223,12 +240,12 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
         # and logsumexp [B,H,S], and its output (the out projection's input, a view).
         # q/k norms and rotary positions add their own (qk_saved); plain autocast the qkv and
         # out projections' weight copies.
-        attn_saved = (r * T * D + norm_stats + c * T * D + c * T * (Q + 2 * Kv) + c * B * S * S + 4 * B * H * S
+        attn_saved = (rn * T * D + norm_stats + c * T * D + c * T * (Q + 2 * Kv) + c * B * S * S + 4 * B * H * S
                       + c * T * Q + qk_saved(cfg, T, S, c) + wc * D * (2 * Q + 2 * Kv))
         attn_inputs = r * T * D + B * S * S  # the block input and the boolean mask (shared by all layers)
         out.parts[f"blocks.{i}.attention"] = (attn_saved, attn_inputs)
         # Outside the parts: the FFN norm's input (residual after attention) and stats.
-        out._add_outside(f"blocks.{i}", r * T * D + norm_stats)
+        out._add_outside(f"blocks.{i}", rn * T * D + norm_stats)
         if is_moe_block(cfg, i):
             # Router (outside): its input (router_input_saved), logits and probabilities [T, E],
             # top-k ids and weights; dispatch indices and weights.
@@ -263,28 +280,31 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
             if moe.num_shared_experts:
                 # In fp32 its input is the router's (kept outside already); below fp32 each of its
                 # input projections keeps its own low-precision cast of the input. The gate keeps
-                # the shared output it scales and its sigmoid (and its own input cast).
+                # the shared output it scales and its sigmoid (and its own input cast). With a
+                # 16-bit residual stream the norm's 16-bit output is kept once for all of them
+                # (the router keeps its own fp32 cast).
                 Fs = shared_expert_ffn_dim(cfg)
-                casts = input_casts(moe.activation, c)
+                casts = input_casts(moe.activation, c, r) if r != c else int(c != 4)
                 copies = wc * weight_mats(moe.activation) * D * Fs
                 out.parts[f"blocks.{i}.shared_experts"] = (mlp_hidden_saved(moe.activation, T, Fs, c)
                                                            + casts * c * T * D + copies, casts * c * T * D)
                 if moe.shared_expert_gate:
-                    out._add_outside(f"blocks.{i}", c * T * D + 4 * T + (c * T * D if c != 4 else 0) + wc * D)
+                    out._add_outside(f"blocks.{i}", c * T * D + 4 * T + (c * T * D if c != r else 0) + wc * D)
                 layer_transient = max(layer_transient, mlp_hidden_saved(moe.activation, T, Fs, c) / 2 + 4 * T * D)
         else:
             hidden = mlp_hidden_saved(cfg.ffn_activation, T, Fd, c)
-            inputs = max(1, input_casts(cfg.ffn_activation, c)) * c * T * D
+            inputs = max(1, input_casts(cfg.ffn_activation, c, r)) * c * T * D
             copies = wc * weight_mats(cfg.ffn_activation) * D * Fd
             out.parts[f"blocks.{i}.mlp"] = (inputs + hidden + copies, inputs)
             layer_transient = hidden / 2 + 2 * c * T * Fd * (cfg.ffn_activation == "swiglu") + 4 * T * D
         # Attention's backward: dq, dk, dv and the incoming gradient, beside the residual's.
         layer_transient = max(layer_transient, c * T * (2 * Q + 2 * Kv) + r * T * D)
-        out.backward_transient = max(out.backward_transient, layer_transient)
-        out.transient_by_unit[f"blocks.{i}"] = layer_transient
+        out._add_transient(f"blocks.{i}", layer_transient)
     # Head: final norm input (last residual) and stats, the gathered target rows (the output
     # projection's input: in the compute dtype, and under plain autocast its weight copy), fp32
-    # logits and labels. The logits' gradient (same size) is the backward's first transient.
+    # logits and labels. The backward's first transients: the gradient of the log-probabilities
+    # (nll_loss_backward, fp32, the logits' size) and the logits' (log_softmax_backward, the same),
+    # both alive while the second is made, beside every activation.
     # Chunked (model.loss_chunk_rows): the fp32 target rows and one fp32 log-sum-exp per row
     # instead of the logits, no weight copy kept; one chunk's logits (compute dtype and fp32)
     # formed again in backward.
@@ -292,11 +312,9 @@ def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationByte
     head_norm = norm_stats if cfg.norm == "layernorm" else norm_saved(cfg, B * L)
     chunk = chunk_rows_for(cfg.loss_chunk_rows, V)
     if 0 < chunk < targets:
-        out._add_outside("head", r * T * D + head_norm + targets * (4 * D + 4 + INDEX_BYTES) + B * L)
-        out.backward_transient = max(out.backward_transient, (c + 4) * chunk * V)
-        out.transient_by_unit["head"] = (c + 4) * chunk * V
+        out._add_outside("head", rn * T * D + head_norm + targets * (r * D + 4 + INDEX_BYTES) + B * L)
+        out._add_transient("head", (c + 4) * chunk * V)
     else:
-        out._add_outside("head", r * T * D + head_norm + targets * (c * D + 4 * V + INDEX_BYTES) + B * L + wc * V * D)
-        out.backward_transient = max(out.backward_transient, 4 * targets * V)
-        out.transient_by_unit["head"] = 4 * targets * V
+        out._add_outside("head", rn * T * D + head_norm + targets * (c * D + 4 * V + INDEX_BYTES) + B * L + wc * V * D)
+        out._add_transient("head", 2 * 4 * targets * V)
     return out

@@ -212,9 +212,10 @@ def test_search_plans_zero_and_the_delayed_update_on_gpus_only():
     assert "overlaps: " in printed and "steps 1-40 update synchronously" in printed
     # A device that holds only some of the blocks' 16-bit weights streams the first ones.
     rm = RankMemory(cfg, 1, 1, "cuda")
-    # (Streaming one or two blocks saves nothing: two blocks are on the device at once; three do.)
+    # (A streamed block is on the device only around its forward and backward, not at the head's
+    # backward where the peak is: each block streamed saves its bytes.)
     half = rm.report(_zero(cfg, 16, blocks=[0, 1, 2])).peak_device
-    assert half < rm.report(_zero(cfg, 16, blocks=[0, 1])).peak_device == rm.report(_zero(cfg, 16)).peak_device
+    assert half < rm.report(_zero(cfg, 16, blocks=[0, 1])).peak_device < rm.report(_zero(cfg, 16)).peak_device
     small = dataclasses.replace(V100, memory_gib=half / 0.9 / GiB * 1.0001)
     zero_small = [c for c in search(cfg, 1, 8, small, _host(), 4096.0, offload=(ZERO,), **narrow).feasible
                   if c.host_grad_dtype == "fp32"]
