@@ -19,7 +19,7 @@ makespan runs from the common start after a barrier to the last rank's end of ``
 makespan for all ranks, with every rank busy m x (F + B). Median over rounds, with the range.
 
 Beside the formula, the schedule's own idle share: torch's action order for the case replayed with
-the design's costs and free messages (bench.pipeline_schedule_sim), which says whether the order
+the design's costs and free messages (m6.plan.pipeline_replay, the planner's bubble), which says whether the order
 itself idles more than the formula. Each round is then replayed on that order from its measured
 holds (each hold tagged with its stage, kind and micro-batch; the bench checks every rank ran its
 holds in the order replayed) to split the step's time beyond the ideal into the holds' oversleep,
@@ -42,8 +42,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from bench.harness import free_port, machine_info, machine_tag, write_results
-from bench.pipeline_schedule_sim import Op, action_inputs, one_f_one_b_order, simulate, torch_order
+from bench.pipeline_schedule_sim import held_kinds, nominal_cost, replay_case
 from m6.parallel.pipeline import rank_stage_indices
+from m6.parallel.pipeline_order import Action, stage_rank
+from m6.plan.pipeline_replay import action_inputs, schedule_order
 from m6.train.pipeline_step import SCHEDULES
 
 
@@ -92,50 +94,31 @@ def formula(schedule: str, p: int, m: int, v: int) -> float | None:
     return (p - 1) / (m + p - 1) if schedule == "1f1b" else (p - 1) / (v * m + p - 1)
 
 
-def stage_rank(schedule: str, p: int):
-    """Pipeline rank of each stage (torch's loop order; the V for zero bubble)."""
-    return (lambda s: s if s < p else 2 * p - 1 - s) if schedule == "zero_bubble" else (lambda s: s % p)
-
-
-def _op_holds(rank_holds: list) -> dict[Op, list[tuple[float, float]]]:
-    """A rank's holds of one step as (stage, kind, micro-batch) -> [(start, end)]: each stage runs
+def _op_holds(rank_holds: list) -> dict[Action, list[tuple[float, float]]]:
+    """A rank's holds of one step as (kind, stage, micro-batch) -> [(start, end)]: each stage runs
     its micro-batches' forwards, and each kind of backward, in micro-batch order."""
     count: dict[tuple, int] = {}
-    out: dict[Op, list] = {}
+    out: dict[Action, list] = {}
     for stage, kind, t0, t1 in sorted(rank_holds, key=lambda h: h[2]):
         mb = count[(stage, kind)] = count.get((stage, kind), -1) + 1
-        out[Op(stage, kind, mb)] = [(t0, t1)]
+        out[Action(kind, stage, mb)] = [(t0, t1)]
     return out
 
 
-def _held_kinds(op: Op) -> tuple[str, ...]:
-    """The holds an action runs: a full backward both; under the split backward (zero bubble) the
-    first stage's input-gradient action nothing (no input needs a gradient) and its weight-gradient
-    action the whole backward (torch's PipelineStage.backward_one_chunk)."""
-    if op.kind == "B" or (op.stage == 0 and op.kind == "W"):
-        return ("I", "W")
-    return () if op.stage == 0 and op.kind == "I" else (op.kind,)
-
-
-def nominal_cost(op: Op, v: int, forward_s: float) -> float:
-    """The seconds of work an action holds its rank for, by design (each hold forward_s / v)."""
-    return len(_held_kinds(op)) * forward_s / v
-
-
-def decompose(order: dict[int, list[Op]], schedule: str, p: int, v: int, forward_s: float, everyone: list) -> dict:
+def decompose(order: dict[int, list[Action]], schedule: str, p: int, v: int, forward_s: float, everyone: list) -> dict:
     """One measured step replayed on its own schedule (bench.pipeline_schedule_sim), to say where
     its makespan beyond the schedule's ideal went, cumulatively: the holds' oversleep (this
     shared machine's load), the fixed time of every action outside its hold (torch's stage and
     schedule Python, autograd, this stage's small tensor ops, the loss), the messages' time beyond
     that, and the step's entry and exit. ``everyone``: per rank (step start, step end, holds)."""
-    to_rank, num_stages = stage_rank(schedule, p), p * v
-    holds: dict[Op, list] = {}
+    to_rank, num_stages = (lambda s: stage_rank(schedule, p, s)), p * v
+    holds: dict[Action, list] = {}
     for _, _, rank_holds in everyone:
         holds.update(_op_holds(rank_holds))
-    spans: dict[Op, list] = {}  # each action's holds
+    spans: dict[Action, list] = {}  # each action's holds
     for rank, ops in order.items():
         for op in ops:
-            spans[op] = [h for k in _held_kinds(op) for h in holds[Op(op.stage, k, op.micro_batch)]]
+            spans[op] = [h for k in held_kinds(op) for h in holds[Action(k, op.stage, op.micro_batch)]]
     for rank, ops in order.items():  # the run kept the order replayed
         ran = sorted((op for op in ops if spans[op]), key=lambda op: spans[op][0][0])
         if ran != [op for op in ops if spans[op]]:
@@ -148,8 +131,8 @@ def decompose(order: dict[int, list[Op]], schedule: str, p: int, v: int, forward
     inner = {op: last(op) - first(op) - held[op] if spans[op] else 0.0 for op in spans}  # between B's holds
     local, hops = [], []
     for rank, ops in order.items():
-        waits_on: dict[Op, list[Op]] = {}  # a held action's remote inputs, and those of the actions without holds
-        pending: list[Op] = []  # before it (they wait on their inputs, then run nothing)
+        waits_on: dict[Action, list[Action]] = {}  # a held action's remote inputs, and those of the actions without holds
+        pending: list[Action] = []  # before it (they wait on their inputs, then run nothing)
         for op in ops:
             pending += [i for i in action_inputs(op, num_stages) if i in spans and to_rank(i.stage) != rank]
             if spans[op]:
@@ -166,10 +149,10 @@ def decompose(order: dict[int, list[Op]], schedule: str, p: int, v: int, forward
     gap = statistics.mean(local)
     message = max(0.0, statistics.mean(hops) - gap) if hops else 0.0
     own = {op: held[op] + inner[op] + (gap if spans[op] else 0.0) for op in spans}  # an action's time on its rank
-    ideal = simulate(order, to_rank, num_stages, lambda op: nominal_cost(op, v, forward_s)).makespan
-    with_holds = simulate(order, to_rank, num_stages, held.__getitem__).makespan
-    with_ops = simulate(order, to_rank, num_stages, own.__getitem__).makespan
-    with_messages = simulate(order, to_rank, num_stages, own.__getitem__, message).makespan
+    ideal = replay_case(schedule, p, v, order, lambda op: nominal_cost(op, v, forward_s)).makespan
+    with_holds = replay_case(schedule, p, v, order, held.__getitem__).makespan
+    with_ops = replay_case(schedule, p, v, order, own.__getitem__).makespan
+    with_messages = replay_case(schedule, p, v, order, own.__getitem__, message).makespan
     ends = [min(first(op) for op in order[to_rank(0)] if spans[op]) - start,  # the step's entry
             max(e[1] for e in everyone) - max(last(op) for op in spans if spans[op])]  # and exit
     return {"makespan": makespan, "ideal": ideal, "oversleep": with_holds - ideal, "per_action": with_ops - with_holds,
@@ -199,7 +182,7 @@ def _rank(rank: int, world: int, port: int, cases: list[dict], forward_ms: float
                   for s in indices]
         cls = SCHEDULES[schedule]
         sched = cls(stages[0] if v == 1 else stages, m, loss_fn=lambda y, t: (y * t).sum(), scale_grads=False)
-        order = one_f_one_b_order(p, m) if v == 1 else torch_order(sched.pipeline_order)
+        order = schedule_order(schedule, p, v, m)
         x, target = torch.ones(m, 4), torch.ones(m, 4)
         idle, parts = [], []
         for r in range(rounds + 2):  # 2 warm-up steps (the first infers shapes)
@@ -215,7 +198,7 @@ def _rank(rank: int, world: int, port: int, cases: list[dict], forward_ms: float
                 idle.append([1 - sum(h[3] - h[2] for h in hs) / makespan for _, _, hs in everyone])
                 parts.append(decompose(order, schedule, p, v, forward_ms / 1000, everyone))
         if rank == 0:
-            unit = simulate(order, stage_rank(schedule, p), p * v, lambda op: nominal_cost(op, v, 1.0))
+            unit = replay_case(schedule, p, v, order, lambda op: nominal_cost(op, v, 1.0))
             results.append({**case, "rounds": rounds, "formula": formula(schedule, p, m, v),
                             "schedule_idle_share": max(unit.idle_share()),
                             "idle_share_per_rank": [statistics.median(i[k] for i in idle) for k in range(p)],

@@ -22,8 +22,13 @@ A unit test holds each to torch's own generator (tests/unit/test_plan_pipeline_m
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import NamedTuple
 
-Action = tuple[str, int, int]  # (F | B | I | W, stage, micro-batch)
+
+class Action(NamedTuple):
+    kind: str  # F, B, I or W
+    stage: int
+    micro_batch: int
 
 
 def rank_actions(schedule: str, pp: int, v: int, m: int, rank: int) -> list[Action]:
@@ -37,14 +42,23 @@ def rank_actions(schedule: str, pp: int, v: int, m: int, rank: int) -> list[Acti
     raise ValueError(f"unknown pipeline schedule {schedule!r}")
 
 
+def stage_rank(schedule: str, pp: int, stage: int) -> int:
+    """The pipeline rank that runs ``stage`` (m6.parallel.pipeline.rank_stage_indices' inverse):
+    stages in loop order, rank r running r, r + p, ..., or zero_bubble's V, rank r running r and
+    2p - 1 - r."""
+    if schedule == "zero_bubble":
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
 def _one_f_one_b(pp: int, m: int, rank: int) -> list[Action]:
     warmup = min(m, pp - rank)
-    out: list[Action] = [("F", rank, i) for i in range(warmup)]
+    out: list[Action] = [Action("F", rank, i) for i in range(warmup)]
     forward = warmup
     for backward in range(m):
-        out.append(("B", rank, backward))
+        out.append(Action("B", rank, backward))
         if forward < m:
-            out.append(("F", rank, forward))
+            out.append(Action("F", rank, forward))
             forward += 1
     return out
 
@@ -60,12 +74,12 @@ def _interleaved(pp: int, v: int, m: int, rank: int) -> list[Action]:
 
     def forward(step: int) -> None:
         stage = ((step // per_round) % v) * pp + rank
-        out.append(("F", stage, forward_count[stage]))
+        out.append(Action("F", stage, forward_count[stage]))
         forward_count[stage] += 1
 
     def backward(step: int) -> None:
         stage = (v - 1 - ((step - warmup) // per_round) % v) * pp + rank
-        out.append(("B", stage, backward_count[stage]))
+        out.append(Action("B", stage, backward_count[stage]))
         backward_count[stage] += 1
 
     for step in range(total + warmup):
@@ -87,7 +101,7 @@ def _zero_bubble_v(pp: int, m: int, rank: int) -> list[Action]:
 
     def act(kind: str, stage: int, index_of: str | None = None) -> None:
         key = (index_of or kind, stage)
-        out.append((kind, stage, count[key]))
+        out.append(Action(kind, stage, count[key]))
         count[key] += 1
 
     for _ in range(2 * (pp - rank) - 1):

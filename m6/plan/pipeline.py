@@ -10,24 +10,22 @@ blocks of a stage are as dense or MoE as the model's on average (moe.every divid
 rank). Its memory is sized rank by rank, each its own stages' blocks and ends, over torch's order
 of its actions (m6.plan.pipeline_memory).
 
-Schedules (torch.distributed.pipelining), F / B / W: one micro-batch's forward, input-gradient
-and weight-gradient time on a rank:
-  1f1b         Schedule1F1B: idle share of a rank (p - 1) / (m + p - 1) (Narayanan et al., SC'21,
-               section 2.2).
-  interleaved  ScheduleInterleaved1F1B, v chunks per rank: idle share (p - 1) / (v m + p - 1)
+Schedules (torch.distributed.pipelining); a rank's bubble is the worst rank's idle time of
+torch's own action order replayed at the design's costs (m6.plan.pipeline_replay: forward F,
+backward 2F, ZB-V's input gradient (1 + a) F and weight gradient (1 - a) F with a the share of the
+forward in attention's weightless matmuls; messages apart, below):
+  1f1b         Schedule1F1B: replays to the idle share (p - 1) / (m + p - 1) (Narayanan et al.,
+               SC'21, section 2.2).
+  interleaved  ScheduleInterleaved1F1B, v chunks per rank: replays to (p - 1) / (v m + p - 1)
                (ibid., section 2.2.2).
   zero_bubble  ScheduleZBVZeroBubble, the ZB-V schedule of Qi et al., "Zero Bubble Pipeline
                Parallelism" (ICLR 2024, section 6; torch's docstring cites it): v = 2 chunks in a V
                (rank 0 holds the first and the last stage: the embeddings and the head), the
-               weight gradients deferred into the bubble; idle (p - 1) (F + B - 2W) per chunk.
-               torch lays the schedule out for max(m, 2p - 1) micro-batches, so with
-               m < 2p - 1 the missing ones' slots (F + B + W each) are idle too. F, B and W from FLOPs:
-               each linear layer's backward is one matmul for the input gradient and one for the
-               weight gradient, each the forward's cost, while attention's QK^T and PV have no
-               weights (their backward is all B): with a the share of the forward in those,
-               B = (1 + a) F and W = (1 - a) F, so the idle time is (p - 1) 3 a F / 2 per chunk
-               pair. ASSUMED: each part runs at the same efficiency (the paper measures B and W
-               apart; real kernels differ).
+               weight gradients deferred into the bubble. torch's order is not the paper's
+               bubble-free one: at a = 0 it idles 1/6 of a micro-batch's compute at p = 2 and 1/2
+               at p = 4, m >= 6 (1 at m = 4: torch lays it out for max(m, 2p - 1) micro-batches
+               and drops the missing ones' actions), and its first stage runs its
+               whole backward as the weight-gradient action.
 Point-to-point: each micro-batch's fp32 residual stream [B, S, D] crosses every stage boundary
 forward and its gradient backward; ASSUMED not overlapped with compute, (v m + p - 1) x 2 sends on
 a rank's critical path, on the intra-node link when adjacent stages share a node (pp is the
@@ -40,6 +38,7 @@ import dataclasses
 
 from m6.config import Config, num_patches
 from m6.model.activation_bytes import RESIDUAL_BYTES
+from m6.plan.pipeline_replay import schedule_idle
 
 SCHEDULES = ("1f1b", "interleaved", "zero_bubble")
 INTERLEAVED_CHUNKS = 2  # v the search tries for the interleaved schedule
@@ -101,14 +100,12 @@ def stage_config(cfg: Config, pp: int) -> Config:
 
 
 def bubble_s(schedule: str, pp: int, v: int, m: int, micro_s: float, attention_share: float) -> float:
-    """Idle seconds of a rank per step, ``micro_s`` its forward+backward of one micro-batch."""
+    """Idle seconds of a rank per step, ``micro_s`` its forward+backward of one micro-batch and
+    ``attention_share`` the share of its forward in attention's weightless matmuls: the worst
+    rank's idle of torch's order replayed at the design's costs (m6.plan.pipeline_replay)."""
     if pp == 1:
         return 0.0
-    if schedule == "zero_bubble":
-        forward = micro_s / 3 / v  # one chunk's F; backward = 2 F
-        # torch lays ZB-V out for at least 2p - 1 micro-batches: the slots of those missing stay idle.
-        return (pp - 1) * max(0.0, 3 * attention_share * forward) + max(0, 2 * pp - 1 - m) * micro_s
-    return (pp - 1) * micro_s / v  # share (p-1)/(v m + p - 1) of (v m + p - 1) chunk slots
+    return schedule_idle(schedule, pp, v, m, attention_share) * micro_s
 
 
 def idle_share(schedule: str, pp: int, v: int, m: int, attention_share: float = 0.0) -> float:

@@ -1,40 +1,29 @@
-"""The pipeline schedule replay behind bench/pipeline_bubble.py: torch's 1F1B loop order idles
-exactly the textbook (p-1)/(m+p-1) with forward 1, backward 2 and free messages; a message's
-time lands on the critical path where a rank waits for it; an order that waits on an action
-never run before it is an error, not a hang."""
+"""The bench's side of the pipeline replay (bench.pipeline_schedule_sim over m6.plan.pipeline_replay):
+an action's design time is its timed holds' (the bench's stages hold forward_s / v per kind), the
+first stage's input-gradient action holding nothing under ZB-V; a case replays at the costs a run
+measured, its messages' time included."""
 
 import pytest
 
-from bench.pipeline_schedule_sim import Op, one_f_one_b_order, simulate
+from bench.pipeline_schedule_sim import held_kinds, nominal_cost, replay_case
+from m6.parallel.pipeline_order import Action
+from m6.plan.pipeline_replay import schedule_order
 
 
-def _cost(op: Op) -> float:
-    return 1.0 if op.kind == "F" else 2.0
+@pytest.mark.parametrize("schedule, p, v, m", [("1f1b", 3, 1, 5), ("interleaved", 2, 2, 4), ("zero_bubble", 4, 2, 8)])
+def test_design_cost_is_the_actions_holds(schedule, p, v, m):
+    for actions in schedule_order(schedule, p, v, m).values():
+        for a in actions:
+            assert nominal_cost(a, v, 0.1) == pytest.approx(len(held_kinds(a)) * 0.1 / v)
+    assert held_kinds(Action("I", 0, 3)) == () and held_kinds(Action("W", 0, 3)) == ("I", "W")
 
 
-@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 4), (4, 8), (3, 5)])
-def test_one_f_one_b_idles_the_formula(p, m):
-    replay = simulate(one_f_one_b_order(p, m), lambda s: s, p, _cost)
-    assert replay.makespan == pytest.approx(3 * (m + p - 1))
-    assert replay.idle_share() == pytest.approx([(p - 1) / (m + p - 1)] * p)
-
-
-def test_torch_one_f_one_b_warms_up_p_minus_rank_forwards():
-    order = one_f_one_b_order(3, 4)
-    assert order[0][:4] == [Op(0, "F", 0), Op(0, "F", 1), Op(0, "F", 2), Op(0, "B", 0)]
-    assert order[2][:3] == [Op(2, "F", 0), Op(2, "B", 0), Op(2, "F", 1)]
-    assert all(sorted(ops) == sorted([Op(r, k, i) for k in "FB" for i in range(4)]) for r, ops in order.items())
-
-
-def test_message_time_on_the_critical_path():
-    # one micro-batch over two ranks: F0, message, F1, B1, message, B0
-    replay = simulate(one_f_one_b_order(2, 1), lambda s: s, 2, _cost, message_s=0.25)
-    assert replay.makespan == pytest.approx(6.5)
-    assert replay.spans[Op(1, "F", 0)] == pytest.approx((1.25, 2.25))
-    assert replay.spans[Op(0, "B", 0)] == pytest.approx((4.5, 6.5))
-
-
-def test_an_order_that_waits_on_a_later_action_is_refused():
-    order = {0: [Op(0, "F", 0), Op(0, "B", 0)], 1: [Op(1, "B", 0), Op(1, "F", 0)]}  # B before its own F
-    with pytest.raises(ValueError, match="deadlocks"):
-        simulate(order, lambda s: s, 2, _cost)
+def test_a_case_replays_at_measured_costs_and_message_time():
+    # zero bubble, p 2: rank 0 runs stages 0 and 3; a slow forward on stage 1 delays the V's turn
+    order = schedule_order("zero_bubble", 2, 2, 2)
+    design = replay_case("zero_bubble", 2, 2, order, lambda a: nominal_cost(a, 2, 1.0))
+    slow = replay_case("zero_bubble", 2, 2, order, lambda a: nominal_cost(a, 2, 1.0) + (1.0 if a == Action("F", 1, 0) else 0))
+    sent = replay_case("zero_bubble", 2, 2, order, lambda a: nominal_cost(a, 2, 1.0), message_s=0.1)
+    assert slow.makespan == pytest.approx(design.makespan + 1.0)
+    assert sent.makespan > design.makespan
+    assert sent.spans[Action("F", 1, 0)][0] == pytest.approx(design.spans[Action("F", 1, 0)][0] + 0.1)
