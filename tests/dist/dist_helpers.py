@@ -124,6 +124,16 @@ def train_ranks(world_size: int, argv: list[str], limit_s: float = 240,
         return [RankResult(**json.loads(Path(out_dir, f"rank{r}.json").read_text())) for r in range(world_size)]
 
 
+def same_on_all_ranks(values: list[float]) -> bool:
+    """Whether every rank of the default group holds exactly ``values`` (a collective: every rank
+    calls it with as many values)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    low, high = t.clone(), t.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    return torch.equal(low, high)
+
+
 def flat_bucket_sums(sync) -> dict[int, torch.Tensor]:
     """id(param) -> its gradient summed by the plain algorithm, with no overlap: each of the
     GradientSync's buckets, local gradients (zeros for a parameter without one) in one flat

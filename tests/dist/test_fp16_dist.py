@@ -11,8 +11,7 @@ import math
 import os
 
 import torch
-import torch.distributed as dist
-from dist_helpers import run_distributed
+from dist_helpers import run_distributed, same_on_all_ranks
 
 from m6.config import load
 from m6.train.loop import Trainer
@@ -25,14 +24,6 @@ RUN = [
     "logging.console=false", "checkpoint.every=0", "parallel.expert_parallel_size=2",
     "train.loss_scale_growth_interval=2", "train.max_steps=6",
 ]
-
-
-def _same_on_all_ranks(values: list[float]) -> bool:
-    t = torch.tensor(values, dtype=torch.float64)
-    low, high = t.clone(), t.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    return torch.equal(low, high)
 
 
 def _ranks(rank: int, world: int, root: str) -> None:
@@ -63,7 +54,7 @@ def _ranks(rank: int, world: int, root: str) -> None:
     assert torch.equal(expert.detach(), expert_before)
     rows += [tr.train_step() for _ in range(2)]  # finite again: 2 steps grow the scale
     assert rows[-1]["loss_scale"] == 2.0 ** 15 and rows[-1]["skipped_steps"] == 2
-    assert _same_on_all_ranks([r["loss_scale"] for r in rows] + [p.detach().sum().item() for p in tr.update.replicated])
+    assert same_on_all_ranks([r["loss_scale"] for r in rows] + [p.detach().sum().item() for p in tr.update.replicated])
 
     tr.save_checkpoint(wait=True)
     straight = tr.train_step()

@@ -14,8 +14,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_helpers import run_distributed
+from dist_helpers import run_distributed, same_on_all_ranks
 
 from m6.config import load
 from m6.parallel.tp_rng import SequenceParallelDropout, TensorParallelSelfAttention
@@ -31,15 +30,6 @@ RUN = [
 ]
 
 
-def _spread(values: list[float]) -> float:
-    """The largest difference of ``values`` between the ranks."""
-    t = torch.tensor(values, dtype=torch.float64)
-    low, high = t.clone(), t.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    return (high - low).abs().max().item()
-
-
 def _ranks(rank: int, world: int, root: str, extra: list[str]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     with contextlib.redirect_stdout(io.StringIO()) as out:
@@ -53,8 +43,8 @@ def _ranks(rank: int, world: int, root: str, extra: list[str]) -> None:
         assert "checkpointing check: largest gradient difference" in out.getvalue()
     # Every replicated weight (embeddings, norms, router, experts, head), elementwise, the same on both tp ranks.
     replicated = torch.cat([p.detach().double().flatten() for p in tr.update.replicated + tr.update.experts])
-    assert _spread(replicated.tolist()) == 0.0
-    assert _spread([r["loss"] for r in rows]) == 0.0
+    assert same_on_all_ranks(replicated.tolist())
+    assert same_on_all_ranks([r["loss"] for r in rows])
 
 
 @pytest.mark.parametrize("extra", [[], ["parallel.sequence_parallel=true"],

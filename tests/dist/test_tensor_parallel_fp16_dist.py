@@ -16,8 +16,7 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_helpers import run_distributed
+from dist_helpers import run_distributed, same_on_all_ranks
 from test_tensor_parallel_dist import ARCHS, NO_CHECKPOINTS, run
 
 from m6.config import load
@@ -32,14 +31,6 @@ RUN = [
     "train.precision=fp16", "train.device=cpu", "logging.console=false", "checkpoint.every=0",
     "parallel.tensor_parallel_size=2", "train.loss_scale_growth_interval=2", "train.max_steps=5",
 ]
-
-
-def _same_on_all_ranks(values: list[float]) -> bool:
-    t = torch.tensor(values, dtype=torch.float64)
-    low, high = t.clone(), t.clone()
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    return torch.equal(low, high)
 
 
 def _ranks(rank: int, world: int, root: str, extra: list[str]) -> None:
@@ -72,9 +63,9 @@ def _ranks(rank: int, world: int, root: str, extra: list[str]) -> None:
         assert torch.equal(p.detach(), b)  # neither tp rank updated its shards or its replicated copies
     rows += [tr.train_step() for _ in range(2)]  # finite again: 2 steps grow the scale
     assert rows[-1]["loss_scale"] == 2.0 ** 15 and rows[-1]["skipped_steps"] == 2
-    assert _same_on_all_ranks([r["loss_scale"] for r in rows] + [r["skipped_steps"] for r in rows])
+    assert same_on_all_ranks([r["loss_scale"] for r in rows] + [r["skipped_steps"] for r in rows])
     if tr.cfg.parallel.shard == "none":  # the replicated weights: whole on every rank, the same
-        assert _same_on_all_ranks([p.detach().double().sum().item() for p in tr.update.replicated])
+        assert same_on_all_ranks([p.detach().double().sum().item() for p in tr.update.replicated])
 
 
 @pytest.mark.parametrize("world, extra", [(2, []), (4, ["parallel.expert_parallel_size=1", "parallel.shard=full"])],
