@@ -114,12 +114,17 @@ def test_one_memory_holds_the_update_temporaries_after_backward_not_beside_it():
 
 
 def _measured_device_peak(cfg, steps_before: int = 1) -> tuple[float, object]:
-    """(device bytes of one real zero step on CPU: every live storage at its start less the
-    offload's host storages + the peak of what the step allocates (LiveBytes), the trainer)."""
+    """(device bytes of one real zero step on CPU: the storages alive at its start that this run
+    made, less the offload's host storages, + the peak of what the step allocates (LiveBytes);
+    the trainer). What earlier tests of this pytest process left alive is not the run's."""
+    import gc
+
     from bench.plan_measure import DenseSamples, live_storage_bytes, offload_host_bytes
     from m6.memory.live_bytes import LiveBytes
     from m6.train.loop import Trainer
 
+    gc.collect()
+    before = live_storage_bytes()
     m = cfg.model
     data = DenseSamples(cfg.train.global_batch_size * (steps_before + 1), cfg.data.seq_len,
                         (m.image_channels, m.image_size, m.image_size), 0)
@@ -129,7 +134,7 @@ def _measured_device_peak(cfg, steps_before: int = 1) -> tuple[float, object]:
     at_start, host = live_storage_bytes(), offload_host_bytes(tr)
     with LiveBytes() as live:
         tr.train_step()
-    return at_start - host + live.peak, tr
+    return at_start - before - host + live.peak, tr
 
 
 def test_zero_device_peak_is_a_real_steps(tmp_path):
