@@ -329,7 +329,7 @@ def markdown(rows: list[dict], info: dict) -> str:
     lines = ["# m6.plan predictions vs measured runs (CPU, gloo, torchrun)", "",
              f"Machine: {info['cpu_model']}, {info['cpu_count']} cores (shared with other agents); torch "
              f"{info['torch']}; `{info['command']}`; {info['date']}.",
-             f"Link (measured, passed to the planner): " + "; ".join(
+             "Link (measured, passed to the planner): " + "; ".join(
                  f"world {w}: latency {l['latency_us']:.0f} us, {l['GBps']:.2f} GB/s, all-gather / reduce-scatter "
                  f"{l['gather_scatter_cost']:.2f}x a ring's time" for w, l in info["links"].items()),
              "Link probe, mean / median time per call (the tail a step pays; mean fitted): " + "; ".join(
@@ -380,7 +380,7 @@ def markdown(rows: list[dict], info: dict) -> str:
             lines.append(f"| {r['name']} | {d['predicted'] / mib:.2f} | {d['measured'] / mib:.2f} | {d['ratio']:.3f} | "
                          f"{'pass' if d['pass'] else 'MISS'} | {h['predicted'] / mib:.2f} | {h['measured'] / mib:.2f} | "
                          f"{h['ratio']:.3f} | {'pass' if h['pass'] else 'MISS'} |")
-    lines += [f"", *(f"NOTE: {n}" for n in info.get("notes", []))] if info.get("notes") else []
+    lines += ["", *(f"NOTE: {n}" for n in info.get("notes", []))] if info.get("notes") else []
     mem_ok = sum(r["memory"]["pass"] for r in rows)
     time_ok = sum(r["time"]["pass"] for r in rows)
     lines += ["", f"Memory within 10%: {mem_ok} of {len(rows)}. Step time within 15%: {time_ok} of {len(rows)}.",

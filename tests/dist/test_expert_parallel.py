@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_helpers import run_distributed
 
-from m6.moe import GlobalRoutingStats, MoELayer
+from m6.moe import MoELayer
 from m6.moe.all_to_all import all_to_all
 from m6.parallel import ParallelPlan, apply_plan, build_layout, create_process_groups
 

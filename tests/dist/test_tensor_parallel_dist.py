@@ -157,7 +157,7 @@ def test_tp2_by_shard_over_edp2_at_world_4_trains_like_one_process(gqa_reference
     with sequence parallel, the norms' weights (summed over the tp group) are FSDP2's gathered copies."""
     reference_dir, reference = gqa_reference
     tp = run(tmp_path / "tp2", 4, *ARCHS["gqa-swiglu"], *TP2_SHARD, f"parallel.shard={shard}", *extra)
-    assert (f"tensor-parallel 2 x expert-parallel 1 x expert-data-parallel 2, sharded" in run.stdout
+    assert ("tensor-parallel 2 x expert-parallel 1 x expert-data-parallel 2, sharded" in run.stdout
             and f"parallel.shard={shard}" in run.stdout)
     assert_same_curve(tp, reference)
     assert_same_weights(tmp_path / "tp2", reference_dir, 10)

@@ -3,7 +3,6 @@ relative data paths in errors, and the Python API with a dataset of one's own.""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -73,7 +72,7 @@ def test_a_missing_relative_data_path_names_the_folder_it_was_looked_for_in(tmp_
     assert code == 2
     assert "data.sources[0].path" in err and "data/sample/text.txt" in err
     assert f"relative paths resolve against the working directory {tmp_path}" in err
-    code, _, err = run_cli(capsys, *QUICK, f"run.dir={tmp_path / 'run'}", f"data.tokenizer=tok.json")
+    code, _, err = run_cli(capsys, *QUICK, f"run.dir={tmp_path / 'run'}", "data.tokenizer=tok.json")
     assert code == 2 and "data.tokenizer" in err and f"against the working directory {tmp_path}" in err
     # An absolute path needs no such note.
     code, _, err = run_cli(capsys, *QUICK, f"run.dir={tmp_path / 'run'}", "data.kind=files",

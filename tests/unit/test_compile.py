@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from m6.config import ConfigError, load
-from m6.parallel.compile import CompileFailed, compile_blocks
 from m6.parallel.compile import _layer_norm_forward as compile_module_forward
 from m6.model.flops import ModelSize
 from m6.train.banner import RunFacts, compile_time_line, startup_banner

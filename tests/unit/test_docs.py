@@ -143,7 +143,7 @@ def yaml_keys(node, path: str) -> list[str]:
 
 def table_rows(text: str) -> list[tuple[int, str, list[str]]]:
     """Every markdown table row outside fences: (line, the header's first cell, the row's cells)."""
-    rows, header, previous = [], None, None
+    rows, header = [], None
     for n, line in split_fences(text)[0]:
         if not line.lstrip().startswith("|"):
             header = None
