@@ -903,7 +903,7 @@ def check_shard_offload(cfg: Config) -> None:
     their gradients and the optimizer state on the host together, and the host optimizer
     (memory.host_optimizer) steps them there: offload=optimizer+params, every block."""
     shard, mem = cfg.parallel.shard, cfg.memory
-    if shard == "none" or mem.offload == "none":
+    if shard == "none" or mem.offload in ("none", "zero"):  # zero partitions itself: check_zero_offload
         return
     if mem.offload == "optimizer":
         raise ConfigError(f"parallel.shard={shard} with memory.offload=optimizer: FSDP2's CPU offload moves each "
@@ -927,12 +927,39 @@ def check_zero_offload(cfg: Config) -> None:
         raise ConfigError("memory.offload=zero with train.precision=fp32: zero keeps 16-bit weights on the device "
                           "(the compute dtype); use train.precision=bf16 or fp16, or memory.offload=optimizer")
     if cfg.parallel.shard != "none":
-        raise ConfigError(f"memory.offload=zero with parallel.shard={cfg.parallel.shard}: not built together (FSDP2's "
-                          "CPU offload is memory.offload=optimizer+params); use parallel.shard=none with zero")
+        check_partitioned_zero(cfg)
     if cfg.memory.zero_grad_landing == "home" and cfg.optim.delayed_update:
         raise ConfigError("memory.zero_grad_landing=home with optim.delayed_update=true: the next step's forward reads "
                           "the streamed blocks' homes while the update still reads its gradients there; use "
                           "memory.zero_grad_landing=separate (or auto)")
+
+
+def fsdp_shards(cfg: Config) -> bool:
+    """Whether parallel.shard wraps the model in FSDP2 units: every sharded run but memory.offload=zero's,
+    which partitions its gradients and host states itself (m6.memory.zero_partition)."""
+    return cfg.parallel.shard != "none" and cfg.memory.offload != "zero"
+
+
+def check_partitioned_zero(cfg: Config) -> None:
+    """memory.offload=zero with parallel.shard=optimizer: ZeRO-Offload's partitioned layout (ZeRO-2
+    with offload_optimizer): gradients reduce-scattered, each rank's fp32 masters and optimizer
+    state for its dim-0 chunks only, the 16-bit weights whole and resident on every rank."""
+    p, mem = cfg.parallel, cfg.memory
+    if p.shard == "full":
+        raise ConfigError("memory.offload=zero with parallel.shard=full: zero keeps the 16-bit weights resident and "
+                          "whole on every rank; use parallel.shard=optimizer (gradients and host states partitioned)")
+    refused = [
+        (mem.offload_blocks != [], f"memory.offload_blocks={mem.offload_blocks}",
+         "the partitioned zero keeps every weight resident; set memory.offload_blocks=[]"),
+        (cfg.optim.name == "adafactor", "optim.name=adafactor",
+         "Adafactor's factored moments are not elementwise over dim-0 chunks; use optim.name=adamw"),
+        (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}", "not built together"),
+        (p.pipeline_parallel_size > 1, f"parallel.pipeline_parallel_size={p.pipeline_parallel_size}",
+         "not built together"),
+    ]
+    for hit, what, why in refused:
+        if hit:
+            raise ConfigError(f"memory.offload=zero with parallel.shard=optimizer and {what}: {why}")
 
 
 def check_delayed_update(cfg: Config) -> None:
