@@ -89,6 +89,10 @@ class ZeroPartition:
     def of(self, p: nn.Parameter) -> Chunk | None:
         return self.chunks.get(id(p))
 
+    def by_name(self) -> dict[str, Chunk]:
+        """parameter name (its first, for a shared one) -> its chunk, for the checkpoint's row shards."""
+        return {self.names[i]: c for i, c in self.chunks.items()}
+
     def host_rows(self, p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
         """The part of ``t`` (shaped like ``p``) that this rank's host keeps: its chunk, or all of it."""
         chunk = self.chunks.get(id(p))

@@ -187,7 +187,8 @@ class Trainer:
         layout = self.sharded.groups.layout
         self.state = TrainingState(
             ModelState(self.sharded, self.update.offload, self.update.delayed, self.update.masters),
-            OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
+            OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model),
+                           self.update.partition),
             {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips,
              **({"loss_scale": self.update.loss_scale} if self.update.loss_scale is not None else {})},
             rank=self.rank, optional={"loss_scale"},
