@@ -964,7 +964,7 @@ def check_partitioned_zero(cfg: Config) -> None:
 
 def check_delayed_update(cfg: Config) -> None:
     """optim.delayed_update runs m6's offloaded host update in the background: it needs m6's own
-    offload (memory.offload optimizer, optimizer+params or zero, unsharded), with host gradients
+    offload (memory.offload optimizer, optimizer+params or zero, unsharded or zero partitioned), with host gradients
     fp32 or 16-bit (both double-buffered)."""
     if not cfg.optim.delayed_update:
         return
@@ -972,7 +972,7 @@ def check_delayed_update(cfg: Config) -> None:
     if mem.offload == "none":
         raise ConfigError("optim.delayed_update=true with memory.offload=none: the delayed update overlaps the host "
                           "optimizer with the device's next step; set memory.offload=optimizer (or optimizer+params)")
-    if cfg.parallel.shard != "none":
+    if fsdp_shards(cfg):  # zero's partitioned states (parallel.shard=optimizer) are m6's own: they compose
         raise ConfigError(f"optim.delayed_update=true with parallel.shard={cfg.parallel.shard}: FSDP2's CPU offload "
                           "steps its shards in place; the delayed update is built for m6's unsharded offload "
                           "(parallel.shard=none)")

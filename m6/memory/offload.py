@@ -614,6 +614,8 @@ class HostOffload:
         back); on CUDA asynchronous, the next forward's kernels wait for it."""
         if self.block_copy_back is not None:
             self.block_copy_back.begin()
+        if self.gathers is not None:  # the chunks about to be overwritten were gathered by every peer
+            self.gathers.settle()
         self._copy_back([m for _, m in self.resident])
         if self.copy_stream is not None and self.block_copy_back is None:
             self._pushed = torch.cuda.Event()

@@ -146,10 +146,12 @@ class ModelState:
     def global_shapes(self) -> dict[str, torch.Size]:
         return {name: global_shape(self.sharded, name, t) for name, t in self._state().items()}
 
-    def shards(self, prefix: str) -> Shards:
-        # zero partitioned (m6.memory.zero_partition): a split parameter's master is this rank's rows of it.
+    def shards(self, prefix: str, device_weights: bool = False) -> Shards:
+        """The row shards among ``tensors()`` (or, ``device_weights``, ``next_forward_tensors()``)."""
+        # zero partitioned (m6.memory.zero_partition): a split parameter's master is this rank's rows
+        # of it; its device weight is whole.
         partition = getattr(self.offload, "partition", None)
-        chunks = partition.by_name() if partition is not None else {}
+        chunks = partition.by_name() if partition is not None and not device_weights else {}
         return {f"{prefix}{name}": (global_shape(self.sharded, name, t),
                                     placement(self.sharded, name, t, chunks.get(name)))
                 for name, t in self._state().items() if is_row_shard(self.sharded, name, t, chunks.get(name))}
@@ -341,7 +343,7 @@ class TrainingState:
             return {}
         prefix = f"{NEXT_FORWARD}/"
         names = {prefix + name for name in self.model.next_forward_tensors()}
-        return {k: v for k, v in self.model.shards(prefix).items() if k in names}
+        return {k: v for k, v in self.model.shards(prefix, device_weights=True).items() if k in names}
 
     def load(self, manager: CheckpointManager, path: Path) -> dict:
         """Restore everything from the checkpoint ``path`` (a collective); returns its metadata.
