@@ -459,7 +459,9 @@ class HostOffload:
             if self.block_copy_back is not None:
                 self.block_copy_back.submit(resident)
                 return
-            self._half_push.push([(self._device_rows(p), m) for p, m in resident if p.dtype == self.weight_dtype])
+            half = [(p, m) for p, m in resident if p.dtype == self.weight_dtype]
+            for segment in self.gathers.by_segment(half) if self.gathers is not None else [half]:
+                self._half_push.push([(self._device_rows(p), m) for p, m in segment])
             todo = [(p, m) for p, m in resident if p.dtype != self.weight_dtype]
             if not todo:
                 return

@@ -129,6 +129,7 @@ class WeightGathers:
         for i, block in enumerate(blocks):
             for p in block.parameters():
                 segment_of.setdefault(id(p), i + 1)
+        self.segment_of = segment_of  # id(param) -> its block's segment; absent: segment 0
         self.order = [p for p in model.parameters() if partition.of(p) is not None]  # the same on every rank
         self.segment = [segment_of.get(id(p), 0) for p in self.order]
         self.works: list[list] = [[] for _ in range(len(blocks) + 1)]
@@ -141,6 +142,15 @@ class WeightGathers:
         self.settle()  # a round never overlaps the one before it
         for p, segment in zip(self.order, self.segment):
             self.works[segment].append(self.partition.gather(p))
+
+    def by_segment(self, pairs: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> list[list]:
+        """``pairs`` (param, master) grouped by segment, in forward order: the copy back pushes one
+        segment at a time, so its 16-bit staging is sized by the largest segment's chunks, not by
+        the whole model's (as the unsplit zero's block copy-back)."""
+        groups: list[list] = [[] for _ in self.works]
+        for p, m in pairs:
+            groups[self.segment_of.get(id(p), 0)].append((p, m))
+        return [g for g in groups if g]
 
     def wait(self, segment: int) -> None:
         for work in self.works[segment]:
