@@ -277,17 +277,25 @@ class GradientSync:
 
     def _launch_scatter(self, bucket: _Bucket, grads: list[torch.Tensor]) -> None:
         """The bucket laid out rank-major (for each rank r, every param's dim-0 chunk r padded to
-        the chunk size), so ``reduce_scatter_tensor`` hands rank r exactly its chunks, back to back."""
-        pieces = []
-        for p, g in zip(bucket.params, grads):
-            chunk = self.partition.of(p)
-            rows = g.view(chunk.rows, -1)
-            padded = rows.new_zeros((chunk.size * chunk.chunk_rows, rows.shape[1]))
-            padded[:chunk.rows] = rows
-            pieces.append(padded.view(chunk.size, -1))
-        flat = torch.cat(pieces, dim=1).reshape(-1)
-        bucket.flat = flat.new_empty(flat.numel() // bucket.group_size)
-        bucket.work = dist.reduce_scatter_tensor(bucket.flat, flat, group=bucket.group, async_op=True)
+        the chunk size), so ``reduce_scatter_tensor`` hands rank r exactly its chunks, back to back.
+        Each gradient is copied into its columns of the layout and dropped at once: from here on
+        the device holds the bucket's layout, not its gradients (the reduced chunks are 1/n of it)."""
+        per_rank = [self.partition.of(p).chunk_rows * (p.numel() // p.shape[0]) for p in bucket.params]
+        n = bucket.group_size
+        layout = grads[0].new_empty((n, sum(per_rank)))
+        offset = 0
+        for p, g, width in zip(bucket.params, grads, per_rank):
+            chunk, columns = self.partition.of(p), layout[:, offset:offset + width]
+            if chunk.rows == n * chunk.chunk_rows:  # no padding: the gradient is already rank-major
+                columns.copy_(g.view(n, width))
+            else:  # one padded copy of this gradient at a time
+                padded = g.new_zeros(n * width)
+                padded[:g.numel()] = g
+                columns.copy_(padded.view(n, width))
+            self._holder(p).grad = None
+            offset += width
+        bucket.flat = layout.new_empty(sum(per_rank))
+        bucket.work = dist.reduce_scatter_tensor(bucket.flat, layout.view(-1), group=bucket.group, async_op=True)
 
     def _drain(self, wait: bool) -> None:
         """Drain in order the buckets in flight: all (``wait``), or those already reduced."""
@@ -310,8 +318,8 @@ class GradientSync:
             self.on_grads_final(bucket.params)
 
     def _drain_scatter(self, bucket: _Bucket) -> None:
-        """This rank's reduced chunks, each cut to its real rows, to ``on_chunks_final``; the full
-        device gradients are dropped (the sync never writes the reduced sums into them)."""
+        """This rank's reduced chunks, each cut to its real rows, to ``on_chunks_final`` (the full
+        device gradients were dropped at the launch)."""
         chunks, offset = [], 0
         for p in bucket.params:
             chunk = self.partition.of(p)
@@ -319,7 +327,6 @@ class GradientSync:
             padded = bucket.flat[offset:offset + n].view(chunk.chunk_rows, *p.shape[1:])
             chunks.append((p, padded[:chunk.count]))
             offset += n
-            self._holder(p).grad = None
         bucket.flat, bucket.work = None, None  # the chunks are views of it: alive until offload has copied them
         if self.on_chunks_final is not None:
             self.on_chunks_final(chunks)
