@@ -17,7 +17,7 @@ reduced chunk, which leaves for the host.
 
 The weights back: after the host update the rank copies its 16-bit chunks into its slice of each
 padded storage (m6.memory.half_weight_push) and ``WeightGathers.issue`` all-gathers every split
-parameter, in the model's parameter order, asynchronously, from the training thread (every rank
+parameter, in forward order (segment by segment), asynchronously, from the training thread (every rank
 issues the same collectives in the same order; the forward issues its own, routing statistics on the
 world group, so no collective ever starts from another thread). Each forward waits for the
 gathers of its own weights only: the model's pre-hook for the weights outside the blocks, block
@@ -119,7 +119,7 @@ class ZeroPartition:
 
 
 class WeightGathers:
-    """The all-gathers that rebuild the split 16-bit weights, issued at once in parameter order,
+    """The all-gathers that rebuild the split 16-bit weights, issued at once in forward order,
     each forward waiting for its own: segment 0 (weights outside ``blocks``) before the model's
     forward, segment i + 1 before block i's."""
 
@@ -130,7 +130,11 @@ class WeightGathers:
             for p in block.parameters():
                 segment_of.setdefault(id(p), i + 1)
         self.segment_of = segment_of  # id(param) -> its block's segment; absent: segment 0
-        self.order = [p for p in model.parameters() if partition.of(p) is not None]  # the same on every rank
+        # Issued segment by segment (stable in parameter order: the same on every rank), so the gathers
+        # complete in the order the forward waits for them: the model's pre-hook waits for segment 0
+        # only (a final norm registered after the blocks must not put every block's gathers first).
+        split = [p for p in model.parameters() if partition.of(p) is not None]
+        self.order = sorted(split, key=lambda p: segment_of.get(id(p), 0))
         self.segment = [segment_of.get(id(p), 0) for p in self.order]
         self.works: list[list] = [[] for _ in range(len(blocks) + 1)]
         model.register_forward_pre_hook(lambda module, args: self.wait(0))
