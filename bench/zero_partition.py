@@ -67,12 +67,13 @@ def rank_rows(root: str) -> dict:
     for name, tr in trainers.items():
         n = sum(p.numel() for p in tr.model.parameters() if p.requires_grad)
         link = LinkBytes(tr)
-        loss = tr.train_step()["loss"]
+        metrics = tr.train_step()
         host = ModelStateBytes(tr).host_breakdown()
         lo, hi = timings.spread(name)
         rows[name] = {"overrides": RUNS[name], "params": n, "host_bytes": host, "host_total": sum(host.values()),
                       "grads_out_bytes": link.grads_out, "weights_back_bytes": link.weights_back,
-                      "median_s": timings.median(name), "min_s": lo, "max_s": hi, "loss": loss}
+                      "device_grads_at_backward_end_bytes": metrics["grad_mb"] * 2**20,
+                      "median_s": timings.median(name), "min_s": lo, "max_s": hi, "loss": metrics["loss"]}
     return rows
 
 
@@ -103,8 +104,9 @@ def render(result: dict) -> str:
         "calls in one step (gradients landing in host buffers, 16-bit weights written to the device). On this "
         "CPU-only machine nothing overlaps; step times are the CPU doing both sides.", "",
         "| rank | run | params (whole model on the rank) | host MiB: masters | grads | optimizer state | staging | "
-        "host total | vs unsplit | link MiB/step: grads out | weights back | median s/step [min-max] |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "host total | vs unsplit | link MiB/step: grads out | weights back | device grads at backward end MiB | "
+        "median s/step [min-max] |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for rank, rows in enumerate(result["ranks"]):
         for name, r in rows.items():
@@ -114,11 +116,14 @@ def render(result: dict) -> str:
                 f"| {rank} | {name} | {r['params'] / 1e6:.2f} M | {mib(h['masters'])} | {mib(h['grads'])} | "
                 f"{mib(h['optimizer_state'])} | {mib(h['staging'])} | {mib(r['host_total'])} | "
                 f"{r['host_total'] / base:.3f} | {mib(r['grads_out_bytes'])} | {mib(r['weights_back_bytes'])} | "
-                f"{r['median_s']:.3f} [{r['min_s']:.3f}-{r['max_s']:.3f}] |")
+                f"{mib(r['device_grads_at_backward_end_bytes'])} | {r['median_s']:.3f} [{r['min_s']:.3f}-{r['max_s']:.3f}] |")
     lines += ["", "At EP 1 every parameter is split over the 2 ranks, so masters, gradients, optimizer state and "
               "both link directions are halved (a split parameter's odd row goes to rank 0), and so is the 16-bit "
               "staging: the copy back pushes one forward segment's chunks at a time, two buffers of the largest. At EP 2 each rank's experts stay whole (their "
-              "expert-data-parallel group is the rank alone) and only the dense parameters halve. The gradients "
+              "expert-data-parallel group is the rank alone) and only the dense parameters halve. *Device grads at backward "
+              "end*: the gradient bytes the model's parameters held when the step's backward returned (`grad_mb`): "
+              "unsplit, the bf16 gradients of buckets whose all-reduce had not been drained yet; partitioned, a "
+              "bucket's gradients are dropped as it launches its reduce-scatter. The gradients "
               "and weights of the network (reduce-scatter + all-gather) replace the unsplit run's all-reduce."]
     return "\n".join(lines) + "\n"
 
