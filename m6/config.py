@@ -953,9 +953,10 @@ def check_partitioned_zero(cfg: Config) -> None:
          "the partitioned zero keeps every weight resident; set memory.offload_blocks=[]"),
         (cfg.optim.name == "adafactor", "optim.name=adafactor",
          "Adafactor's factored moments are not elementwise over dim-0 chunks; use optim.name=adamw"),
-        (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}", "not built together"),
+        (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}",
+         "not built together (nor is any offload with tensor parallel)"),
         (p.pipeline_parallel_size > 1, f"parallel.pipeline_parallel_size={p.pipeline_parallel_size}",
-         "not built together"),
+         "not built together; the pipeline takes the unsplit zero (parallel.shard=none)"),
     ]
     for hit, what, why in refused:
         if hit:
