@@ -3,7 +3,7 @@ real gloo, against the unsharded zero at the same world and a one-rank run: with
 both the dense and the expert parameters are split over 2 ranks) and split (EP 2: dense split over
 the world, each expert whole on its one rank), with accumulation 2 and the clip active, the losses
 are those of the unsharded zero (bitwise but for the clip's float64 summation order), every rank's 16-bit weights are bitwise the same and the
-roundings of the masters' chunks, and each rank's host masters hold half the elements (1/n); DeepSpeed's CPU Adam as torch's AdamW. fp16:
+roundings of the masters' chunks, and each rank's host masters hold half the elements (1/n); DeepSpeed's CPU Adam as torch's AdamW, fp16 host buffers as whole ones. fp16:
 an overflow in one rank's chunk makes both ranks skip the step together."""
 
 from __future__ import annotations
@@ -96,6 +96,13 @@ def _ranks(rank: int, world: int, root: str, one_rank: list[float]) -> None:
     for shard in ("none", "optimizer"):
         tr = trainer(f"{root}/ds-{shard}", f"parallel.shard={shard}", "memory.host_optimizer=deepspeed")
         assert tr.update.host_optimizer == "deepspeed"
+        runs[shard] = [tr.train_step()["loss"] for _ in range(3)]
+    assert runs["optimizer"] == pytest.approx(runs["none"], rel=TOLERANCE, abs=0), runs
+    # fp16 with fp16 host buffers: each chunk's power-of-two divisor (1 unless a sum leaves fp16's range).
+    runs = {}
+    for shard in ("none", "optimizer"):
+        tr = trainer(f"{root}/fp16-{shard}", f"parallel.shard={shard}", "train.precision=fp16",
+                     "memory.host_grad_dtype=compute")
         runs[shard] = [tr.train_step()["loss"] for _ in range(3)]
     assert runs["optimizer"] == pytest.approx(runs["none"], rel=TOLERANCE, abs=0), runs
     # fp16: an overflow in one dense chunk on rank 1 only: both ranks skip and back off together.
