@@ -116,15 +116,17 @@ def render(result: dict) -> str:
                 f"| {rank} | {name} | {r['params'] / 1e6:.2f} M | {mib(h['masters'])} | {mib(h['grads'])} | "
                 f"{mib(h['optimizer_state'])} | {mib(h['staging'])} | {mib(r['host_total'])} | "
                 f"{r['host_total'] / base:.3f} | {mib(r['grads_out_bytes'])} | {mib(r['weights_back_bytes'])} | "
-                f"{mib(r['device_grads_at_backward_end_bytes'])} | {r['median_s']:.3f} [{r['min_s']:.3f}-{r['max_s']:.3f}] |")
+                f"{mib(r['device_grads_at_backward_end_bytes'])} | "
+                f"{r['median_s']:.3f} [{r['min_s']:.3f}-{r['max_s']:.3f}] |")
     lines += ["", "At EP 1 every parameter is split over the 2 ranks, so masters, gradients, optimizer state and "
               "both link directions are halved (a split parameter's odd row goes to rank 0), and so is the 16-bit "
-              "staging: the copy back pushes one forward segment's chunks at a time, two buffers of the largest. At EP 2 each rank's experts stay whole (their "
-              "expert-data-parallel group is the rank alone) and only the dense parameters halve. *Device grads at backward "
-              "end*: the gradient bytes the model's parameters held when the step's backward returned (`grad_mb`): "
-              "unsplit, the bf16 gradients of buckets whose all-reduce had not been drained yet; partitioned, a "
-              "bucket's gradients are dropped as it launches its reduce-scatter. The gradients "
-              "and weights of the network (reduce-scatter + all-gather) replace the unsplit run's all-reduce."]
+              "staging: the copy back pushes one forward segment's chunks at a time, two buffers of the largest. "
+              "At EP 2 each rank's experts stay whole (their expert-data-parallel group is the rank alone) and "
+              "only the dense parameters halve. *Device grads at backward end*: the gradient bytes the model's "
+              "parameters held when the step's backward returned (`grad_mb`): unsplit, the bf16 gradients of "
+              "buckets whose all-reduce had not been drained yet; partitioned, a bucket's gradients are dropped "
+              "as it launches its reduce-scatter. The gradients and weights of the network (reduce-scatter + "
+              "all-gather) replace the unsplit run's all-reduce."]
     return "\n".join(lines) + "\n"
 
 

@@ -40,7 +40,8 @@ def host_state(tr: Trainer) -> dict[str, tuple[int, torch.Tensor, torch.Tensor, 
         m = off.master(p)
         chunk = partition.of(p) if partition is not None else None
         state = tr.update.optimizer.state[m]
-        first = (chunk.first if chunk else 0) + (tr.sharded.first_expert(name) if name in tr.sharded.expert_params else 0)
+        expert_offset = tr.sharded.first_expert(name) if name in tr.sharded.expert_params else 0
+        first = (chunk.first if chunk else 0) + expert_offset
         out[name] = (first, m.clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone())
     return out
 

@@ -1,10 +1,12 @@
 """memory.offload=zero with parallel.shard=optimizer (ZeRO-Offload partitioned) at world size 2,
-real gloo, against the unsharded zero at the same world and a one-rank run: with the experts replicated (EP 1, so
-both the dense and the expert parameters are split over 2 ranks) and split (EP 2: dense split over
-the world, each expert whole on its one rank), with accumulation 2 and the clip active, the losses
-are those of the unsharded zero (bitwise but for the clip's float64 summation order), every rank's 16-bit weights are bitwise the same and the
-roundings of the masters' chunks, and each rank's host masters hold half the elements (1/n); DeepSpeed's CPU Adam as torch's AdamW, fp16 host buffers as whole ones. fp16:
-an overflow in one rank's chunk makes both ranks skip the step together."""
+real gloo, against the unsharded zero at the same world and a one-rank run: with the experts
+replicated (EP 1, so both the dense and the expert parameters are split over 2 ranks) and split
+(EP 2: dense split over the world, each expert whole on its one rank), with accumulation 2 and the
+clip active, the losses are those of the unsharded zero (bitwise but for the clip's float64
+summation order), every rank's 16-bit weights are bitwise the same and the roundings of the
+masters' chunks, and each rank's host masters hold half the elements (1/n); DeepSpeed's CPU Adam
+gives torch's AdamW's losses, fp16 host buffers the whole ones'. fp16: an overflow in one rank's
+chunk makes both ranks skip the step together."""
 
 from __future__ import annotations
 
