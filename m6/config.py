@@ -903,7 +903,7 @@ def check_shard_offload(cfg: Config) -> None:
     their gradients and the optimizer state on the host together, and the host optimizer
     (memory.host_optimizer) steps them there: offload=optimizer+params, every block."""
     shard, mem = cfg.parallel.shard, cfg.memory
-    if shard == "none" or mem.offload == "none":
+    if shard == "none" or mem.offload in ("none", "zero"):  # zero partitions itself: check_zero_offload
         return
     if mem.offload == "optimizer":
         raise ConfigError(f"parallel.shard={shard} with memory.offload=optimizer: FSDP2's CPU offload moves each "
@@ -927,17 +927,45 @@ def check_zero_offload(cfg: Config) -> None:
         raise ConfigError("memory.offload=zero with train.precision=fp32: zero keeps 16-bit weights on the device "
                           "(the compute dtype); use train.precision=bf16 or fp16, or memory.offload=optimizer")
     if cfg.parallel.shard != "none":
-        raise ConfigError(f"memory.offload=zero with parallel.shard={cfg.parallel.shard}: not built together (FSDP2's "
-                          "CPU offload is memory.offload=optimizer+params); use parallel.shard=none with zero")
+        check_partitioned_zero(cfg)
     if cfg.memory.zero_grad_landing == "home" and cfg.optim.delayed_update:
         raise ConfigError("memory.zero_grad_landing=home with optim.delayed_update=true: the next step's forward reads "
                           "the streamed blocks' homes while the update still reads its gradients there; use "
                           "memory.zero_grad_landing=separate (or auto)")
 
 
+def fsdp_shards(cfg: Config) -> bool:
+    """Whether parallel.shard wraps the model in FSDP2 units: every sharded run but memory.offload=zero's,
+    which partitions its gradients and host states itself (m6.memory.zero_partition)."""
+    return cfg.parallel.shard != "none" and cfg.memory.offload != "zero"
+
+
+def check_partitioned_zero(cfg: Config) -> None:
+    """memory.offload=zero with parallel.shard=optimizer: ZeRO-Offload's partitioned layout (ZeRO-2
+    with offload_optimizer): gradients reduce-scattered, each rank's fp32 masters and optimizer
+    state for its dim-0 chunks only, the 16-bit weights whole and resident on every rank."""
+    p, mem = cfg.parallel, cfg.memory
+    if p.shard == "full":
+        raise ConfigError("memory.offload=zero with parallel.shard=full: zero keeps the 16-bit weights resident and "
+                          "whole on every rank; use parallel.shard=optimizer (gradients and host states partitioned)")
+    refused = [
+        (mem.offload_blocks != [], f"memory.offload_blocks={mem.offload_blocks}",
+         "the partitioned zero keeps every weight resident; set memory.offload_blocks=[]"),
+        (cfg.optim.name == "adafactor", "optim.name=adafactor",
+         "Adafactor's factored moments are not elementwise over dim-0 chunks; use optim.name=adamw"),
+        (p.tensor_parallel_size > 1, f"parallel.tensor_parallel_size={p.tensor_parallel_size}",
+         "not built together (nor is any offload with tensor parallel)"),
+        (p.pipeline_parallel_size > 1, f"parallel.pipeline_parallel_size={p.pipeline_parallel_size}",
+         "not built together; the pipeline takes the unsplit zero (parallel.shard=none)"),
+    ]
+    for hit, what, why in refused:
+        if hit:
+            raise ConfigError(f"memory.offload=zero with parallel.shard=optimizer and {what}: {why}")
+
+
 def check_delayed_update(cfg: Config) -> None:
     """optim.delayed_update runs m6's offloaded host update in the background: it needs m6's own
-    offload (memory.offload optimizer, optimizer+params or zero, unsharded), with host gradients
+    offload (memory.offload optimizer, optimizer+params or zero, unsharded or zero partitioned), with host gradients
     fp32 or 16-bit (both double-buffered)."""
     if not cfg.optim.delayed_update:
         return
@@ -945,7 +973,7 @@ def check_delayed_update(cfg: Config) -> None:
     if mem.offload == "none":
         raise ConfigError("optim.delayed_update=true with memory.offload=none: the delayed update overlaps the host "
                           "optimizer with the device's next step; set memory.offload=optimizer (or optimizer+params)")
-    if cfg.parallel.shard != "none":
+    if fsdp_shards(cfg):  # zero's partitioned states (parallel.shard=optimizer) are m6's own: they compose
         raise ConfigError(f"optim.delayed_update=true with parallel.shard={cfg.parallel.shard}: FSDP2's CPU offload "
                           "steps its shards in place; the delayed update is built for m6's unsharded offload "
                           "(parallel.shard=none)")

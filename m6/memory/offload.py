@@ -34,6 +34,10 @@ zero:             ZeRO-Offload's layout. The device weights are 16-bit (the comp
                   their masters are cast into the homes after the update. With 16-bit host
                   gradients and no delayed update their gradients land in the homes too
                   (m6.memory.home_grads): no separate gradient buffer for them.
+                  With parallel.shard=optimizer the host states are partitioned
+                  (m6.memory.zero_partition): the buckets reduce-scatter, each rank keeps the
+                  masters, gradients and optimizer state of its dim-0 chunks, copies its chunks
+                  back and the ranks all-gather the 16-bit weights.
 
 With device == cpu the host copies are separate CPU tensors, so every path (hooks, gradient
 streaming, separate master, update, copy back, fetch / release) runs and is tested on CPU.
@@ -53,6 +57,7 @@ from m6.memory.grad_stream import HostGradAccumulator
 from m6.memory.half_weight_push import HalfWeightPush
 from m6.memory.home_grads import HomeGradLanding
 from m6.memory.grouped_apply import GroupedApply
+from m6.memory.zero_partition import WeightGathers, ZeroPartition
 
 OFFLOAD_MODES = ("none", "optimizer", "optimizer+params", "zero")
 
@@ -225,7 +230,8 @@ class HostOffload:
     def __init__(self, params: Sequence[nn.Parameter], device: torch.device,
                  streamed_layers: Sequence[nn.Module] = (), grad_dtype: torch.dtype = torch.float32,
                  separate_homes: bool = False, weight_dtype: torch.dtype | None = None,
-                 keep_fp32: Sequence[nn.Parameter] = (), grads_in_homes: bool = False) -> None:
+                 keep_fp32: Sequence[nn.Parameter] = (), grads_in_homes: bool = False,
+                 partition: ZeroPartition | None = None) -> None:
         """``grad_dtype``: the host gradients' dtype (memory.host_grad_dtype). fp32: they are the
         masters' ``.grad``. 16-bit: they stay in their own buffers, each written once per step
         (nothing is added on the host: with accumulation they arrive final from the last backward)
@@ -238,15 +244,23 @@ class HostOffload:
         ``keep_fp32`` (zero): parameters whose device weights stay fp32 copies of their masters (the
         MoE routers' gates, whose routing decisions m6 keeps in fp32, as DeepSpeed's MoE gate does).
         ``grads_in_homes`` (zero, 16-bit host gradients, no delayed update): a streamed parameter's
-        gradient lands in its 16-bit home (m6.memory.home_grads), no buffer of its own."""
+        gradient lands in its 16-bit home (m6.memory.home_grads), no buffer of its own.
+        ``partition`` (zero with parallel.shard=optimizer, m6.memory.zero_partition): the masters,
+        host gradients and optimizer state are this rank's dim-0 chunks of the split parameters;
+        the gradients arrive as chunks (``chunks_final``) and the weights go back as chunks, then
+        all-gathered (``gathers``)."""
         self.device = device
+        self.partition = partition
+        self.gathers: WeightGathers | None = None  # attach_block_copy_back makes them when partitioned
         self.grad_dtype = grad_dtype
         self.weight_dtype = weight_dtype
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         pin = device.type == "cuda"
         self.params = list(params)
         # zero: the fp32 masters, taken from the fp32 initialisation before any weight is rounded.
-        zero_masters = {id(p): _host_copy(p, pin) for p in self.params} if weight_dtype is not None else {}
+        # Partitioned: only this rank's chunk of each split parameter.
+        zero_masters = {id(p): _host_copy(partition.host_rows(p, p.detach()) if partition else p, pin)
+                        for p in self.params} if weight_dtype is not None else {}
         fp32_ids = frozenset(id(p) for p in keep_fp32)
         self.streamer = ParamStreamer(streamed_layers, device, self.copy_stream, weight_dtype or torch.float32,
                                       fp32_ids) if streamed_layers else None
@@ -263,6 +277,8 @@ class HostOffload:
                 self.masters[id(p)] = zero_masters[id(p)]
                 if id(p) not in homes:  # the streamer rounded the streamed ones into their homes already
                     p.data = p.data.to(device=device, dtype=torch.float32 if id(p) in fp32_ids else weight_dtype)
+                    if partition is not None and partition.of(p) is not None:
+                        partition.pad_resident(p)
                 self.resident.append((p, self.masters[id(p)]))
             elif id(p) in homes and separate_homes:  # copied back into the home, where p.data points while idle
                 self.masters[id(p)] = _host_copy(homes[id(p)], pin)
@@ -278,7 +294,8 @@ class HostOffload:
         self.home_grads = HomeGradLanding(homes, grad_dtype) if grads_in_homes else None
         landing = self.home_grads.buffers if self.home_grads is not None else {}
         self._grad_buffers = {id(p): landing[id(p)] if id(p) in landing else
-                              torch.empty(p.shape, dtype=grad_dtype, pin_memory=pin) for p in self.params}
+                              torch.empty(self.masters[id(p)].shape, dtype=grad_dtype, pin_memory=pin)
+                              for p in self.params}
         # 16-bit host gradients: id(master) -> its buffer, for those this step filled (the masters'
         # .grad stays None until the update reads them), and the multiplier the clip chose (unscale x clip).
         self._filled: dict[int, torch.Tensor] = {}
@@ -325,8 +342,16 @@ class HostOffload:
             if p.grad is not None and id(p) in self.masters:
                 self._stream_grad(p)
 
-    def _stream_grad(self, p: nn.Parameter) -> None:
-        grad, buf, master = p.grad, self._grad_buffers[id(p)], self.masters[id(p)]
+    def chunks_final(self, pairs: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        """Partitioned: the gradient sync reduce-scattered these params; each reduced chunk (this
+        rank's rows of the step's gradient, on the device) leaves for its host buffer now."""
+        for p, grad in pairs:
+            self._stream_grad(p, grad)
+
+    def _stream_grad(self, p: nn.Parameter, grad: torch.Tensor | None = None) -> None:
+        """Copy ``grad`` (default: ``p.grad``, the whole gradient) to ``p``'s host buffer."""
+        grad = p.grad if grad is None else grad
+        buf, master = self._grad_buffers[id(p)], self.masters[id(p)]
         if self.half_grads and id(master) in self._filled:
             # ParameterUpdate.backward keeps these on the device until the step's last backward.
             raise RuntimeError("memory.host_grad_dtype=compute: a second gradient for one parameter in a step "
@@ -426,7 +451,7 @@ class HostOffload:
             # resident 16-bit weights go through the pinned staging buffers, one copy each chunk;
             # an fp32 one (a router's gate) is copied from its master as in the other modes.
             for p, m in todo:
-                if id(p) in self._streamed_homes:
+                if id(p) in self._streamed_homes:  # never partitioned (config.py refuses streamed blocks)
                     self._streamed_homes[id(p)].copy_(m)
                     if self.home_grads is not None:
                         self.home_grads.rewritten(id(p))
@@ -434,7 +459,9 @@ class HostOffload:
             if self.block_copy_back is not None:
                 self.block_copy_back.submit(resident)
                 return
-            self._half_push.push([(p.data, m) for p, m in resident if p.dtype == self.weight_dtype])
+            half = [(p, m) for p, m in resident if p.dtype == self.weight_dtype]
+            for segment in self.gathers.by_segment(half) if self.gathers is not None else [half]:
+                self._half_push.push([(self._device_rows(p), m) for p, m in segment])
             todo = [(p, m) for p, m in resident if p.dtype != self.weight_dtype]
             if not todo:
                 return
@@ -443,15 +470,24 @@ class HostOffload:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 for p, m in todo:
-                    p.data.copy_(m, non_blocking=True)
+                    self._device_rows(p).copy_(m, non_blocking=True)
         else:
             for p, m in todo:
-                p.data.copy_(m)
+                self._device_rows(p).copy_(m)
+
+    def _device_rows(self, p: nn.Parameter) -> torch.Tensor:
+        """Where ``p``'s master is copied on the device: its weight, or this rank's rows of it (partitioned)."""
+        return p.data if self.partition is None else self.partition.device_rows(p)
 
     def attach_block_copy_back(self, model: nn.Module, blocks: Sequence[nn.Module]) -> None:
         """zero: copy the resident weights back in forward-order segments, each waited for by the
         forward of ``model`` (the first segment: outside ``blocks``) or of its block."""
         assert self._half_push is not None, "the block copy-back is memory.offload=zero's"
+        if self.partition is not None:
+            # Partitioned: the chunks go back as each group updates; the all-gathers are what each
+            # block's forward waits for (m6.memory.zero_partition).
+            self.gathers = WeightGathers(model, blocks, self.partition)
+            return
         pairs = [(p, m) for p, m in self.resident if id(p) not in self._streamed_homes]
 
         def reserve(segments: list[list[tuple[nn.Parameter, torch.Tensor]]]) -> None:
@@ -476,6 +512,8 @@ class HostOffload:
         a forward (a checkpoint, the run's end); a no-op otherwise."""
         if self.block_copy_back is not None:
             self.block_copy_back.settle()
+        if self.gathers is not None:
+            self.gathers.settle()
 
     def masters_read(self) -> Future | None:
         """A Future done once the copy back has read every master handed to it (None: nothing in
@@ -485,6 +523,8 @@ class HostOffload:
     def step(self, apply: GroupedApply) -> None:
         """Run the host update group by group; group i's weights copy back while group i+1 updates."""
         self.finish_backward()  # a no-op when the trainer already called it before clipping
+        if self.gathers is not None:  # the chunks about to be overwritten were gathered by every peer
+            self.gathers.settle()
         if self.block_copy_back is not None:
             self.block_copy_back.begin()
         if self.half_grads:  # each group's fp32 gradients exist only while it updates
@@ -497,6 +537,8 @@ class HostOffload:
         if self.copy_stream is not None and self.block_copy_back is None:
             # Asynchronous: the next forward's kernels wait for the copies, the host does not.
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        if self.gathers is not None:  # after the chunks' copies (ordered on the compute stream, NCCL's input)
+            self.gathers.issue()
 
     def zero_grad(self) -> None:
         """Drop the host gradients (their buffers are kept) and any device gradient left over."""
@@ -574,11 +616,15 @@ class HostOffload:
         back); on CUDA asynchronous, the next forward's kernels wait for it."""
         if self.block_copy_back is not None:
             self.block_copy_back.begin()
+        if self.gathers is not None:  # the chunks about to be overwritten were gathered by every peer
+            self.gathers.settle()
         self._copy_back([m for _, m in self.resident])
         if self.copy_stream is not None and self.block_copy_back is None:
             self._pushed = torch.cuda.Event()
             self._pushed.record(self.copy_stream)
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        if self.gathers is not None:
+            self.gathers.issue()
 
     def weights_pushed_event(self) -> torch.cuda.Event | None:
         """The event after the last ``push_weights`` copies (None on CPU): an update must not
@@ -624,12 +670,13 @@ def _fit_fp16(grad: torch.Tensor, divisor_out: torch.Tensor) -> torch.Tensor:
 def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.device,
                   streamed_layers: Sequence[nn.Module], grad_dtype: torch.dtype = torch.float32,
                   separate_homes: bool = False, compute_dtype: torch.dtype = torch.float32,
-                  keep_fp32: Sequence[nn.Parameter] = (), grads_in_homes: bool = False) -> HostOffload | None:
+                  keep_fp32: Sequence[nn.Parameter] = (), grads_in_homes: bool = False,
+                  partition: ZeroPartition | None = None) -> HostOffload | None:
     """The offload for ``memory.offload``; None for "none"; ``grad_dtype``: the host gradients';
     ``separate_homes``: streamed weights apart from their masters (the delayed update);
     ``compute_dtype``: the forward's, which zero's device weights take (bf16 or fp16), except
     ``keep_fp32``'s (the routers' gates); ``grads_in_homes``: zero's streamed gradients land in
-    their homes (m6.memory.home_grads)."""
+    their homes (m6.memory.home_grads); ``partition``: zero's partitioned host states (m6.memory.zero_partition)."""
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"memory.offload must be one of {OFFLOAD_MODES}, got {mode!r}")
     if mode == "none":
@@ -641,4 +688,5 @@ def build_offload(mode: str, params: Sequence[nn.Parameter], device: torch.devic
     return HostOffload(params, device, layers, grad_dtype, separate_homes,
                        weight_dtype=compute_dtype if mode == "zero" else None,
                        keep_fp32=keep_fp32 if mode == "zero" else (),
-                       grads_in_homes=grads_in_homes and mode == "zero" and grad_dtype == compute_dtype)
+                       grads_in_homes=grads_in_homes and mode == "zero" and grad_dtype == compute_dtype,
+                       partition=partition if mode == "zero" else None)

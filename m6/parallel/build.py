@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from m6.config import Config, pipeline_stages_per_rank
+from m6.config import Config, fsdp_shards, pipeline_stages_per_rank
 from m6.model import M6Model
 from m6.parallel.compile import compile_blocks
 from m6.parallel.fsdp import apply_sharding
@@ -88,6 +88,6 @@ def build_parallel(cfg: Config, device: torch.device, env: DistEnv,
     sharded = classify_parameters(model, plan, groups)
     sharded.tensor_split = tp.split
     sharded.stages = stages
-    if cfg.parallel.shard != "none":
+    if fsdp_shards(cfg):  # memory.offload=zero partitions its own states (m6.memory.zero_partition)
         apply_sharding(sharded, cfg.parallel.shard, param_dtype, offload=cfg.memory.offload != "none")
     return sharded

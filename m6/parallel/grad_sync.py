@@ -125,6 +125,11 @@ class GradientSync:
     # The tensor whose .grad holds a parameter's gradient for the all-reduce (train.weight_copy=per_step:
     # the fp32 master, which a hook registered before this one fills); None: the parameter itself.
     grad_holder: Optional[Callable[[nn.Parameter], torch.Tensor]] = None
+    # memory.offload=zero with parallel.shard=optimizer (m6.memory.zero_partition): the buckets
+    # reduce-scatter, each rank receiving its dim-0 chunk of every bucket parameter, handed with
+    # the param to ``on_chunks_final`` (the full device gradient is dropped); None: all-reduce.
+    partition: object = None
+    on_chunks_final: Optional[Callable[[list[tuple[nn.Parameter, torch.Tensor]]], None]] = None
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -263,9 +268,34 @@ class GradientSync:
         grads = [h.grad.reshape(-1) for h in holders]
         if self._device is not None:
             grads = [g.to(self._device) for g in grads]
-        bucket.flat = torch.cat(grads)
-        bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
+        if self.partition is not None:
+            self._launch_scatter(bucket, grads)
+        else:
+            bucket.flat = torch.cat(grads)
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         self._in_flight.append(bucket)
+
+    def _launch_scatter(self, bucket: _Bucket, grads: list[torch.Tensor]) -> None:
+        """The bucket laid out rank-major (for each rank r, every param's dim-0 chunk r padded to
+        the chunk size), so ``reduce_scatter_tensor`` hands rank r exactly its chunks, back to back.
+        Each gradient is copied into its columns of the layout and dropped at once: from here on
+        the device holds the bucket's layout, not its gradients (the reduced chunks are 1/n of it)."""
+        per_rank = [self.partition.of(p).chunk_rows * (p.numel() // p.shape[0]) for p in bucket.params]
+        n = bucket.group_size
+        layout = grads[0].new_empty((n, sum(per_rank)))
+        offset = 0
+        for p, g, width in zip(bucket.params, grads, per_rank):
+            chunk, columns = self.partition.of(p), layout[:, offset:offset + width]
+            if chunk.rows == n * chunk.chunk_rows:  # no padding: the gradient is already rank-major
+                columns.copy_(g.view(n, width))
+            else:  # one padded copy of this gradient at a time
+                padded = g.new_zeros(n * width)
+                padded[:g.numel()] = g
+                columns.copy_(padded.view(n, width))
+            self._holder(p).grad = None
+            offset += width
+        bucket.flat = layout.new_empty(sum(per_rank))
+        bucket.work = dist.reduce_scatter_tensor(bucket.flat, layout.view(-1), group=bucket.group, async_op=True)
 
     def _drain(self, wait: bool) -> None:
         """Drain in order the buckets in flight: all (``wait``), or those already reduced."""
@@ -275,6 +305,9 @@ class GradientSync:
     def _drain_oldest(self) -> None:
         bucket = self._in_flight.popleft()
         bucket.work.wait()
+        if self.partition is not None:
+            self._drain_scatter(bucket)
+            return
         offset = 0
         for p in bucket.params:
             n, grad = p.numel(), self._holder(p).grad
@@ -283,6 +316,20 @@ class GradientSync:
         bucket.flat, bucket.work = None, None  # the flat copy is freed here, not at finish()
         if self.on_grads_final is not None:
             self.on_grads_final(bucket.params)
+
+    def _drain_scatter(self, bucket: _Bucket) -> None:
+        """This rank's reduced chunks, each cut to its real rows, to ``on_chunks_final`` (the full
+        device gradients were dropped at the launch)."""
+        chunks, offset = [], 0
+        for p in bucket.params:
+            chunk = self.partition.of(p)
+            n = chunk.chunk_rows * (p.numel() // chunk.rows)
+            padded = bucket.flat[offset:offset + n].view(chunk.chunk_rows, *p.shape[1:])
+            chunks.append((p, padded[:chunk.count]))
+            offset += n
+        bucket.flat, bucket.work = None, None  # the chunks are views of it: alive until offload has copied them
+        if self.on_chunks_final is not None:
+            self.on_chunks_final(chunks)
 
     def finish(self) -> None:
         """After the synced backward: launch in order what it did not (parameters it did not

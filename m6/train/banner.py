@@ -212,6 +212,11 @@ def zero_layout_words(cfg: Config) -> str:
                  f"{num_blocks - streamed} of {num_blocks} blocks resident, {streamed} streamed in {dtype} from the host")
     grads = dtype if mem.host_grad_dtype == "compute" else "fp32"
     homes = " (the streamed blocks' into their homes)" if streamed != 0 and grads_land_in_homes(cfg) else ""
+    if cfg.parallel.shard == "optimizer":  # m6.memory.zero_partition
+        return (f" (ZeRO-Offload's layout, partitioned: {dtype} weights whole on every device (routers' gates fp32), "
+                f"{where}; {dtype} gradients reduce-scattered, each rank's dim-0 chunks to {grads} host buffers; "
+                f"fp32 masters and optimizer state of its chunks only on its host (dense parameters split over the "
+                f"data-parallel ranks, experts over expert_data); its {dtype} chunks back, then all-gathered)")
     return (f" (ZeRO-Offload's layout: {dtype} weights on the device (routers' gates fp32), {where}; fp32 masters "
             f"and optimizer state on the host, {dtype} gradients to {grads} host buffers{homes}, {dtype} weights back)")
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from m6.config import Config, ConfigError, dump_yaml, num_patches, run_dir, to_dict
+from m6.config import Config, ConfigError, dump_yaml, fsdp_shards, num_patches, run_dir, to_dict
 from m6.data.batch import MultimodalBatch, Sample
 from m6.data.pipeline import build_training_data
 from m6.data.record_dataset import LoadedItem
@@ -143,7 +143,7 @@ class Trainer:
         # its fp32 masters there and sends the device only 16-bit weights.
         init_device = torch.device("cpu") if cfg.memory.offload in ("optimizer+params", "zero") else self.device
         # Sharded: FSDP2 gathers bf16 copies of the weights (its MixedPrecisionPolicy), in place of cast-on-use.
-        self.fsdp_bf16 = self.cast_on_use and cfg.parallel.shard != "none"
+        self.fsdp_bf16 = self.cast_on_use and fsdp_shards(cfg)
         # parallel.balance=auto at expert parallelism or under parallel.shard: the speeds are measured
         # first, on a probe of this rank's compute (m6.parallel.speed_probe); without shard they lay
         # out the experts too.
@@ -187,7 +187,8 @@ class Trainer:
         layout = self.sharded.groups.layout
         self.state = TrainingState(
             ModelState(self.sharded, self.update.offload, self.update.delayed, self.update.masters),
-            OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model)),
+            OptimizerState(self.sharded, self.update.optimizer, self.update.optimizer_names(self.model),
+                           self.update.partition),
             {"scheduler": self.update.scheduler, "data": self.loader, "counters": self.counters, "skips": self.skips,
              **({"loss_scale": self.update.loss_scale} if self.update.loss_scale is not None else {})},
             rank=self.rank, optional={"loss_scale"},

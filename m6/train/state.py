@@ -21,6 +21,7 @@ from m6.data.sources import SkipCounter
 from m6.memory import HostOffload
 from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.master_weights import MasterWeights
+from m6.memory.zero_partition import Chunk, ZeroPartition
 from m6.parallel import ShardedModel
 from m6.parallel.fsdp import local_part, shard_rows
 from m6.parallel.sharded_adafactor import ShardedAdafactor
@@ -145,9 +146,15 @@ class ModelState:
     def global_shapes(self) -> dict[str, torch.Size]:
         return {name: global_shape(self.sharded, name, t) for name, t in self._state().items()}
 
-    def shards(self, prefix: str) -> Shards:
-        return {f"{prefix}{name}": (global_shape(self.sharded, name, t), placement(self.sharded, name, t))
-                for name, t in self._state().items() if is_row_shard(self.sharded, name, t)}
+    def shards(self, prefix: str, device_weights: bool = False) -> Shards:
+        """The row shards among ``tensors()`` (or, ``device_weights``, ``next_forward_tensors()``)."""
+        # zero partitioned (m6.memory.zero_partition): a split parameter's master is this rank's rows
+        # of it; its device weight is whole.
+        partition = getattr(self.offload, "partition", None)
+        chunks = partition.by_name() if partition is not None and not device_weights else {}
+        return {f"{prefix}{name}": (global_shape(self.sharded, name, t),
+                                    placement(self.sharded, name, t, chunks.get(name)))
+                for name, t in self._state().items() if is_row_shard(self.sharded, name, t, chunks.get(name))}
 
     def after_load(self, next_forward_loaded: bool = False) -> None:
         """After a load wrote ``tensors()`` (and, when ``next_forward_loaded``, the
@@ -163,14 +170,14 @@ class ModelState:
             self.delayed.stale = True
 
 
-def is_row_shard(sharded: ShardedModel, name: str, t: torch.Tensor) -> bool:
+def is_row_shard(sharded: ShardedModel, name: str, t: torch.Tensor, chunk: Chunk | None = None) -> bool:
     """Whether this rank holds only part of ``name``'s global tensor (its experts' rows, a
-    parameter sharded by parallel.shard, or a tensor-parallel split), which a checkpoint then
-    stores as chunks of the global tensor."""
-    return name in sharded.expert_params or isinstance(t, DTensor) or name in sharded.tensor_split
+    parameter sharded by parallel.shard, a tensor-parallel split, or zero's partitioned ``chunk``
+    of it), which a checkpoint then stores as chunks of the global tensor."""
+    return name in sharded.expert_params or isinstance(t, DTensor) or name in sharded.tensor_split or chunk is not None
 
 
-def placement(sharded: ShardedModel, name: str, t: torch.Tensor) -> int | list:
+def placement(sharded: ShardedModel, name: str, t: torch.Tensor, chunk: Chunk | None = None) -> int | list:
     """Where this rank's tensor of ``name`` lies in the global one, as m6.checkpoint.sharded_io's
     Shards say it: the first row, or (global offsets, local offsets, sizes) per piece for a
     tensor-parallel split (its q, k and v sections for the fused qkv)."""
@@ -178,19 +185,23 @@ def placement(sharded: ShardedModel, name: str, t: torch.Tensor) -> int | list:
         layout = sharded.groups.layout
         rows = shard_rows(t) if isinstance(t, DTensor) else None  # parallel.shard: this rank's rows of its tp shard
         return sharded.tensor_split[name].pieces(t.shape, layout.tensor_parallel_size, layout.tp_rank, rows)
-    return first_row(sharded, name, t)
+    return first_row(sharded, name, t, chunk)
 
 
-def first_row(sharded: ShardedModel, name: str, t: torch.Tensor) -> int:
+def first_row(sharded: ShardedModel, name: str, t: torch.Tensor, chunk: Chunk | None = None) -> int:
     """The global row (dim 0) where this rank's rows of ``name`` start: the first local expert's
-    id, plus where a sharded parameter's shard starts among those rows."""
+    id, plus where a sharded parameter's shard (or zero's partitioned ``chunk``) starts among those rows."""
     first = sharded.first_expert(name) if name in sharded.expert_params else 0
-    return first + (shard_rows(t)[0] if isinstance(t, DTensor) else 0)
+    return first + (shard_rows(t)[0] if isinstance(t, DTensor) else chunk.first if chunk is not None else 0)
 
 
-def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor) -> torch.Size:
+def global_shape(sharded: ShardedModel, name: str, t: torch.Tensor, chunk: Chunk | None = None) -> torch.Size:
     """The shape of ``name`` over all ranks: expert tensors hold this rank's range of the layer's
-    experts (dim 0), even or uneven (``t`` a DTensor: its other dims are already those over its shards)."""
+    experts (dim 0), even or uneven (``t`` a DTensor: its other dims are already those over its
+    shards; ``t`` zero's partitioned ``chunk`` of this rank's tensor: its rows are the chunk's)."""
+    if chunk is not None:  # (no tensor parallel with it: config.py refuses it)
+        rows = sharded.global_experts[name] if name in sharded.expert_params else chunk.rows
+        return torch.Size([rows, *t.shape[1:]])
     if name in sharded.tensor_split:
         return sharded.tensor_split[name].global_shape(t.shape)
     if name not in sharded.expert_params:
@@ -211,8 +222,10 @@ class OptimizerState:
     and its hyperparameters per group."""
 
     def __init__(self, sharded: ShardedModel, optimizer: torch.optim.Optimizer,
-                 names: dict[int, str] | None) -> None:
+                 names: dict[int, str] | None, partition: ZeroPartition | None = None) -> None:
+        """``partition``: zero's partitioned host states, whose moments are this rank's rows."""
         self.sharded, self.optimizer = sharded, optimizer
+        self._chunks = partition.by_name() if partition is not None else {}
         name_of = names if names is not None else {id(p): n for n, p in sharded.model.named_parameters()}
         self.params = {name_of[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
         self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -268,9 +281,10 @@ class OptimizerState:
         out = {}
         for name, p in self.params.items():
             for key, t in self.optimizer.state[p].items():
-                if torch.is_tensor(t) and t.dim() > 0 and is_row_shard(self.sharded, name, t):
-                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t),
-                                                    placement(self.sharded, name, t))
+                chunk = self._chunks.get(name)
+                if torch.is_tensor(t) and t.dim() > 0 and is_row_shard(self.sharded, name, t, chunk):
+                    out[f"{prefix}{name}/{key}"] = (global_shape(self.sharded, name, t, chunk),
+                                                    placement(self.sharded, name, t, chunk))
         return out
 
     def hyperparameters(self) -> list[dict]:
@@ -329,7 +343,7 @@ class TrainingState:
             return {}
         prefix = f"{NEXT_FORWARD}/"
         names = {prefix + name for name in self.model.next_forward_tensors()}
-        return {k: v for k, v in self.model.shards(prefix).items() if k in names}
+        return {k: v for k, v in self.model.shards(prefix, device_weights=True).items() if k in names}
 
     def load(self, manager: CheckpointManager, path: Path) -> dict:
         """Restore everything from the checkpoint ``path`` (a collective); returns its metadata.

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from m6.config import Config, ConfigError
+from m6.config import Config, ConfigError, fsdp_shards
 from m6.memory import GroupedApply, build_offload
 from m6.memory.delayed_update import DelayedUpdate
 from m6.memory.home_grads import grads_land_in_homes
@@ -35,6 +35,7 @@ from m6.memory.live_bytes import grad_bytes
 from m6.memory.adamw_copy import AdamWWithCopy, choose_adamw_copy_kernel
 from m6.memory.master_weights import MasterWeights
 from m6.memory.offload_blocks import resolve_offload_blocks
+from m6.memory.zero_partition import ZeroPartition, partition_line
 from m6.model.param_groups import no_decay_ids
 from m6.parallel import GradientSync, ShardedModel, clip_grad_norm
 from m6.parallel.grad_sync import clip_coefficient, global_grad_norm
@@ -58,7 +59,7 @@ class ParameterUpdate:
         self.grad_bytes_after_backward = 0
         layout = sharded.groups.layout
         # Sharded (FSDP2) units reduce-scatter their own gradients: m6's all-reduce must not add them again.
-        self.sharded_dp = cfg.parallel.shard != "none"
+        self.sharded_dp = fsdp_shards(cfg)
         # Sharded with offload: FSDP2's CPUOffloadPolicy (m6.parallel.fsdp) holds the shards, their
         # gradients and the optimizer state on the host, and the host optimizer steps them there;
         # m6's own offload (whole host masters per rank) is for unsharded runs.
@@ -71,11 +72,17 @@ class ParameterUpdate:
                               f"{device.type}: zero keeps 16-bit weights on the device; use train.precision=bf16 or fp16")
         # A pipeline rank streams the blocks of its own stages (the others are empty StageGaps).
         streamed = [i for i in streamed if any(True for _ in model.blocks[i].parameters())]
+        # zero with parallel.shard=optimizer: each rank's host keeps its dim-0 chunks only.
+        self.partition = ZeroPartition([(n, p) for n, p in model.named_parameters() if p.requires_grad],
+                                       {id(p) for p in sharded.expert_params.values()}, sharded.groups) \
+            if cfg.memory.offload == "zero" and cfg.parallel.shard == "optimizer" else None
         self.offload = None if self.sharded_dp else build_offload(
             cfg.memory.offload, trainable, device, streamed_layers=[model.blocks[i] for i in streamed],
             grad_dtype=host_grad_dtype, separate_homes=cfg.optim.delayed_update, compute_dtype=compute_dtype,
             keep_fp32=[layer.router.weight for layer in model.moe_layers().values()],
-            grads_in_homes=grads_land_in_homes(cfg))
+            grads_in_homes=grads_land_in_homes(cfg), partition=self.partition)
+        if self.partition is not None:
+            log(partition_line(self.partition, self.offload, sharded.groups.layout))
         if self.offload is not None and cfg.memory.offload == "zero":
             # The copy back overlaps the next forward: each block waits for its own weights only.
             self.offload.attach_block_copy_back(model, model.blocks)
@@ -88,7 +95,8 @@ class ParameterUpdate:
         self.sync = ShardedGradientSync(model, sharded.stages or None) if self.sharded_dp else GradientSync(
             sharded, int(cfg.parallel.bucket_size_mb * 2**20),
             on_grads_final=self._grads_final if self.offload else None,
-            grad_holder=self.masters.grad_holder if self.masters else None)
+            grad_holder=self.masters.grad_holder if self.masters else None,
+            partition=self.partition, on_chunks_final=self.offload.chunks_final if self.partition else None)
         # Tensor-parallel shards count once per tp group in the norm (tp 1: none).
         split = [p for n, p in sharded.replicated_params.items() if n in sharded.tensor_split]
         # Pipeline parallel, tied head: the last stage's copy of the token embedding is clipped and
@@ -211,6 +219,8 @@ class ParameterUpdate:
             return clip_sharded_grad_norm(self.replicated + self.experts, limit, self.world_group, self.device,
                                           grad_scale=scale, uncounted=self.uncounted, split=self.split,
                                           copies=self.tensor_parallel_size)
+        if self.partition is not None:
+            return self._clip_partitioned(limit, scale)
         if self.offload is not None and self.offload.half_grads:
             # 16-bit host gradients: the norm from the buffers (summed in float64); the unscale and
             # the clip wait for the update, which reads each group back in fp32 (an fp16 unscale in
@@ -224,6 +234,22 @@ class ParameterUpdate:
         return clip_grad_norm(self.replicated, self.experts, limit, self.expert_group, self.device, grad_scale=scale,
                               split=self.split, tensor_group=self.tensor_group, pipeline_group=self.pipeline_group,
                               uncounted=self.uncounted)
+
+    def _clip_partitioned(self, limit: float, scale: float) -> float:
+        """zero partitioned: every element of the global gradient lies in one rank's host chunks
+        (a split parameter's rows over its group; an unsplit expert on its one EP rank), so one
+        sum of squares over the world is the squared norm, and an inf/nan in any rank's chunk
+        reaches every rank's norm (the fp16 overflow skip, agreed)."""
+        off, masters = self.offload, self.replicated + self.experts
+        total = global_grad_norm([], off.host_grads(masters), self.world_group, self.device,
+                                 expert_factors=off.host_grad_factors(masters)) / scale
+        coef = clip_coefficient(total, limit)
+        if off.half_grads:  # applied as the update reads each group back in fp32
+            off.grad_multiplier = coef / scale
+        elif math.isfinite(total) and (coef < 1.0 or scale != 1.0):
+            for g in off.host_grads(masters):
+                g.mul_(coef / scale)
+        return total
 
     def overflow_is_normal(self) -> bool:
         """Whether a non-finite gradient now is the loss scale's normal search (fp16, scale above

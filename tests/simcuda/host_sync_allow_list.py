@@ -42,6 +42,10 @@ ALLOW_LIST = (
     Allowed("m6/parallel/grad_sync.py:global_grad_norm", "step", 1,
             "the global gradient norm read on the host: a non-finite step is skipped there, and the "
             "norm is the step's grad_norm metric"),
+    Allowed("m6/parallel/grad_sync.py:_group_sum_sq", "step", 1,
+            "offloaded gradients at world > 1 summed over a group (the partitioned zero's chunks over the "
+            "world): the host's sum of squares copied to the device for NCCL, read back by "
+            "global_grad_norm right after"),
     Allowed("m6/memory/offload.py:finish_backward", "step", 1,
             "memory.offload: the host update needs every gradient on the host; one wait for the last copy "
             "(the copy stream runs them in order)"),

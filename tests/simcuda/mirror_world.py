@@ -102,6 +102,26 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return _result(async_op)
 
 
+def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """Rank 0 receives the sum over the ranks of their first slices: N equal addends of its own."""
+    _check("reduce_scatter_tensor", group, [output, input])
+    if op != dist.ReduceOp.SUM:
+        raise NotImplementedError(f"mirror world: reduce_scatter_tensor with {op}")
+    with torch.no_grad():
+        output.copy_(input.view(-1)[:output.numel()].view_as(output)).mul_(dist.get_world_size(group))
+    return _result(async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """Every rank's slice is rank 0's (the input may be rank 0's slice of the output: in place)."""
+    _check("all_gather_into_tensor", group, [output_tensor, input_tensor])
+    world = dist.get_world_size(group)
+    with torch.no_grad():
+        mine = input_tensor.reshape(-1).clone()
+        output_tensor.view(world, -1).copy_(mine.expand(world, -1))
+    return _result(async_op)
+
+
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     _check("broadcast", group, [tensor])
     return _result(async_op)
@@ -143,9 +163,10 @@ def _not_emulated(name):
 
 
 _EMULATED = dict(all_reduce=all_reduce, all_to_all_single=all_to_all_single, broadcast=broadcast, barrier=barrier,
+                 reduce_scatter_tensor=reduce_scatter_tensor, all_gather_into_tensor=all_gather_into_tensor,
                  all_gather_object=all_gather_object, gather_object=gather_object,
                  scatter_object_list=scatter_object_list, broadcast_object_list=broadcast_object_list)
-_REFUSED = ("all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "reduce", "gather",
+_REFUSED = ("all_gather", "reduce_scatter", "reduce", "gather",
             "scatter", "all_to_all", "send", "recv", "isend", "irecv", "monitored_barrier", "batch_isend_irecv")
 
 

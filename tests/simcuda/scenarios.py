@@ -286,6 +286,11 @@ MEMORY_VARIANTS = {
 EXPERT_PARALLEL_VARIANTS = {  # name -> (world size, overrides); a mirror world (mirror_world.py)
     "ep-world2": (2, ["train.precision=bf16", "parallel.expert_parallel_size=2"]),
     "ep-world4": (4, ["train.precision=bf16", "parallel.expert_parallel_size=4"]),
+    # ZeRO-Offload partitioned (m6.memory.zero_partition): the buckets reduce-scatter on NCCL, each
+    # rank's chunks go to the host and back, the weights are all-gathered; accumulation 2.
+    "zero-partitioned-world2": (2, ["train.precision=bf16", "memory.offload=zero", "memory.offload_blocks=[]",
+                                    "memory.host_optimizer=torch", "parallel.shard=optimizer",
+                                    "parallel.expert_parallel_size=1", "train.micro_batch_size=4"]),
 }
 
 

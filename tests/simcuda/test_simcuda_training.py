@@ -1,7 +1,7 @@
 """Short Trainer runs of configs/tiny.yaml on simulated cuda:0 (two steps, one logging step, one
 evaluation, one checkpoint): fp32, bf16 (with accumulation), autocast, CPU offload of the optimizer
 and of optimizer+params (each also with the delayed update), ZeRO-Offload's layout (memory.offload=zero,
-resident, streamed-delayed, and streamed with the gradients landing in the blocks' homes), the delayed update with 16-bit host gradients (fp16 optimizer, bf16 zero), full recompute, and expert parallelism
+resident, streamed-delayed, and streamed with the gradients landing in the blocks' homes; partitioned at world 2), the delayed update with 16-bit host gradients (fp16 optimizer, bf16 zero), full recompute, and expert parallelism
 at world 2 and 4 in a mirror world.
 Each must run without a device mix, a CUDA-only constraint broken, a collective breaking NCCL's
 rules, or a host sync the allow-list (host_sync_allow_list.py) does not document."""
@@ -20,7 +20,7 @@ GROUPS = {"trainer_precision": ["fp32", "bf16-accumulate", "bf16-autocast", "dro
                              "offload-optimizer-delayed", "offload-optimizer+params-delayed", "offload-zero",
                              "offload-zero-streamed-delayed", "offload-zero-streamed-home",
                              "offload-optimizer-delayed-half", "offload-zero-delayed-half"],
-          "expert_parallel": ["ep-world2", "ep-world4"]}
+          "expert_parallel": ["ep-world2", "ep-world4", "zero-partitioned-world2"]}
 RUNS = [(group, name) for group, names in GROUPS.items() for name in names]
 pytestmark = [pytest.mark.simcuda_group(group) for group in GROUPS]
 
@@ -53,7 +53,7 @@ def test_trainer_run_is_clean_on_simulated_cuda(simcuda, group, name):
     streamed = {"offload-optimizer+params": facts["params"] - 9, "offload-optimizer+params-delayed": facts["params"] - 9,
                 "offload-zero-streamed-delayed": 24, "offload-zero-streamed-home": 24}.get(name, 0)
     assert facts["params_on_device"] == facts["params"] - streamed, facts
-    if name.startswith("offload-zero"):  # 16-bit weights; the masters cast into pinned staging
+    if name.startswith(("offload-zero", "zero-partitioned")):  # 16-bit weights; the masters cast into pinned staging
         assert facts["weight_dtypes"] == ["torch.bfloat16", "torch.float32"], facts  # the routers' gates fp32
         assert facts["staging_pinned"] == [True, True], facts  # two buffers, allocated before the first copy back
 
@@ -115,6 +115,17 @@ def test_expert_parallel_collectives_run_on_the_groups_they_should(simcuda):
         assert any(key.endswith("nccl all_to_all_single") and not key.startswith("MainThread") for key in calls), calls
         assert calls.get("MainThread gloo gather_object", 0) > 0 and not any(
             key.split()[1] == "nccl" and "object" in key.split()[2] and "all_gather" not in key for key in calls), calls
+
+
+def test_partitioned_zero_collectives_run_on_nccl_from_the_training_thread(simcuda):
+    """The partitioned zero's reduce-scatters (backward: autograd's device thread, as the all-reduces)
+    and all-gathers (the training thread, never the delayed update's or the copy-back's) on NCCL with
+    device tensors (no problem above), and no all-reduce of the gradients."""
+    calls = _run(simcuda, "expert_parallel", "zero-partitioned-world2")["facts"]["collectives"]
+    scatters = {k: n for k, n in calls.items() if k.endswith("nccl reduce_scatter_tensor")}
+    assert scatters and all(not k.startswith(("m6-", "ThreadPool")) for k in scatters), calls
+    assert calls.get("MainThread nccl all_gather_into_tensor", 0) > 0, calls
+    assert not any(k.endswith("all_gather_into_tensor") and not k.startswith("MainThread") for k in calls), calls
 
 
 def test_dropless_single_gpu_moe_layers_make_no_host_sync(simcuda):

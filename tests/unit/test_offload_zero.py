@@ -282,7 +282,13 @@ def test_staging_is_double_buffered_and_bounded_by_the_chunk():
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.precision=fp32"], r"memory.offload=zero with train.precision=fp32"),
-    (["parallel.shard=full"], r"memory.offload=zero with parallel.shard=full"),
+    (["parallel.shard=full"], r"memory.offload=zero with parallel.shard=full: zero keeps the 16-bit weights resident"),
+    (["parallel.shard=optimizer", "memory.offload_blocks=all"],
+     r"parallel.shard=optimizer and memory.offload_blocks=all: the partitioned zero keeps every weight resident"),
+    (["parallel.shard=optimizer", "memory.offload_blocks=[]", "optim.name=adafactor"],
+     r"parallel.shard=optimizer and optim.name=adafactor"),
+    (["parallel.shard=optimizer", "memory.offload_blocks=[]", "parallel.pipeline_parallel_size=2"],
+     r"parallel.shard=optimizer and parallel.pipeline_parallel_size=2: not built together; the pipeline takes"),
     (["parallel.tensor_parallel_size=2"], r"parallel.tensor_parallel_size=2 with memory.offload=zero"),
     (["model.share_layers=3", "model.moe.every=1", "memory.offload_blocks=all"], r"model.share_layers > 1 with memory.offload=zero"),
 ])
