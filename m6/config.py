@@ -750,7 +750,7 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with model.share_layers={m.share_layers}: FSDP2 shards "
                           "each block's parameters on their own and a shared weight belongs to several blocks; not "
                           "supported together yet (train the pseudo giant with parallel.shard=none, delink, then shard)")
-    if cfg.parallel.shard != "none" and cfg.memory.activation_checkpointing == "auto":
+    if cfg.parallel.shard != "none" and cfg.memory.activation_checkpointing == "auto" and cfg.memory.offload != "zero":
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with memory.activation_checkpointing=auto: the auto "
                           "plan measures saved activations by telling them apart from the parameters' storages, "
                           "which FSDP2 swaps for gathered copies during forward; use activation_checkpointing "
@@ -903,7 +903,7 @@ def check_shard_offload(cfg: Config) -> None:
     their gradients and the optimizer state on the host together, and the host optimizer
     (memory.host_optimizer) steps them there: offload=optimizer+params, every block."""
     shard, mem = cfg.parallel.shard, cfg.memory
-    if shard == "none" or mem.offload == "none":
+    if shard == "none" or mem.offload in ("none", "zero"):  # zero: check_zero_offload
         return
     if mem.offload == "optimizer":
         raise ConfigError(f"parallel.shard={shard} with memory.offload=optimizer: FSDP2's CPU offload moves each "
@@ -926,9 +926,17 @@ def check_zero_offload(cfg: Config) -> None:
     if cfg.train.precision == "fp32":
         raise ConfigError("memory.offload=zero with train.precision=fp32: zero keeps 16-bit weights on the device "
                           "(the compute dtype); use train.precision=bf16 or fp16, or memory.offload=optimizer")
-    if cfg.parallel.shard != "none":
+    if cfg.parallel.shard == "optimizer":  # ZeRO-Offload with partitioned host states (DeepSpeed stage 2)
+        if cfg.memory.offload_blocks != []:
+            raise ConfigError(f"memory.offload=zero with parallel.shard=optimizer and memory.offload_blocks="
+                              f"{cfg.memory.offload_blocks}: the partitioned layout keeps every block's 16-bit weights "
+                              "on the device; set memory.offload_blocks=[]")
+        if cfg.optim.name != "adamw":
+            raise ConfigError(f"memory.offload=zero with parallel.shard=optimizer and optim.name={cfg.optim.name}: the "
+                              "partitioned host states are AdamW's; use optim.name=adamw or parallel.shard=none")
+    elif cfg.parallel.shard != "none":
         raise ConfigError(f"memory.offload=zero with parallel.shard={cfg.parallel.shard}: not built together (FSDP2's "
-                          "CPU offload is memory.offload=optimizer+params); use parallel.shard=none with zero")
+                          "CPU offload is memory.offload=optimizer+params); use parallel.shard=none or optimizer")
     if cfg.memory.zero_grad_landing == "home" and cfg.optim.delayed_update:
         raise ConfigError("memory.zero_grad_landing=home with optim.delayed_update=true: the next step's forward reads "
                           "the streamed blocks' homes while the update still reads its gradients there; use "
@@ -945,7 +953,7 @@ def check_delayed_update(cfg: Config) -> None:
     if mem.offload == "none":
         raise ConfigError("optim.delayed_update=true with memory.offload=none: the delayed update overlaps the host "
                           "optimizer with the device's next step; set memory.offload=optimizer (or optimizer+params)")
-    if cfg.parallel.shard != "none":
+    if cfg.parallel.shard != "none" and mem.offload != "zero":  # zero's partitioned states compose
         raise ConfigError(f"optim.delayed_update=true with parallel.shard={cfg.parallel.shard}: FSDP2's CPU offload "
                           "steps its shards in place; the delayed update is built for m6's unsharded offload "
                           "(parallel.shard=none)")
