@@ -543,6 +543,17 @@ def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> 
     return hw.latency_s + nbytes / (bw * 1e9)
 
 
+def data_parallel_s(nbytes: float, hw: Hardware, world_size: int, gpus_per_node: int) -> float:
+    """One collective moving ``nbytes`` per rank over a data-parallel group of a ``world_size``-rank
+    data-parallel world: the dense parameters' (the world) or an expert-data-parallel group (a
+    column of m6.parallel.layout's EP-first mesh: ranks r, r + EP, r + 2 EP, ...). Either stays
+    inside a node only when the whole world does; otherwise its ring crosses nodes, and the
+    inter-node link paces it (an EDP group has fewer ranks than a node yet one per EP group: at
+    EP >= ranks per node, every member on another node)."""
+    bw = hw.intra_node_GBps if world_size <= gpus_per_node else hw.inter_node_GBps
+    return hw.latency_s + nbytes / (bw * 1e9)
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What step_time reads off a rank's (meta) model, the same for every setting the search times
@@ -638,7 +649,7 @@ def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus
     for share, n in ((dense_share, world_size), (expert_share, edp)):
         if n > 1 and share:
             moved = (traffic["all-gather"] + traffic["reduce-scatter"]) * share / total * hw.gather_scatter_cost
-            seconds += (n - 1) / n * (_exchange_s(moved, hw, n, gpus_per_node) - hw.latency_s)
+            seconds += (n - 1) / n * (data_parallel_s(moved, hw, world_size, gpus_per_node) - hw.latency_s)
     passes = 3 if cfg.parallel.shard == "full" else 2  # gathers (forward, backward for full) + reduce-scatter
     return seconds + hw.latency_s * passes * (len(layout.unit_numel) + 1)
 
@@ -710,10 +721,10 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     for numel, n in all_reduced:
         if n > 1 and numel:
             nbytes = grad_bytes * numel
-            sync += ring * (n - 1) / n * (_exchange_s(nbytes, hw, n, gpus_per_node) - hw.latency_s) \
+            sync += ring * (n - 1) / n * (data_parallel_s(nbytes, hw, world_size, gpus_per_node) - hw.latency_s) \
                 + hw.latency_s * max(1, round(nbytes / bucket))
-            last_bucket = max(last_bucket, ring * (n - 1) / n * (_exchange_s(min(nbytes, bucket), hw, n,
-                                                                             gpus_per_node) - hw.latency_s)
+            last_bucket = max(last_bucket, ring * (n - 1) / n * (data_parallel_s(min(nbytes, bucket), hw, world_size,
+                                                                                 gpus_per_node) - hw.latency_s)
                               + hw.latency_s)
     sync_hidden = 0.0
     if hw.peak_tflops is not None and sync > 0 and bucketed:
@@ -798,7 +809,7 @@ def _partitioned_step(cfg: Config, model: nn.Module, world_size: int, ep: int, g
     gather = 0.0
     for numel, n in ((facts.numel_rep, world_size), (facts.numel_exp, edp)):
         if n > 1 and numel:
-            gather += hw.gather_scatter_cost * (n - 1) / n * (_exchange_s(c * numel, hw, n, gpus_per_node)
+            gather += hw.gather_scatter_cost * (n - 1) / n * (data_parallel_s(c * numel, hw, world_size, gpus_per_node)
                                                               - hw.latency_s) + hw.latency_s * (blocks + 1)
     numel = facts.numel_rep + facts.numel_exp
     first = numel - sum(facts.block_numels) + (facts.block_numels[0] if blocks else 0)

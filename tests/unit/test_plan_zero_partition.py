@@ -159,3 +159,20 @@ def test_search_proposes_zero_partitioned_with_the_keys_the_runtime_needs(capsys
     printed = capsys.readouterr().out
     launch = shlex.split(printed.split("train.py --config ")[1].splitlines()[0])[1:]
     m6config.load(CONFIGS / "tiny.yaml", launch)
+
+
+def test_an_expert_data_parallel_group_of_few_ranks_still_crosses_nodes():
+    """EP 8 on 16 ranks, 8 per node: an EDP group (ranks r and r + 8) is 2 ranks, one on each node,
+    so its gradient sync runs at the inter-node bandwidth, not NVLink's (it did before: the group
+    was judged by its size alone)."""
+    cfg, host = _cfg("train.global_batch_size=32"), _host()
+    rm = RankMemory(cfg, 16, 8, "cuda")
+    dense = sum(p.numel() for p in rm.facts.replicated)
+    experts = sum(p.numel() for p in rm.facts.experts)
+    lat = V100.latency_s
+    for gpus_per_node, bw in ((8, V100.inter_node_GBps), (16, V100.intra_node_GBps)):
+        for shard, ring in (("none", 2), ("optimizer", 1)):
+            t = step_time(apply_choice(cfg, 2, "none", ZERO, 1, None, None, V100.precision, shard), 16, 8,
+                          gpus_per_node, V100, host, model=rm.model)
+            expected = ring * (15 / 16 * 2 * dense + 1 / 2 * 2 * experts) / (bw * 1e9) + 2 * lat
+            assert t.grad_sync + t.grad_sync_hidden == pytest.approx(expected)
