@@ -23,7 +23,9 @@ all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and com
           expert compute at the model's efficiency and the exchanges at full link rate while they
           overlap. CPU: not modelled (gloo's copies and the experts share the cores; the measured
           gain was 0.87x at degree 2, bench/results/a2a_overlap-pooled.md), degree 1.
-grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group. GPUs: m6 launches each bucket
+grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group (memory.offload=zero with
+          parallel.shard=optimizer: a reduce-scatter, (n-1)/n; m6.plan.zero_partition_step); the
+          inter-node bandwidth once the data-parallel world spans nodes (data_parallel_s). GPUs: m6 launches each bucket
           as its gradients are final during the last micro-batch's backward (m6.parallel.grad_sync),
           so only what exceeds that backward (2/3 of the micro-batch's compute), or at least the
           last bucket's all-reduce, is exposed; ASSUMED: NCCL's transfers do not slow the backward.
