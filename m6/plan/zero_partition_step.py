@@ -57,7 +57,8 @@ def partitioned_offload_step(cfg: Config, chunk_numel: int, local_numel: int, wo
     all-to-all, gradient sync and small collectives; ``update_s``: the host update over the chunks,
     ``cast_s`` of it the masters' cast to 16 bits (on the copy-back thread); ``gather_s``: every
     all-gather of the weights; ``bucket_chunk_bytes``: a bucket's chunk (its bytes / n);
-    ``first_share``: the weights outside the blocks + block 0's share of the whole;
+    ``first_share``: the weights outside the blocks + block 0's share of the whole (of its
+    elements, taken for the chunks' and the gathers' bytes too);
     ``num_resident_blocks``: the blocks; ``delayed``: optim.delayed_update on a GPU."""
     accum = accumulation_steps(cfg.train, world_size)
     groups = max(1, cfg.optim.apply_groups)
@@ -66,7 +67,9 @@ def partitioned_offload_step(cfg: Config, chunk_numel: int, local_numel: int, wo
         dtype = "16-bit"
     else:  # widened to fp32; a group of one rank's (nothing to reduce) in every micro-batch
         grads = 4.0 * (local_numel * accum + chunk_numel - local_numel) / copy_Bps
-        window, dtype = 2 / 3 * compute_s, "to fp32"
+        # The reduced chunks leave in the last backward only; the unreduced ones in every one.
+        window = 2 / 3 * compute_s if local_numel else 2 / 3 * compute_s / accum
+        dtype = "to fp32"
     last_bucket = min(c * chunk_numel, bucket_chunk_bytes) / copy_Bps
     grads_own = min(grads, max(last_bucket if chunk_numel else 0.0, grads - window))
     back = c * chunk_numel / copy_Bps

@@ -18,7 +18,7 @@ from m6.plan.memory import RankMemory
 from m6.plan.offload_layouts import PLANNED_OFFLOAD, ZERO
 from m6.plan.search import apply_choice, search
 from m6.plan.timing import GPUS, HostProfile, step_time
-from m6.plan.zero_partition_step import CHUNKS_BACK, GATHERS, pipelined_s
+from m6.plan.zero_partition_step import CHUNKS_BACK, GATHERS, partitioned_offload_step, pipelined_s
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 SMALL = ["data.kind=synthetic", "data.sources=[]", "model.moe.capacity_factor=null", "data.seq_len=40",
@@ -176,3 +176,21 @@ def test_an_expert_data_parallel_group_of_few_ranks_still_crosses_nodes():
                           gpus_per_node, V100, host, model=rm.model)
             expected = ring * (15 / 16 * 2 * dense + 1 / 2 * 2 * experts) / (bw * 1e9) + 2 * lat
             assert t.grad_sync + t.grad_sync_hidden == pytest.approx(expected)
+
+
+
+def test_with_accumulation_the_reduced_chunks_leave_in_the_last_backward():
+    """fp32 host gradients at 2 micro-batches: the reduced chunks leave in the last backward only
+    (2/3 of one micro-batch's compute), not beside every micro-batch's backward as the unreduced
+    ones do (a group of one rank: nothing to wait for)."""
+    cfg = apply_choice(_cfg(), 2, "none", ZERO, 4, None, None, V100.precision, "optimizer")
+    step = dict(world_size=WORLD, compute_s=3.0, device_other_s=0.0, update_s=100.0, cast_s=0.0, gather_s=0.0,
+                copy_Bps=1.6e6, c=2, bucket_chunk_bytes=1.0, first_share=0.1, num_resident_blocks=4, delayed=False)
+    reduced = partitioned_offload_step(cfg, 1_000_000, 0, **step)
+    out = next(c for c in reduced.copies if c.name.startswith("gradients out"))
+    assert out.seconds == pytest.approx(2.5)  # 4 B per chunk element over the link
+    assert out.exposed == pytest.approx(2.5 - 2 / 3 * 3.0 / 2)  # the last backward's window: 1 s
+    unreduced = partitioned_offload_step(cfg, 1_000_000, 1_000_000, **step)
+    out = next(c for c in unreduced.copies if c.name.startswith("gradients out"))
+    assert out.seconds == pytest.approx(5.0)  # every micro-batch's
+    assert out.exposed == pytest.approx(5.0 - 2 / 3 * 3.0)  # beside every backward
