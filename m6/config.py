@@ -750,7 +750,9 @@ def _check_cross_section(cfg: Config) -> None:
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with model.share_layers={m.share_layers}: FSDP2 shards "
                           "each block's parameters on their own and a shared weight belongs to several blocks; not "
                           "supported together yet (train the pseudo giant with parallel.shard=none, delink, then shard)")
-    if cfg.parallel.shard != "none" and cfg.memory.activation_checkpointing == "auto":
+    # (zero's partitioned host states keep every 16-bit weight resident: nothing swapped, auto measures.)
+    if cfg.parallel.shard != "none" and cfg.memory.activation_checkpointing == "auto" \
+            and cfg.memory.offload != "zero":
         raise ConfigError(f"parallel.shard={cfg.parallel.shard} with memory.activation_checkpointing=auto: the auto "
                           "plan measures saved activations by telling them apart from the parameters' storages, "
                           "which FSDP2 swaps for gathered copies during forward; use activation_checkpointing "
@@ -920,7 +922,9 @@ def check_shard_offload(cfg: Config) -> None:
 
 def check_zero_offload(cfg: Config) -> None:
     """memory.offload=zero stores the device weights in the compute dtype: it needs a 16-bit train
-    precision, and is m6's own unsharded offload (FSDP2's CPU offload keeps fp32 shards)."""
+    precision, and is m6's own offload, unsharded or (parallel.shard=optimizer) with its host states
+    partitioned over the data-parallel ranks, every block resident, AdamW (FSDP2's CPU offload keeps
+    fp32 shards)."""
     if cfg.memory.offload != "zero":
         return
     if cfg.train.precision == "fp32":

@@ -321,6 +321,9 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
 
     acts = activation_report(cfg, world_size, ep, device_type)
     kept, redo = kept_activations(cfg, acts)
+    if cfg.memory.offload == "zero" and cfg.parallel.shard == "optimizer":  # partitioned host states
+        from m6.memory.zero_partition_estimate import zero_partitioned_memory  # it builds on this module
+        return zero_partitioned_memory(cfg, model, facts, no_decay, world_size, ep, device_type)
     if cfg.parallel.shard != "none":
         return _sharded_report(cfg, facts, no_decay, world_size, ep, device_type, acts)
     if cfg.memory.offload == "zero":

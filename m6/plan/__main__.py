@@ -29,6 +29,7 @@ from m6.plan.search import DELAYED, SHARD, Candidate, search
 from m6.plan.step_breakdown import describe_overlaps, describe_streamed
 from m6.plan.sizes import parse_size
 from m6.plan.timing import GPUS, HostProfile, cpu_hardware
+from m6.plan.zero_partition_step import PARTITION_ASSUMED
 
 GiB = 2**30
 HOST_CORES_PER_GPU = 12  # a 96-core, 8-GPU server
@@ -227,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"x {args.host_cores_per_gpu} cores per GPU (--host-cores-per-gpu), scaling linearly")
     shown = result.feasible[:args.top]
     assumed += [ZERO_ASSUMED] if any(c.offload == ZERO for c in shown) else []
+    assumed += [PARTITION_ASSUMED] if any(c.offload == ZERO and c.shard == "optimizer" for c in shown) else []
     assumed += [DELAYED_ASSUMED] if any(c.delayed_update for c in shown) else []
     for note in profile.notes:
         print(f"NOTE: {note}")

@@ -9,6 +9,7 @@ import torch
 
 from m6.config import Config
 from m6.memory.estimate import MemoryReport, ModelFacts, estimate_memory
+from m6.memory.zero_partition_estimate import partitioned, zero_partitioned_memory
 from m6.model.host_drawn_init import HostDrawnInit
 from m6.model.m6_model import M6Model
 from m6.model.param_groups import no_decay_ids
@@ -42,9 +43,13 @@ class RankMemory:
 
     def report(self, cfg: Config) -> MemoryReport:
         """m6.memory.estimate for ``cfg`` (its train/memory/optim/moe settings) at this layout;
-        memory.offload=zero: the planner's model of ZeRO-Offload's layout (m6.plan.offload_layouts)."""
+        memory.offload=zero: the planner's model of ZeRO-Offload's layout (m6.plan.offload_layouts), with
+        parallel.shard=optimizer its partitioned host states (m6.memory.zero_partition_estimate)."""
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
                                                                     expert_parallel_size=self.expert_parallel_size))
+        if partitioned(cfg):
+            return zero_partitioned_memory(cfg, self.model, self.facts, self.no_decay, self.world_size,
+                                           self.expert_parallel_size, self.device_type)
         if cfg.memory.offload == ZERO:
             return zero_memory(cfg, self.model, self.facts, self.no_decay, self.world_size,
                                self.expert_parallel_size, self.device_type)

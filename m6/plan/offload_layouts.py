@@ -101,7 +101,7 @@ class OffloadStep:
     synchronous_total_extra: Optional[float] = None  # delayed: offload + update of the first, synchronous steps
 
 
-def _copy_back_exposed(back_s: float, update_s: float, groups: int) -> float:
+def copy_back_exposed(back_s: float, update_s: float, groups: int) -> float:
     """The weights going back group by group while the next group updates: the last group's copy,
     or what exceeds the update."""
     return max(back_s / groups, back_s - update_s * (groups - 1) / groups)
@@ -154,14 +154,14 @@ def offload_step(cfg: Config, numel: int, numel_exp: int, streamed: int, world_s
                                      c * streamed / copy_Bps, first_numel / max(numel - streamed, 1),
                                      num_resident_blocks, compute_s, device_other_s, update_s, cast_s,
                                      groups, delayed)
-    sync_back = _copy_back_exposed(back, update_s, groups)
+    sync_back = copy_back_exposed(back, update_s, groups)
     # What shows during compute, split between the gradients (their own share) and the fetches (the rest).
     exposed_now = {names[0]: grads_own, names[1]: during - grads_own}
     if not delayed:
         copies = (Copy(names[0], grads, exposed_now[names[0]]), Copy(names[1], fetch, exposed_now[names[1]]),
                   Copy(names[2], back, sync_back))
         return OffloadStep(during + sync_back, grads + fetch + back - during - sync_back, update_s, 0.0,
-                           _nonzero(copies))
+                           nonzero_copies(copies))
     device_phase = compute_s + device_other_s + during
     background = update_s - cast_s  # zero casts at the catch-up, beside the copy back
     update_exposed = max(0.0, background - device_phase)
@@ -169,7 +169,7 @@ def offload_step(cfg: Config, numel: int, numel_exp: int, streamed: int, world_s
     copies = (Copy(names[0], grads, exposed_now[names[0]]), Copy(names[1], fetch, exposed_now[names[1]]),
               Copy(names[2], back, catch_up))
     return OffloadStep(during + catch_up, grads + fetch - during, update_exposed, background - update_exposed,
-                       _nonzero(copies), synchronous_total_extra=during + sync_back + update_s)
+                       nonzero_copies(copies), synchronous_total_extra=during + sync_back + update_s)
 
 
 def _zero_block_copy_back(grads: float, grads_own: float, fetch: float, back: float, names: tuple[str, ...],
@@ -185,23 +185,23 @@ def _zero_block_copy_back(grads: float, grads_own: float, fetch: float, back: fl
         left, main_update = chain, 0.0
     else:  # group by group while the next group updates (the cast off the training thread)
         main_update = update_s - cast_s
-        left = _copy_back_exposed(chain, main_update, groups)
+        left = copy_back_exposed(chain, main_update, groups)
     back_exposed = weights_back_exposed(left, first_share * chain, forward_s, num_blocks, fetch_forward)
     during = max(grads_own, fetch + grads + left - back_exposed - compute_s)
     copies = (Copy(names[0], grads, grads_own), Copy(names[1], fetch, during - grads_own),
               Copy(names[2], back, back_exposed))
     hidden = grads + fetch + back - during - back_exposed
     if not delayed:
-        return OffloadStep(during + back_exposed, hidden, main_update, 0.0, _nonzero(copies))
+        return OffloadStep(during + back_exposed, hidden, main_update, 0.0, nonzero_copies(copies))
     device_phase = compute_s + device_other_s + during + back_exposed
     background = update_s - cast_s
     update_exposed = max(0.0, chain + background - device_phase)  # it starts once the masters are read
-    sync_left = _copy_back_exposed(chain, update_s - cast_s, groups)
+    sync_left = copy_back_exposed(chain, update_s - cast_s, groups)
     sync_exposed = weights_back_exposed(sync_left, first_share * chain, forward_s, num_blocks, fetch_forward)
     sync_during = max(grads_own, fetch + grads + sync_left - sync_exposed - compute_s)
     return OffloadStep(during + back_exposed, hidden, update_exposed, background - update_exposed,
-                       _nonzero(copies), synchronous_total_extra=sync_during + sync_exposed + update_s - cast_s)
+                       nonzero_copies(copies), synchronous_total_extra=sync_during + sync_exposed + update_s - cast_s)
 
 
-def _nonzero(copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
+def nonzero_copies(copies: tuple[Copy, ...]) -> tuple[Copy, ...]:
     return tuple(c for c in copies if c.seconds > 0)

@@ -19,6 +19,7 @@ from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, blocks_to_stream
 from m6.model.flops import step_flops
 from m6.plan.memory import RankMemory, rank_model
 from m6.plan.offload_layouts import ZERO, runnable_offload_modes
+from m6.memory.zero_partition_estimate import ADAMW_ONLY
 from m6.plan.pipeline import (PP_RECOMPUTE, PP_SHARD, SCHEDULES, bubble_s, p2p_s,
                               pipeline_check_refusal, pipeline_refusal, stage_config, stages_per_rank)
 from m6.plan.pipeline_memory import pipeline_memory
@@ -35,6 +36,7 @@ OFFLOAD = runnable_offload_modes()
 # search() tries the synchronous update unless asked; the CLI asks for both (--delayed-update).
 DELAYED = (False, True)
 SHARD = ("none", "optimizer", "full")  # parallel.shard; with sharding, offload none or (GPUs) optimizer+params
+# or, with shard=optimizer, zero (its host states partitioned)
 APPLY_GROUPS = (1, 2, 4, 8)
 # With offload the update's temporaries are host memory, shared by a node's ranks: finer groups too.
 OFFLOAD_APPLY_GROUPS = (16, 32)
@@ -114,7 +116,7 @@ class Candidate:
             out.append(f"memory.activation_budget_gb={self.budget_gb:.3f}")
         if self.offload_blocks is not None:
             out.append(f"memory.offload_blocks=[{','.join(map(str, self.offload_blocks))}]")
-        if self.offload != "none" and self.shard == "none":
+        if self.offload != "none" and (self.shard == "none" or self.offload == ZERO):
             out.append(f"memory.host_grad_dtype={self.host_grad_dtype}")
         if self.delayed_update:
             out.append("optim.delayed_update=true")
@@ -278,23 +280,28 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                     continue  # no all-to-all to compress
                 if groups in OFFLOAD_APPLY_GROUPS and (off == "none" or apply_groups != APPLY_GROUPS):
                     continue
+                # ZeRO-Offload with partitioned host states (shard=optimizer: each rank's chunks on
+                # its host, AdamW only, every block resident; m6.memory.zero_partition_estimate).
+                zero_partitioned = off == ZERO and sh == "optimizer"
                 if off == ZERO:
-                    # ZeRO-Offload's layout: 16-bit weights on a GPU, unsharded; host gradients fp32 or
-                    # 16-bit (with accumulation these add up on the device in 16 bits).
-                    if hw.peak_tflops is None or hw.precision == "fp32" or sh != "none":
+                    # ZeRO-Offload's layout: 16-bit weights on a GPU, unsharded or partitioned; host
+                    # gradients fp32 or 16-bit (with accumulation these add up on the device in 16 bits).
+                    if hw.peak_tflops is None or hw.precision == "fp32" or sh not in ("none", "optimizer") \
+                            or (zero_partitioned and (cfg.optim.name != ADAMW_ONLY or dp == 1)):
                         continue
                 # 16-bit host gradients: m6's own offload, one micro-batch per step, a 16-bit compute dtype.
                 elif hg != "fp32" and (off == "none" or sh != "none" or mb != per_rank or hw.precision == "fp32"):
                     continue
                 # The delayed update: m6's unsharded offload on a GPU, host gradients fp32 or 16-bit
                 # (either double-buffered: a second set on the host, counted by the memory estimate).
-                if dl and (off == "none" or sh != "none" or hw.peak_tflops is None):
+                if dl and (off == "none" or (sh != "none" and not zero_partitioned) or hw.peak_tflops is None):
                     continue
                 # Sharding: with offload only FSDP2's CPU offload of everything (optimizer+params), on a
                 # GPU (on a CPU host it moves nothing); not with auto recompute (a config error);
                 # nothing to shard at one data-parallel rank.
-                if sh != "none" and ((off != "none" and (off != "optimizer+params" or hw.peak_tflops is None))
-                                     or rc == "auto" or dp == 1):
+                if sh != "none" and not zero_partitioned and (
+                        (off != "none" and (off != "optimizer+params" or hw.peak_tflops is None)) or rc == "auto"
+                        or dp == 1):
                     continue
                 # Tensor and pipeline parallel: with what they are built with (TP_*, PP_*).
                 if split.tp > 1 and (rc not in TP_RECOMPUTE or off not in TP_OFFLOAD or sh not in TP_SHARD or dl):
@@ -313,7 +320,7 @@ def search(cfg: Config, world_size: int, gpus_per_node: int, hw: Hardware, host:
                     budget = max(min(0.95 * spare, none.device["activations (per micro-batch)"]), 2**20) / 2**30
                     trial = apply_choice(base, mb, rc, off, groups, wire, budget, hw.precision, sh, host_grads=hg,
                                          delayed=dl)
-                elif off == ZERO:
+                elif off == ZERO and not zero_partitioned:
                     # ZeRO-Offload's layout keeps every block's 16-bit weights on the device that fit
                     # (with auto recompute all of them, the budget taking the rest), streaming the
                     # first ones the device cannot keep, as memory.offload_blocks=auto would pick them.

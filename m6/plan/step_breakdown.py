@@ -9,6 +9,7 @@ from typing import Optional
 
 from m6.plan.offload_layouts import BLOCK_COPY_BACK, ZERO
 from m6.plan.timing import StepTime
+from m6.plan.zero_partition_step import CHUNKS_BACK, GATHERS
 
 
 def describe_streamed(offload: str, blocks: Optional[list[int]]) -> str:
@@ -24,16 +25,17 @@ def describe_overlaps(t: StepTime, delayed_after: int) -> list[str]:
     if t.all_to_all_hidden:
         parts.append(f"all-to-all {t.all_to_all + t.all_to_all_hidden:.3f} beside the experts ({t.all_to_all:.3f} "
                      "exposed)")
+    partitioned = any(c.name == GATHERS for c in t.copies)  # zero with shard=optimizer: reduce-scatters
     if t.grad_sync_hidden:
-        parts.append(f"grad sync {t.grad_sync + t.grad_sync_hidden:.3f} beside the last backward "
+        parts.append(f"grad sync{' (reduce-scatter)' if partitioned else ''} {t.grad_sync + t.grad_sync_hidden:.3f} beside the last backward "
                      f"({t.grad_sync:.3f} exposed)")
     for copy in t.copies:
         parts.append(f"{copy.name} {copy.seconds:.3f} ({copy.exposed:.3f} exposed)")
     lines = ["    overlaps: " + "; ".join(parts)] if parts else []
-    blocks = any(c.name == BLOCK_COPY_BACK for c in t.copies)
+    blocks = any(c.name in (BLOCK_COPY_BACK, CHUNKS_BACK) for c in t.copies)
     if t.synchronous_total is not None and blocks:
         device = t.compute + t.all_to_all + t.grad_sync + t.small_collectives + sum(c.exposed for c in t.copies)
-        back = next(c for c in t.copies if c.name == BLOCK_COPY_BACK)
+        back = next(c for c in t.copies if c.name in (BLOCK_COPY_BACK, CHUNKS_BACK))
         lines.append(f"    delayed update: host update {t.update + t.update_hidden:.3f} beside the next step's device "
                      f"phase {device:.3f}, from when the weights back ({back.seconds:.3f}) have read the masters "
                      f"({t.update:.3f} exposed); steps 1-{delayed_after} update synchronously: step "
@@ -46,7 +48,8 @@ def describe_overlaps(t: StepTime, delayed_after: int) -> list[str]:
                      f"update synchronously: step {t.synchronous_total:.3f} s")
     elif blocks:
         lines.append(f"    host update {t.update:.3f} after the device's step, the weights going back group by group "
-                     "beside it and the rest beside the next forward")
+                     "beside it and the rest beside the next forward"
+                     + (", each segment all-gathered after its copy" if partitioned else ""))
     elif t.copies:
         lines.append(f"    host update {t.update:.3f} after the device's step, the weights going back group by group "
                      "beside it")

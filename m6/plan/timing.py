@@ -23,7 +23,9 @@ all-to-all  per MoE layer and micro-batch: 4 payload exchanges (dispatch and com
           expert compute at the model's efficiency and the exchanges at full link rate while they
           overlap. CPU: not modelled (gloo's copies and the experts share the cores; the measured
           gain was 0.87x at degree 2, bench/results/a2a_overlap-pooled.md), degree 1.
-grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group. GPUs: m6 launches each bucket
+grad sync ring all-reduce, 2 (n-1)/n x bytes / bandwidth per group (memory.offload=zero with
+          parallel.shard=optimizer: a reduce-scatter, (n-1)/n; m6.plan.zero_partition_step); the
+          inter-node bandwidth once the data-parallel world spans nodes (data_parallel_s). GPUs: m6 launches each bucket
           as its gradients are final during the last micro-batch's backward (m6.parallel.grad_sync),
           so only what exceeds that backward (2/3 of the micro-batch's compute), or at least the
           last bucket's all-reduce, is exposed; ASSUMED: NCCL's transfers do not slow the backward.
@@ -88,6 +90,8 @@ from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.host_update import HOST_UPDATE_NAMES, probe_optimizer, resolve_host_update
 from m6.plan.memory import rank_model
 from m6.plan.offload_layouts import ZERO, Copy, offload_step, streamed_blocks
+from m6.plan.zero_partition_step import partitioned_offload_step
+from m6.memory.zero_partition_estimate import partitioned
 
 
 @dataclass(frozen=True)
@@ -541,6 +545,17 @@ def _exchange_s(nbytes: float, hw: Hardware, group: int, gpus_per_node: int) -> 
     return hw.latency_s + nbytes / (bw * 1e9)
 
 
+def data_parallel_s(nbytes: float, hw: Hardware, world_size: int, gpus_per_node: int) -> float:
+    """One collective moving ``nbytes`` per rank over a data-parallel group of a ``world_size``-rank
+    data-parallel world: the dense parameters' (the world) or an expert-data-parallel group (a
+    column of m6.parallel.layout's EP-first mesh: ranks r, r + EP, r + 2 EP, ...). Either stays
+    inside a node only when the whole world does; otherwise its ring crosses nodes, and the
+    inter-node link paces it (an EDP group has fewer ranks than a node yet one per EP group: at
+    EP >= ranks per node, every member on another node)."""
+    bw = hw.intra_node_GBps if world_size <= gpus_per_node else hw.inter_node_GBps
+    return hw.latency_s + nbytes / (bw * 1e9)
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What step_time reads off a rank's (meta) model, the same for every setting the search times
@@ -636,7 +651,7 @@ def sharded_sync_s(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus
     for share, n in ((dense_share, world_size), (expert_share, edp)):
         if n > 1 and share:
             moved = (traffic["all-gather"] + traffic["reduce-scatter"]) * share / total * hw.gather_scatter_cost
-            seconds += (n - 1) / n * (_exchange_s(moved, hw, n, gpus_per_node) - hw.latency_s)
+            seconds += (n - 1) / n * (data_parallel_s(moved, hw, world_size, gpus_per_node) - hw.latency_s)
     passes = 3 if cfg.parallel.shard == "full" else 2  # gathers (forward, backward for full) + reduce-scatter
     return seconds + hw.latency_s * passes * (len(layout.unit_numel) + 1)
 
@@ -695,20 +710,26 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     numel_rep, numel_exp = facts.numel_rep, facts.numel_exp
     sync = 0.0
     bucket = cfg.parallel.bucket_size_mb * 2**20
-    if cfg.parallel.shard != "none":
+    # zero with shard=optimizer (partitioned host states): the buckets reduce-scatter instead,
+    # (n-1)/n of their bytes per rank (x gather_scatter_cost), overlapped with backward the same way.
+    zero_partitioned = partitioned(cfg)
+    bucketed = cfg.parallel.shard == "none" or zero_partitioned
+    if not bucketed:
         sync = sharded_sync_s(cfg, model, world_size, ep, gpus_per_node, hw)
-    all_reduced = ((numel_rep, world_size), (numel_exp, world_size // ep)) if cfg.parallel.shard == "none" else ()
+    all_reduced = ((numel_rep, world_size), (numel_exp, world_size // ep)) if bucketed else ()
+    ring = hw.gather_scatter_cost if zero_partitioned else 2.0  # x (n-1)/n of the bytes: reduce-scatter, all-reduce
     last_bucket = 0.0
     grad_bytes = c if cfg.memory.offload == ZERO else 4.0  # zero: the 16-bit weights' 16-bit gradients
     for numel, n in all_reduced:
         if n > 1 and numel:
             nbytes = grad_bytes * numel
-            sync += 2 * (n - 1) / n * (_exchange_s(nbytes, hw, n, gpus_per_node) - hw.latency_s) \
+            sync += ring * (n - 1) / n * (data_parallel_s(nbytes, hw, world_size, gpus_per_node) - hw.latency_s) \
                 + hw.latency_s * max(1, round(nbytes / bucket))
-            last_bucket = max(last_bucket, 2 * (n - 1) / n * (_exchange_s(min(nbytes, bucket), hw, n, gpus_per_node)
-                                                              - hw.latency_s) + hw.latency_s)
+            last_bucket = max(last_bucket, ring * (n - 1) / n * (data_parallel_s(min(nbytes, bucket), hw, world_size,
+                                                                                 gpus_per_node) - hw.latency_s)
+                              + hw.latency_s)
     sync_hidden = 0.0
-    if hw.peak_tflops is not None and sync > 0 and cfg.parallel.shard == "none":
+    if hw.peak_tflops is not None and sync > 0 and bucketed:
         backward = 2 / 3 * compute / accum  # the last micro-batch's: its buckets launch as they fill
         exposed = max(min(last_bucket, sync), sync - backward)
         sync, sync_hidden = exposed, sync - exposed
@@ -738,6 +759,14 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     else:
         update = 28.0 * updated / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0
+    if zero_partitioned and hw.peak_tflops is not None:
+        step = _partitioned_step(cfg, model, world_size, ep, gpus_per_node, hw, compute, a2a + sync + small, update,
+                                 cast, c)
+        return StepTime(compute, a2a, sync, step.offload, step.update, flops_mb * accum * world_size, small,
+                        all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden, offload_hidden=step.offload_hidden,
+                        update_hidden=step.update_hidden, copies=step.copies,
+                        synchronous_total=None if step.synchronous_total_extra is None
+                        else compute + a2a + sync + small + step.synchronous_total_extra)
     if sharded and cfg.memory.offload != "none":
         # FSDP2's CPU offload: every gather first copies the unit's fp32 shards to the device (the
         # forward's and, for full, the backward's, in every micro-batch), each gradient shard goes
@@ -768,6 +797,31 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
                         else compute + a2a + sync + small + step.synchronous_total_extra)
     return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small,
                     all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden)
+
+
+def _partitioned_step(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus_per_node: int, hw: Hardware,
+                      compute_s: float, device_other_s: float, update_s: float, cast_s: float, c: int):
+    """zero with shard=optimizer: the copies and gathers of m6.plan.zero_partition_step at this
+    layout. The gathers: per group ring all-gathers of the 16-bit weights ((n-1)/n of their bytes per
+    rank, x gather_scatter_cost, over the link the group spans), a latency per segment."""
+    facts = model_facts(model)
+    layout = _shard_layout_of(cfg, model, world_size, ep)
+    edp = world_size // ep
+    blocks = len(facts.block_numels)
+    gather = 0.0
+    for numel, n in ((facts.numel_rep, world_size), (facts.numel_exp, edp)):
+        if n > 1 and numel:
+            gather += hw.gather_scatter_cost * (n - 1) / n * (data_parallel_s(c * numel, hw, world_size, gpus_per_node)
+                                                              - hw.latency_s) + hw.latency_s * (blocks + 1)
+    numel = facts.numel_rep + facts.numel_exp
+    first = numel - sum(facts.block_numels) + (facts.block_numels[0] if blocks else 0)
+    local = layout.shard_numel if world_size == 1 else (layout.expert_numel if edp == 1 else 0)
+    copy_Bps = (hw.pcie_GBps if hw.pcie_GBps else 10.0) * 1e9
+    n_bucket = world_size if facts.numel_rep else edp  # the dense group's buckets are the most
+    return partitioned_offload_step(cfg, layout.shard_numel, local, world_size, compute_s, device_other_s, update_s,
+                                    cast_s, gather, copy_Bps, c, cfg.parallel.bucket_size_mb * 2**20 / n_bucket,
+                                    first / max(numel, 1), blocks,
+                                    cfg.optim.delayed_update and hw.peak_tflops is not None)
 
 
 def pipelined_s(comm_s: float, compute_s: float, degree: int) -> float:
