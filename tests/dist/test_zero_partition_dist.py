@@ -136,3 +136,25 @@ def test_partitioned_zero_equals_unsharded_zero(tmp_path):
     assert not one.update.partition.chunks
     one_rank = [one.train_step()["loss"] for _ in range(STEPS)]
     run_distributed(_ranks, 2, str(tmp_path), one_rank, timeout_s=TIMEOUT_S)
+
+
+def _auto_recompute_ranks(rank: int, world: int, root: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    runs = {}
+    for shard in ("none", "optimizer"):
+        tr = trainer(f"{root}/auto-{shard}", f"parallel.shard={shard}", "memory.activation_checkpointing=auto",
+                     "memory.activation_budget_gb=0.0001")
+        runs[shard] = (tr, [tr.train_step()["loss"] for _ in range(3)])
+    (whole, whole_losses), (part, part_losses) = runs["none"], runs["optimizer"]
+    # Recompute replays the same bf16 forward: the plan changes what is kept, not the numbers.
+    assert part.activations.plan.recompute, "the tiny budget recomputes something"
+    assert part.activations.plan.recompute == whole.activations.plan.recompute  # the same activations measured
+    assert part_losses == pytest.approx(whole_losses, rel=TOLERANCE, abs=0), (part_losses, whole_losses)
+    weights_agree(part)
+
+
+def test_partitioned_zero_with_auto_recompute(tmp_path):
+    """The planner proposes the partitioned zero with memory.activation_checkpointing=auto (M6-T's
+    plan): the auto plan profiles the partitioned run (its resident 16-bit weights told apart from
+    the saved activations) and trains to the unsharded zero's losses."""
+    run_distributed(_auto_recompute_ranks, 2, str(tmp_path), timeout_s=TIMEOUT_S)
