@@ -139,6 +139,10 @@ PLANS = [
     Plan("w2-ep2-zero-bf16-half-grads-block-1", 2, [*SMALL, ep(2), *ZERO[:2], "memory.host_grad_dtype=compute",
                                                     "memory.offload_blocks=[1]"]),
     Plan("w2-ep1-zero-bf16-delayed", 2, [*SMALL, ep(1), *ZERO, *DELAYED]),
+    # ZeRO-Offload partitioned (zero + parallel.shard=optimizer): each rank's host states 1/2;
+    # `--only zero-part` runs these alone.
+    Plan("w2-ep1-zero-part-bf16", 2, [*SMALL, ep(1), *ZERO, "parallel.shard=optimizer"]),
+    Plan("w2-ep2-zero-part-bf16-delayed", 2, [*SMALL, ep(2), *ZERO, "parallel.shard=optimizer", *DELAYED]),
 ]
 
 # Pipeline parallel (#47): measured only where this m6 builds pipelines (parallel.pipeline_parallel_size);
