@@ -23,6 +23,7 @@ import time
 
 from m6 import config as m6config
 from m6.config_loader import ConfigError
+from m6.plan.link_floor import LINK_ASSUMED
 from m6.plan.mixed import describe_mixed, parse_inventory, plan_mixed, read_inventory
 from m6.plan.offload_layouts import DELAYED_ASSUMED, PLANNED_OFFLOAD, ZERO, ZERO_ASSUMED, runnable_offload_modes
 from m6.plan.search import DELAYED, SHARD, Candidate, search
@@ -58,6 +59,7 @@ def describe(c: Candidate, rank: int, ranks_per_node: int = 1, delayed_after: in
              + " + small collectives "
              f"{t.small_collectives:.3f} + offload {t.offload:.3f}" + (" exposed" if t.offload_hidden else "") + " + "
              f"update {t.update:.3f}" + (" exposed" if t.update_hidden else "")
+             + (f" + inter-node link shared {t.link_shared:.3f}" if t.link_shared else "")
              + (f" + tp collectives {t.tensor_parallel:.3f}" if c.tensor_parallel_size > 1 else "")
              + (f" + pipeline bubble {t.pipeline_bubble:.3f} + stage sends {t.pipeline_p2p:.3f}"
                 if c.pipeline_parallel_size > 1 else "") + (f"; MFU {c.mfu:.1%} (active-parameter FLOPs)" if c.mfu is not None else ""),
@@ -230,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     assumed += [ZERO_ASSUMED] if any(c.offload == ZERO for c in shown) else []
     assumed += [PARTITION_ASSUMED] if any(c.offload == ZERO and c.shard == "optimizer" for c in shown) else []
     assumed += [DELAYED_ASSUMED] if any(c.delayed_update for c in shown) else []
+    assumed += [LINK_ASSUMED] if any(c.time.link_windows for c in shown) else []
     for note in profile.notes:
         print(f"NOTE: {note}")
     unrunnable = sorted({c.offload for c in shown} - set(runnable_offload_modes()))

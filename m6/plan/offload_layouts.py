@@ -55,6 +55,7 @@ from typing import Optional
 
 from m6.config import Config, MemoryConfig, accumulation_steps
 from m6.plan.copy_back_overlap import weights_back_exposed
+from m6.plan.link_floor import LinkWindow
 # Re-exported: the planner's callers name the zero layout's bytes from here.
 from m6.memory.estimate import STAGING_CHUNK, WEIGHT_STAGING, streamed_blocks, zero_memory  # noqa: F401
 
@@ -99,6 +100,9 @@ class OffloadStep:
     update_hidden: float  # host update behind the next step's forward/backward (delayed)
     copies: tuple[Copy, ...]
     synchronous_total_extra: Optional[float] = None  # delayed: offload + update of the first, synchronous steps
+    # The next forward's inter-node transfers (the partitioned zero's gathers; m6.plan.link_floor),
+    # its excess counted in the step by the caller, not in offload
+    link_window: Optional[LinkWindow] = None
 
 
 def copy_back_exposed(back_s: float, update_s: float, groups: int) -> float:

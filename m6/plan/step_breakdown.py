@@ -32,16 +32,19 @@ def describe_overlaps(t: StepTime, delayed_after: int) -> list[str]:
     for copy in t.copies:
         parts.append(f"{copy.name} {copy.seconds:.3f} ({copy.exposed:.3f} exposed)")
     lines = ["    overlaps: " + "; ".join(parts)] if parts else []
+    if t.link_windows:  # m6.plan.link_floor: each window at least its transfers' inter-node seconds
+        lines.append("    inter-node link (seconds on it): " + "; ".join(w.describe() for w in t.link_windows))
     blocks = any(c.name in (BLOCK_COPY_BACK, CHUNKS_BACK) for c in t.copies)
     if t.synchronous_total is not None and blocks:
-        device = t.compute + t.all_to_all + t.grad_sync + t.small_collectives + sum(c.exposed for c in t.copies)
+        device = t.compute + t.all_to_all + t.grad_sync + t.small_collectives + t.link_shared \
+            + sum(c.exposed for c in t.copies)
         back = next(c for c in t.copies if c.name in (BLOCK_COPY_BACK, CHUNKS_BACK))
         lines.append(f"    delayed update: host update {t.update + t.update_hidden:.3f} beside the next step's device "
                      f"phase {device:.3f}, from when the weights back ({back.seconds:.3f}) have read the masters "
                      f"({t.update:.3f} exposed); steps 1-{delayed_after} update synchronously: step "
                      f"{t.synchronous_total:.3f} s")
     elif t.synchronous_total is not None:
-        device = t.compute + t.all_to_all + t.grad_sync + t.small_collectives \
+        device = t.compute + t.all_to_all + t.grad_sync + t.small_collectives + t.link_shared \
             + sum(c.exposed for c in t.copies if "back" not in c.name)
         lines.append(f"    delayed update: host update {t.update + t.update_hidden:.3f} beside the next step's device "
                      f"phase {device:.3f} ({t.update:.3f} exposed), then the weights back; steps 1-{delayed_after} "

@@ -88,6 +88,7 @@ from m6.parallel.sharded_adafactor import ShardedAdafactor
 from m6.parallel.grad_sync import clip_coefficient, clip_grad_norm, global_grad_norm
 from m6.moe.loopback import LoopbackDispatcher
 from m6.plan.host_update import HOST_UPDATE_NAMES, probe_optimizer, resolve_host_update
+from m6.plan.link_floor import LinkWindow, link_window
 from m6.plan.memory import rank_model
 from m6.plan.offload_layouts import ZERO, Copy, offload_step, streamed_blocks
 from m6.plan.zero_partition_step import partitioned_offload_step
@@ -171,11 +172,14 @@ class StepTime:
     tensor_parallel: float = 0.0  # the split regions' collectives (m6.plan.tensor_parallel)
     pipeline_bubble: float = 0.0  # a pipeline rank's idle time (m6.plan.pipeline)
     pipeline_p2p: float = 0.0  # stage-boundary sends on its critical path
+    # What the windows' inter-node transfers add beyond the windows (m6.plan.link_floor), and the windows
+    link_shared: float = 0.0
+    link_windows: tuple[LinkWindow, ...] = ()
 
     @property
     def total(self) -> float:
         return (self.compute + self.all_to_all + self.grad_sync + self.small_collectives + self.offload + self.update
-                + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p)
+                + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p + self.link_shared)
 
 
 def densest_counts(cfg: Config, micro_batch: int) -> TokenCounts:
@@ -612,17 +616,33 @@ def expert_exchange_s(cfg: Config, positions: int, wire_bytes: int, ep: int, gpu
     moe = cfg.model.moe
     K, row = moe.top_k * moe.num_prototypes, cfg.model.d_model * wire_bytes
     G = min(ep, gpus_per_node)
+    if ep // G == 1:
+        return _exchange_s(positions * K * row * (ep - 1) / ep, hw, ep, gpus_per_node)
+    inter, intra = _exchange_bytes(cfg, positions, wire_bytes, ep, gpus_per_node)
+    if moe.a2a_dispatch == "node_aware":
+        return 2 * hw.latency_s + inter / (hw.inter_node_GBps * 1e9) + intra / (hw.intra_node_GBps * 1e9)
+    return hw.latency_s + max(inter / (hw.inter_node_GBps * 1e9), intra / (hw.intra_node_GBps * 1e9))
+
+
+def _exchange_bytes(cfg: Config, positions: int, wire_bytes: int, ep: int, gpus_per_node: int) -> tuple[float, float]:
+    """(inter-node, intra-node) bytes a rank sends in one exchange of expert_exchange_s."""
+    moe = cfg.model.moe
+    K, row = moe.top_k * moe.num_prototypes, cfg.model.d_model * wire_bytes
+    G = min(ep, gpus_per_node)
     B = ep // G
     if B == 1:
-        return _exchange_s(positions * K * row * (ep - 1) / ep, hw, ep, gpus_per_node)
+        return 0.0, positions * K * row * (ep - 1) / ep
     if moe.a2a_dispatch == "node_aware":
         remote_rows = positions * nodes_per_token(K, B, moe.max_nodes_per_token or 0) * (B - 1) / B
-        inter = remote_rows * row + positions * K * (B - 1) / B * 12 / 4
-        intra = positions * K * (G - 1) / G * row
-        return 2 * hw.latency_s + inter / (hw.inter_node_GBps * 1e9) + intra / (hw.intra_node_GBps * 1e9)
-    inter = positions * K * row * (ep - G) / ep
-    intra = positions * K * row * (G - 1) / ep
-    return hw.latency_s + max(inter / (hw.inter_node_GBps * 1e9), intra / (hw.intra_node_GBps * 1e9))
+        return remote_rows * row + positions * K * (B - 1) / B * 12 / 4, positions * K * (G - 1) / G * row
+    return positions * K * row * (ep - G) / ep, positions * K * row * (G - 1) / ep
+
+
+def expert_exchange_inter_s(cfg: Config, positions: int, wire_bytes: int, ep: int, gpus_per_node: int,
+                            hw: Hardware) -> float:
+    """The seconds one exchange of expert_exchange_s holds the inter-node link (0 when the expert
+    group stays inside a node): its inter-node bytes at the inter-node bandwidth."""
+    return _exchange_bytes(cfg, positions, wire_bytes, ep, gpus_per_node)[0] / (hw.inter_node_GBps * 1e9)
 
 
 def _shard_layout_of(cfg: Config, model: nn.Module, world_size: int, ep: int):
@@ -690,23 +710,29 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             / (1e12 * hw.compute_efficiency)
     wire = 2 if cfg.model.moe.a2a_dtype == "bf16" else c
     a2a = a2a_hidden = 0.0
+    # One micro-batch's forward and backward all-to-alls: exposed seconds, seconds on the inter-node link
+    a2a_pass_exposed = a2a_pass_inter = (0.0, 0.0)
     if ep > 1:
         sent = counts.positions * K * cfg.model.d_model * wire * (ep - 1) / ep
         exchange = expert_exchange_s(cfg, counts.positions, wire, ep, gpus_per_node, hw)
+        inter = 2 * moe_layers * expert_exchange_inter_s(cfg, counts.positions, wire, ep, gpus_per_node, hw)
+        a2a_pass_inter = (inter, inter)  # dispatch + combine of every MoE layer, forward and backward alike
         blocking = accum * moe_layers * (4 * exchange + hw.latency_s)
         degree = overlap_degree(cfg, sent, hw)
         if degree > 1:
             expert_forward = rates.per_assignment * counts.positions * K / (hw.peak_tflops * 1e12 * hw.compute_efficiency)
-            passes = 0.0
+            shown = []
             # d latencies per exchange (node-aware across nodes: two stages, two each)
             stages = 2 if cfg.model.moe.a2a_dispatch == "node_aware" and ep > gpus_per_node else 1
             for expert_s in (expert_forward, 2 * expert_forward):  # forward, backward of one layer
                 comm = 2 * (exchange + (degree - 1) * stages * hw.latency_s)  # dispatch + combine
-                passes += pipelined_s(comm, expert_s, degree) - expert_s
-            a2a = accum * moe_layers * (passes + hw.latency_s)
+                shown.append(pipelined_s(comm, expert_s, degree) - expert_s)
+            a2a = accum * moe_layers * (sum(shown) + hw.latency_s)
             a2a_hidden = max(0.0, blocking - a2a)
+            a2a_pass_exposed = (moe_layers * shown[0], moe_layers * shown[1])
         else:
             a2a = blocking
+            a2a_pass_exposed = (2 * moe_layers * exchange, 2 * moe_layers * exchange)
     numel_rep, numel_exp = facts.numel_rep, facts.numel_exp
     sync = 0.0
     bucket = cfg.parallel.bucket_size_mb * 2**20
@@ -729,10 +755,17 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
                                                                                  gpus_per_node) - hw.latency_s)
                               + hw.latency_s)
     sync_hidden = 0.0
+    windows: list[LinkWindow] = []
+    backward = 2 / 3 * compute / accum  # the last micro-batch's: its buckets launch as they fill
     if hw.peak_tflops is not None and sync > 0 and bucketed:
-        backward = 2 / 3 * compute / accum  # the last micro-batch's: its buckets launch as they fill
         exposed = max(min(last_bucket, sync), sync - backward)
         sync, sync_hidden = exposed, sync - exposed
+    if hw.peak_tflops is not None and (sync_hidden or a2a_pass_inter[1]):
+        # The buckets cross nodes whenever the data-parallel world does (data_parallel_s).
+        sync_inter = (sync + sync_hidden) * (bucketed and world_size > gpus_per_node)
+        windows.append(link_window("last backward", backward + sync * bucketed + a2a_pass_exposed[1],
+                                   {"grad sync": sync_inter, "all-to-all": a2a_pass_inter[1]}))
+    link_backward = windows[0].excess_s if windows else 0.0
     scalars = 0
     if world_size > 1:
         per_step = 4 + (ep > 1)  # targets, sync reach check, loss/metric sums, stop flag; expert norm
@@ -760,13 +793,16 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
         update = 28.0 * updated / (hw.memory_GBps * 1e9 * 0.7)
     offload = 0.0
     if zero_partitioned and hw.peak_tflops is not None:
-        step = _partitioned_step(cfg, model, world_size, ep, gpus_per_node, hw, compute, a2a + sync + small, update,
-                                 cast, c)
+        step = _partitioned_step(cfg, model, world_size, ep, gpus_per_node, hw, compute,
+                                 a2a + sync + small + link_backward, update, cast, c, a2a_pass_exposed[0],
+                                 a2a_pass_inter[0])
+        windows += [step.link_window] if step.link_window is not None else []
         return StepTime(compute, a2a, sync, step.offload, step.update, flops_mb * accum * world_size, small,
                         all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden, offload_hidden=step.offload_hidden,
                         update_hidden=step.update_hidden, copies=step.copies,
                         synchronous_total=None if step.synchronous_total_extra is None
-                        else compute + a2a + sync + small + step.synchronous_total_extra)
+                        else compute + a2a + sync + small + link_backward + step.synchronous_total_extra,
+                        link_shared=sum(w.excess_s for w in windows), link_windows=tuple(windows))
     if sharded and cfg.memory.offload != "none":
         # FSDP2's CPU offload: every gather first copies the unit's fp32 shards to the device (the
         # forward's and, for full, the backward's, in every micro-batch), each gradient shard goes
@@ -787,23 +823,29 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
             first = numel - sum(block_numels) + (resident[0] if resident else 0)
             resident_blocks = len(resident)
         # The delayed update's overlap is a GPU's: on a CPU device the update thread shares the cores.
-        step = offload_step(cfg, numel, numel_exp, streamed, world_size, ep, compute, a2a + sync + small, update,
+        step = offload_step(cfg, numel, numel_exp, streamed, world_size, ep, compute, a2a + sync + small + link_backward,
+                            update,
                             copy_Bps, c, delayed=cfg.optim.delayed_update and hw.peak_tflops is not None,
                             cast_s=cast, first_numel=first, num_resident_blocks=resident_blocks)
         return StepTime(compute, a2a, sync, step.offload, step.update, flops_mb * accum * world_size, small,
                         all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden, offload_hidden=step.offload_hidden,
                         update_hidden=step.update_hidden, copies=step.copies,
                         synchronous_total=None if step.synchronous_total_extra is None
-                        else compute + a2a + sync + small + step.synchronous_total_extra)
+                        else compute + a2a + sync + small + link_backward + step.synchronous_total_extra,
+                        link_shared=link_backward, link_windows=tuple(windows))
     return StepTime(compute, a2a, sync, offload, update, flops_mb * accum * world_size, small,
-                    all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden)
+                    all_to_all_hidden=a2a_hidden, grad_sync_hidden=sync_hidden, link_shared=link_backward,
+                    link_windows=tuple(windows))
 
 
 def _partitioned_step(cfg: Config, model: nn.Module, world_size: int, ep: int, gpus_per_node: int, hw: Hardware,
-                      compute_s: float, device_other_s: float, update_s: float, cast_s: float, c: int):
+                      compute_s: float, device_other_s: float, update_s: float, cast_s: float, c: int,
+                      forward_a2a_s: float, forward_a2a_inter_s: float):
     """zero with shard=optimizer: the copies and gathers of m6.plan.zero_partition_step at this
     layout. The gathers: per group ring all-gathers of the 16-bit weights ((n-1)/n of their bytes per
-    rank, x gather_scatter_cost, over the link the group spans), a latency per segment."""
+    rank, x gather_scatter_cost, over the link the group spans), a latency per segment; on the
+    inter-node link, beside the forward's all-to-alls (``forward_a2a_s`` exposed, ``forward_a2a_inter_s``
+    on that link, one micro-batch's), once the data-parallel world spans nodes."""
     facts = model_facts(model)
     layout = _shard_layout_of(cfg, model, world_size, ep)
     edp = world_size // ep
@@ -821,7 +863,8 @@ def _partitioned_step(cfg: Config, model: nn.Module, world_size: int, ep: int, g
     return partitioned_offload_step(cfg, layout.shard_numel, local, world_size, compute_s, device_other_s, update_s,
                                     cast_s, gather, copy_Bps, c, cfg.parallel.bucket_size_mb * 2**20 / n_bucket,
                                     first / max(numel, 1), blocks,
-                                    cfg.optim.delayed_update and hw.peak_tflops is not None)
+                                    cfg.optim.delayed_update and hw.peak_tflops is not None,
+                                    forward_a2a_s, forward_a2a_inter_s, world_size > gpus_per_node)
 
 
 def pipelined_s(comm_s: float, compute_s: float, degree: int) -> float:
