@@ -760,9 +760,9 @@ def step_time(cfg: Config, world_size: int, ep: int, gpus_per_node: int, hw: Har
     if hw.peak_tflops is not None and sync > 0 and bucketed:
         exposed = max(min(last_bucket, sync), sync - backward)
         sync, sync_hidden = exposed, sync - exposed
-    if hw.peak_tflops is not None and (sync_hidden or a2a_pass_inter[1]):
-        # The buckets cross nodes whenever the data-parallel world does (data_parallel_s).
-        sync_inter = (sync + sync_hidden) * (bucketed and world_size > gpus_per_node)
+    # The buckets cross nodes whenever the data-parallel world does (data_parallel_s).
+    sync_inter = (sync + sync_hidden) * (bucketed and world_size > gpus_per_node)
+    if hw.peak_tflops is not None and (sync_inter or a2a_pass_inter[1]):
         windows.append(link_window("last backward", backward + sync * bucketed + a2a_pass_exposed[1],
                                    {"grad sync": sync_inter, "all-to-all": a2a_pass_inter[1]}))
     link_backward = windows[0].excess_s if windows else 0.0

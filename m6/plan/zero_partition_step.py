@@ -107,8 +107,9 @@ def partitioned_offload_step(cfg: Config, chunk_numel: int, local_numel: int, wo
         exposed, exp_c, exp_g, pcie = at_forward(left)
         during = max(grads_own, grads + pcie - compute_s)
         copies = (Copy(grads_name, grads, during), Copy(CHUNKS_BACK, back, exp_c), Copy(GATHERS, gather_s, exp_g))
+        window = forward_link(exposed)
         return OffloadStep(during + exposed, grads + back + gather_s - during - exposed, main_update, 0.0,
-                           nonzero_copies(copies), link_window=forward_link(exposed))
+                           nonzero_copies(copies), link_window=window if window.transfers else None)
     exposed, exp_c, exp_g, pcie = at_forward(chain)
     during = max(grads_own, grads + pcie - compute_s)
     window = forward_link(exposed)
@@ -123,4 +124,4 @@ def partitioned_offload_step(cfg: Config, chunk_numel: int, local_numel: int, wo
     return OffloadStep(during + exposed, grads + back + gather_s - during - exposed, update_exposed,
                        background - update_exposed, nonzero_copies(copies),
                        synchronous_total_extra=sync_during + sync_exposed + sync_link + background,
-                       link_window=window)
+                       link_window=window if window.transfers else None)
