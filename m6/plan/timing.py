@@ -35,6 +35,10 @@ small collectives  the step's scalar all-reduces, one latency each (world > 1): 
           routing statistics per MoE layer and micro-batch (aux_loss_scope global; local: one
           aux-loss sum per step), the gradient sync's reach check, loss and metric sums, the expert
           gradient norm (EP > 1) and the stop-signal flag, as m6.train.loop issues them.
+inter-node link shared  GPUs: the transfers hidden in one window that cross nodes share the
+          rank's one inter-node link (m6.plan.link_floor): the last backward lasts at least its
+          gradient sync (world across nodes) + its all-to-alls' inter-node part, the partitioned
+          zero's next forward at least its all-gathers + its all-to-alls'; the excess is added.
 offload   host<->device bytes / the PCIe figure, counted where the step waits for them (sharded:
           FSDP2's CPU offload copies each unit's shards in at every gather and the gradient shards
           out once, beside compute; nothing is copied back after the host update); unsharded: the
