@@ -21,9 +21,9 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY = ["train.global_batch_size=32", "train.micro_batch_size=2", "data.seq_len=64", "model.moe.top_k=2",
         "model.moe.num_experts=8", "model.moe.a2a_overlap_degree=4", "parallel.bucket_size_mb=0.01"]
 WORLD, EP = 16, 8  # one micro-batch of 2 per rank
-# A slow device (the tiny model's backward 0.077 s) and a slow inter-node link: the gradient sync
-# (0.082 s on it) fits beside that backward by itself, with its all-to-alls (mostly hidden behind
-# the experts) it does not.
+# A slow device (the tiny model's last backward 0.077 s) and a slow inter-node link: the gradient
+# sync (0.082 s on it) fills that backward, and its all-to-alls, mostly hidden behind the experts,
+# put more on the same link.
 SLOW = dataclasses.replace(GPUS["h100"], latency_s=0.0, inter_node_GBps=0.05, intra_node_GBps=100.0, peak_tflops=0.016)
 
 
