@@ -43,7 +43,7 @@ if mode == "exit":
     print(f"rank {env.rank} leaving", flush=True)
     sys.exit(0)
 if mode == "finish":
-    time.sleep(0.5 if env.rank == 0 else 6)  # rank 0 (the store's host here) leaves long before rank 1
+    time.sleep(0.5 if env.rank == 0 else 4)  # rank 0 (the store's host here) leaves long before rank 1
     watch.stop(finished=True)
     print(f"rank {env.rank} finished", flush=True)
     os._exit(0)
