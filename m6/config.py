@@ -637,6 +637,9 @@ class ParallelConfig:
     expert_parallel_size: Union[int, Literal["auto"]] = "auto"  # auto: largest divisor of world and experts
     bucket_size_mb: float = 25.0  # gradient all-reduce bucket size
     timeout_s: int = 600  # a collective waiting longer than this (a dead rank) fails the run
+    # After a failed collective: how long a survivor waits for the other ranks to mark themselves
+    # alive before naming those that did not (m6.parallel.peer_check).
+    peer_wait_s: float = 10.0
     # Each rank's share of the global batch: even, auto (measured speeds), or one weight per rank.
     balance: Union[Literal["even", "auto"], list[float]] = "even"
     # Sharded data parallel (m6.parallel.fsdp): none = replicas hold everything; optimizer =
@@ -666,9 +669,9 @@ class ParallelConfig:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size <= 0:
             raise ConfigError(f"parallel.tensor_parallel_size must be a positive integer, got "
                               f"{self.tensor_parallel_size!r}")
-        if self.bucket_size_mb <= 0 or self.timeout_s <= 0:
-            raise ConfigError(f"parallel.bucket_size_mb ({self.bucket_size_mb}) and parallel.timeout_s "
-                              f"({self.timeout_s}) must be > 0")
+        if self.bucket_size_mb <= 0 or self.timeout_s <= 0 or self.peer_wait_s <= 0:
+            raise ConfigError(f"parallel.bucket_size_mb ({self.bucket_size_mb}), parallel.timeout_s "
+                              f"({self.timeout_s}) and parallel.peer_wait_s ({self.peer_wait_s}) must be > 0")
         if isinstance(self.expert_parallel_size, int) and self.expert_parallel_size <= 0:
             raise ConfigError(f"parallel.expert_parallel_size must be > 0 or 'auto', got {self.expert_parallel_size}")
         if isinstance(self.balance, list) and (not self.balance or not all(0 < w < float("inf") for w in self.balance)):

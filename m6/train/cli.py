@@ -24,7 +24,7 @@ import sys
 
 import torch.distributed as dist
 
-from m6.config import ConfigError, load
+from m6.config import ConfigError, ParallelConfig, load
 from m6.config_loader import dumps_yaml
 from m6.parallel import LayoutError
 from m6.parallel.compile import CompileFailed
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     rank = os.environ.get("RANK")
     where = f"rank {rank}: " if rank is not None else ""
+    cfg = None
     try:
         from_files = [line for path in args.overrides for line in read_overrides_file(path)]
         cfg = load(args.config, from_files + args.overrides_on_command_line)
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         # A peer died or a collective timed out (parallel.timeout_s): name it instead of hanging
         # or printing the backend's traceback.
-        report_once(f"{where}error: {describe_peer_failure(int(rank), int(os.environ['WORLD_SIZE']))}")
+        wait_s = cfg.parallel.peer_wait_s if cfg is not None else ParallelConfig.peer_wait_s
+        report_once(f"{where}error: {describe_peer_failure(int(rank), int(os.environ['WORLD_SIZE']), wait_s)}")
         return 1
     finally:
         # Every group torn down before the interpreter exits (a finished run's ranks have all

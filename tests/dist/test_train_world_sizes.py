@@ -212,13 +212,15 @@ def test_scaling_experts_is_one_key(tmp_path):
 @pytest.mark.parametrize("nnodes", [1, 2])
 def test_a_dead_rank_ends_the_job_instead_of_hanging(tmp_path, nnodes):
     """SIGKILL to rank 1 mid-run, under one torchrun agent or two (two "nodes"): every survivor
-    ends well within the collective timeout, naming rank 1 and its host in one line."""
+    ends well within the collective timeout, naming rank 1 and its host in one line. The survivor
+    waits parallel.peer_wait_s for the dead rank's mark (2 s here; the 10 s default is
+    tests/unit/test_peer_wait.py's): it never comes, so the wait is spent in full."""
     import time
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # A checkpoint every step: the death often lands inside a save, whose error must still name it.
     args = ["--config", TINY, *SMALL, f"run.dir={tmp_path}", "train.max_steps=100000", "parallel.timeout_s=30",
-            "checkpoint.every=1"]
+            "parallel.peer_wait_s=2", "checkpoint.every=1"]
     with contextlib.ExitStack() as stack:
         if nnodes == 1:
             agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

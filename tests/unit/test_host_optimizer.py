@@ -47,7 +47,7 @@ RESUME_AT = 6
 
 @pytest.fixture(scope="session")
 def cpu_adam():
-    """DeepSpeed's op, built once per test session into TORCH_EXTENSIONS_DIR (tests/conftest.py)."""
+    """DeepSpeed's op, built once per machine and version into extensions_dir() (tests/conftest.py)."""
     try:
         return load_cpu_adam(print)
     except Exception as e:  # noqa: BLE001

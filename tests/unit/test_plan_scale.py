@@ -47,7 +47,7 @@ def real_shard(cfg: m6config.Config, world: int, rank: int, ep: int):
                                            ("m6-10t", 480, 160), ("m6-10t", 512, 512), ("m6-10t", 512, 256)])
 def test_planner_bytes_equal_the_sharded_model(name, world, ep):
     cfg = m6config.load(CONFIGS / f"{name}.yaml", [f"train.global_batch_size={2 * world}", "train.micro_batch_size=1"])
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: the work done, whatever else the machine runs
     memory = RankMemory(cfg, world, ep, "cuda")
     planned = memory.report(cfg)
     offloaded = m6config.load(CONFIGS / f"{name}.yaml", [f"train.global_batch_size={4 * world}", "train.micro_batch_size=1",
@@ -66,4 +66,4 @@ def test_planner_bytes_equal_the_sharded_model(name, world, ep):
         # other ranks share (every one at EP < world, the replicated ones at EP = world).
         shared = numel - (sum(p.numel() for p in sharded.expert_params.values()) if ep == world else 0)
         assert streamed.device["grads"] == 4 * shared
-    assert time.perf_counter() - t0 < 60
+    assert time.process_time() - t0 < 60
