@@ -26,18 +26,21 @@ not DCP-reshardable.
 
 from __future__ import annotations
 
-
 import math
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from m6.parallel.grad_sync import clip_coefficient, sum_sq_of
 from m6.parallel.layout import LayoutError
 from m6.parallel.plan import ShardedModel
+
+if TYPE_CHECKING:  # torch.distributed.fsdp is imported where units are made: a run without sharding never loads it
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 SHARD_MODES = ("none", "optimizer", "full")
 
@@ -68,6 +71,8 @@ def apply_sharding(sharded: ShardedModel, mode: str, param_dtype: torch.dtype | 
     if groups.mesh is None:
         raise LayoutError(f"parallel.shard={mode} needs torch.distributed: launch with torchrun (even "
                           f"--nproc_per_node 1), or use parallel.shard=none for one plain process")
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
     model = sharded.model
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     # On a CPU device the shards live in host memory already: nothing to move (and the policy's
@@ -110,6 +115,8 @@ def shard_units(model: nn.Module, expert_ids: set[int], dense: DeviceMesh, exper
     ``roots``: at pipeline parallel, this rank's stage modules (m6.parallel.pipeline), each the
     root unit of its stage (its embeddings, final norm, head), in place of the model; the blocks
     other stages own (no parameters) are no units."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
     policy, placement = policy or MixedPrecisionPolicy(), placement or OffloadPolicy()
     units: list[nn.Module] = []
     # Experts first (innermost): an enclosing unit leaves parameters an inner unit manages alone.
@@ -145,6 +152,8 @@ class ShardedGradientSync:
     def __init__(self, model: nn.Module, roots: list[nn.Module] | None = None) -> None:
         """``roots``: the root units when the model is not one (a pipeline rank's stage modules,
         whose PipelineStage also turns their sync on for the schedule's last backward)."""
+        from torch.distributed.fsdp import FSDPModule
+
         self.roots = roots or [model]
         assert all(isinstance(r, FSDPModule) for r in self.roots), "ShardedGradientSync needs units from apply_sharding"
         self.model = model

@@ -44,7 +44,6 @@ from m6.train.loggers import MetricsLogger, resolve_wandb_mode
 from m6.train.loss import aux_loss_ranks, forward_loss_sums, micro_batch_loss
 from m6.train.metrics import device_peak_tflops, expert_load
 from m6.train.optim import schedule_change_note
-from m6.train.pipeline_step import PipelineStep
 from m6.train.no_target_steps import NoTargetSteps
 from m6.train.preemption import StopOnSignal
 from m6.train.pseudo_to_real import train_pseudo_to_real
@@ -168,8 +167,11 @@ class Trainer:
         # gradient sync off), so the plan is completed here, after the update.
         self._use_batch_plan(self.batch_plan or self._measure_balance())
         self.expert_bias = ExpertBiasUpdate(self.model.moe_layers(), self.sharded.groups.data, self.device)
-        self.pipeline = PipelineStep(self.sharded, cfg, self.update, self.expert_bias, self.device, self.accum,
-                                     self.aux_ranks, log=self._print_main) if self.pp_size > 1 else None
+        self.pipeline = None
+        if self.pp_size > 1:  # imported here: torch's pipelining loads dynamo (~1 s), which other runs skip
+            from m6.train.pipeline_step import PipelineStep
+            self.pipeline = PipelineStep(self.sharded, cfg, self.update, self.expert_bias, self.device, self.accum,
+                                         self.aux_ranks, log=self._print_main)
         self.size = count_parameters(build_meta_model(cfg.model))  # the whole model: every rank's experts
         # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN.
         # The whole model's rates: a tensor-parallel rank's blocks hold 1/tp of the heads and FFN, a
