@@ -20,7 +20,8 @@ from m6.console_output import write_report
 from m6.config_loader import ConfigError
 from m6.model.flops import count_parameters, training_flops_per_token
 from m6.model.m6_model import build_meta_model
-from m6.memory.estimate import COMPONENTS, estimate_memory
+from m6.memory.estimate import COMPONENTS
+from m6.memory.memory_report import estimate_memory
 from m6.memory.shard_estimate import data_parallel_traffic, shard_layout
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.layout import LayoutError, resolve_expert_parallel_size

@@ -4,7 +4,8 @@ apply, and the per-process memory estimate. Nothing here creates or looks up a p
 
 from m6.memory.activation_memory import ActivationMemory
 from m6.memory.activation_meter import SavedActivationMeter
-from m6.memory.estimate import COMPONENTS, MemoryReport, estimate_memory
+from m6.memory.estimate import COMPONENTS, MemoryReport
+from m6.memory.memory_report import estimate_memory
 from m6.memory.grouped_apply import GroupedApply, partition_contiguous, split_apply_groups
 from m6.memory.offload import OFFLOAD_MODES, HostOffload, ParamStreamer, build_offload
 from m6.memory.recompute import RecomputeMismatch, RecomputeParts, check_recompute, checkpointed

@@ -302,10 +302,11 @@ def staging_bytes(cfg: Config, model: nn.Module, params: list[nn.Parameter],
     return float(sum(-(-n // STAGING_ALIGN) * STAGING_ALIGN for n in sizes))
 
 
-def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int = 1,
-                    expert_parallel_size: Optional[int] = None, device_type: str = "cuda",
-                    facts: Optional[ModelFacts] = None) -> MemoryReport:
-    """Per-process estimate for ``cfg`` with ``model`` (meta or real) holding this process's params.
+def layout_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_size: int = 1,
+                  expert_parallel_size: Optional[int] = None, device_type: str = "cuda",
+                  facts: Optional[ModelFacts] = None) -> MemoryReport:
+    """The unsharded, sharded (FSDP2) and zero layouts' part of m6.memory.memory_report.estimate_memory
+    (the partitioned zero builds on zero's report there). Per-process estimate for ``cfg`` with ``model`` (meta or real) holding this process's params.
 
     ``no_decay``: ids of the params in the optimizer's no-weight-decay group (torch updates each
     param group in its own foreach call). ``world_size`` > 1: gradients other ranks share are
@@ -321,9 +322,6 @@ def estimate_memory(cfg: Config, model: nn.Module, no_decay: set[int], world_siz
 
     acts = activation_report(cfg, world_size, ep, device_type)
     kept, redo = kept_activations(cfg, acts)
-    if cfg.memory.offload == "zero" and cfg.parallel.shard == "optimizer":  # partitioned host states
-        from m6.memory.zero_partition_estimate import zero_partitioned_memory  # it builds on this module
-        return zero_partitioned_memory(cfg, model, facts, no_decay, world_size, ep, device_type)
     if cfg.parallel.shard != "none":
         return _sharded_report(cfg, facts, no_decay, world_size, ep, device_type, acts)
     if cfg.memory.offload == "zero":

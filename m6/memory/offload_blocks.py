@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from m6.config import Config
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 
 AUTO_MEMORY_FRACTION = 0.9
 

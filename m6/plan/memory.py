@@ -8,7 +8,8 @@ import dataclasses
 import torch
 
 from m6.config import Config
-from m6.memory.estimate import MemoryReport, ModelFacts, estimate_memory
+from m6.memory.estimate import MemoryReport, ModelFacts
+from m6.memory.memory_report import estimate_memory
 from m6.memory.zero_partition_estimate import partitioned, zero_partitioned_memory
 from m6.model.host_drawn_init import HostDrawnInit
 from m6.model.m6_model import M6Model

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from m6.config import Config, ConfigError
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 from m6.model.flops import forward_flop_rates, step_flops
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.expert_ranges import describe_ranges

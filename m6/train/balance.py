@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from m6.config import Config, ConfigError, accumulation_steps, micro_batch_size
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 from m6.model.param_groups import no_decay_ids
 from m6.data.shares import batch_shares, micro_batch_sizes, num_micro_batches
 from m6.moe import MoELayer

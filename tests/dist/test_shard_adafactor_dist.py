@@ -13,7 +13,7 @@ from dist_helpers import run_distributed
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from m6.config import load
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 from m6.model.param_groups import no_decay_ids
 from m6.parallel.fsdp import local_part
 from m6.plan.memory import rank_model

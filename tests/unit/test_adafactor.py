@@ -10,7 +10,7 @@ import torch
 
 from m6.checkpoint.errors import CheckpointMismatch
 from m6.config import ConfigError, load
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 from m6.memory.host_adafactor import HostAdafactor, probe_adafactor_op
 from m6.train.loop import Trainer
 from m6.train.optim import no_decay_ids

@@ -140,7 +140,7 @@ def test_memory_estimate_caps_the_rows_of_a_rank_with_less_memory():
     """Two ranks, the faster one with less memory: the estimate's rows per micro-batch cap its
     share, the slower rank takes the rest, and neither runs more rows than its memory holds."""
     from m6.model import build_meta_model
-    from m6.memory.estimate import estimate_memory
+    from m6.memory.memory_report import estimate_memory
     from m6.model.param_groups import no_decay_ids
     import dataclasses
 

@@ -143,7 +143,7 @@ def test_the_estimate_counts_the_gradient_buffers_the_runtime_allocates(tmp_path
     """m6.memory.estimate.zero_memory (the planner's bytes): the host gradients of a streamed run
     are the runtime's own buffers (the estimate counts a router's gate at 2 B in a streamed block,
     whose runtime home is fp32 and keeps a 2 B gradient buffer of its own)."""
-    from m6.memory.estimate import estimate_memory
+    from m6.memory.memory_report import estimate_memory
     from m6.model.param_groups import no_decay_ids
 
     for landing in ("home", "separate"):

@@ -99,7 +99,7 @@ def test_fp16_overflow_in_a_16bit_host_gradient_skips_the_step_and_resumes(tmp_p
 
 
 def test_the_memory_estimate_counts_16bit_host_grads_and_their_fp32_reads(tmp_path, device):
-    from m6.memory.estimate import estimate_memory
+    from m6.memory.memory_report import estimate_memory
     from m6.train.optim import no_decay_ids
 
     reports = {}
@@ -117,7 +117,7 @@ def test_accumulation_with_16bit_host_grads_sums_on_the_device_and_trains_like_f
     """Two micro-batches per step: the 16-bit host gradients add up on the device in fp32 and leave
     once, in the last backward (a 16-bit sum on the host would round every add); the estimate
     counts them on the device until then."""
-    from m6.memory.estimate import estimate_memory
+    from m6.memory.memory_report import estimate_memory
     from m6.train.optim import no_decay_ids
 
     args = ("train.precision=bf16", "train.micro_batch_size=4", "train.max_steps=3")

@@ -266,7 +266,7 @@ def test_switching_host_optimizer_across_a_resume(ds_reference, torch_reference,
 
 
 def test_deepspeed_update_allocates_no_temporaries_as_the_memory_report_says(cpu_adam, tmp_path):
-    from m6.memory.estimate import estimate_memory
+    from m6.memory.memory_report import estimate_memory
     from m6.memory.live_bytes import LiveBytes
     from m6.train.optim import no_decay_ids
 

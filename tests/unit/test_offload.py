@@ -13,7 +13,7 @@ import torch
 
 from m6.config import load
 from m6.checkpoint.staging import aligned
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 from m6.train.loop import Trainer
 from m6.train.optim import no_decay_ids
 

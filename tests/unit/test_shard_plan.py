@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from m6.config import load
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 from m6.memory.shard_estimate import data_parallel_traffic, shard_layout
 from m6.model.param_groups import no_decay_ids
 from m6.plan.memory import rank_model

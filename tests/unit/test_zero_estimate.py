@@ -11,7 +11,7 @@ import torch
 
 from m6 import inspect as m6inspect
 from m6.config import load
-from m6.memory.estimate import estimate_memory
+from m6.memory.memory_report import estimate_memory
 from m6.memory.offload_blocks import AUTO_MEMORY_FRACTION, resolve_offload_blocks
 from m6.plan.memory import RankMemory
 

@@ -12,7 +12,8 @@ import pytest
 
 from m6.config import load
 from m6.config_loader import ConfigError
-from m6.memory.estimate import WEIGHT_STAGING, estimate_memory
+from m6.memory.estimate import WEIGHT_STAGING
+from m6.memory.memory_report import estimate_memory
 from m6.plan.memory import RankMemory
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
