@@ -196,7 +196,7 @@ class PipelineMemory:
         layers = max(acts.transient_by_unit.get(u, 0.0) for u in units)
         moe = any(u.startswith("blocks.") and is_moe_block(cfg.model, int(u.split(".")[1])) for u in units)
         _, redo = kept_activations(cfg, acts)
-        new_grad = 4.0 * max((p.numel() for p in rank.facts.params), default=0)
+        new_grad = 4.0 * rank.facts.largest_numel
         sending = residual if self.schedule == "1f1b" and rank.stages[0] > 0 else 0.0
         return max(acts.a2a_buffers if moe else 0.0, layers, redo) + new_grad + sending
 
