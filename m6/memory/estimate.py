@@ -116,6 +116,8 @@ class ModelFacts:
         self.experts = [p for p in self.params if id(p) in self.expert_ids]
         self.state_sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
         self.block_numels = [sum(p.numel() for p in b.parameters()) for b in getattr(model, "blocks", [])]
+        self.expert_numel = sum(p.numel() for p in self.experts)
+        self.largest_numel = max((p.numel() for p in self.params), default=0)  # the largest parameter's
         self._walks: dict[tuple, _BackwardWalk] = {}
         self._largest_call: dict[tuple, int] = {}
         self._largest_group: dict[int, int] = {}
@@ -591,11 +593,10 @@ def zero_memory(cfg: Config, model: nn.Module, facts: ModelFacts, no_decay: set[
     # backward); with fp32 host buffers only the shared ones (the others leave in every
     # micro-batch and are summed on the host in fp32).
     edp = world_size // ep
-    local = sum(p.numel() for p in facts.params
-                if world_size == 1 or (id(p) in facts.expert_ids and edp == 1))
+    local = facts.numel if world_size == 1 else facts.expert_numel if edp == 1 else 0
     held = float(c * (numel if half_grads else numel - local)) if accum > 1 else 0.0
     # One gradient being written and copied: fp32 host buffers widen it to fp32 on the device first.
-    largest = (c if half_grads else 4) * max((p.numel() for p in facts.params), default=0)
+    largest = (c if half_grads else 4) * facts.largest_numel
     kept_by_unit = acts.kept_by_unit(chosen)
     by_unit = {unit: b / scale for unit, b in kept_by_unit.items()}
     # Each unit's own transient on the activations still held when it runs (the head's on all),

@@ -31,6 +31,7 @@ as it sends. What capacity drops and imbalance change is the guard's business at
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from m6.config import (ModelConfig, expert_ffn_dim, head_dim, is_moe_block, num_kv_heads, num_patches,
@@ -199,7 +200,39 @@ def expert_kernel_saved(kernel: str, activation: str, N: int, D: int, F: int, c:
 
 
 def activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationBytes:
-    """What one micro-batch of ``shape`` keeps for backward in ``cfg``'s model, by part."""
+    """What one micro-batch of ``shape`` keeps for backward in ``cfg``'s model, by part.
+
+    A pure function of the model config's fields and ``shape``: the planner asks for the same
+    pair for many candidate layouts, so the result is memoised (bounded) by the config's repr
+    (every field, nested ones included) and the shape; each caller gets its own copy."""
+    return _copy_of(_activation_bytes_cached(repr(cfg), shape, cfg))
+
+
+def _copy_of(acts: ActivationBytes) -> ActivationBytes:
+    return ActivationBytes(dict(acts.outside_by_unit), dict(acts.parts), acts.a2a_buffers, acts.backward_transient,
+                           dict(acts.transient_by_unit))
+
+
+_ACTIVATION_CACHE: OrderedDict = OrderedDict()
+_ACTIVATION_CACHE_SIZE = 4096
+
+
+def _activation_bytes_cached(key: str, shape: ActivationShape, cfg: ModelConfig) -> ActivationBytes:
+    """``_activation_bytes(cfg, shape)`` remembered under (``key`` = repr(cfg), ``shape``); least
+    recently used entries dropped past ``_ACTIVATION_CACHE_SIZE``."""
+    entry = (key, shape)
+    acts = _ACTIVATION_CACHE.get(entry)
+    if acts is None:
+        acts = _ACTIVATION_CACHE[entry] = _activation_bytes(cfg, shape)
+        if len(_ACTIVATION_CACHE) > _ACTIVATION_CACHE_SIZE:
+            _ACTIVATION_CACHE.popitem(last=False)
+    else:
+        _ACTIVATION_CACHE.move_to_end(entry)
+    return acts
+
+
+def _activation_bytes(cfg: ModelConfig, shape: ActivationShape) -> ActivationBytes:
+    """``activation_bytes`` computed."""
     B, L, c = shape.micro_batch, shape.seq_len, shape.compute_bytes
     P = num_patches(cfg)
     S = P + L

@@ -41,8 +41,8 @@ import dataclasses
 from torch import nn
 
 from m6.config import Config, is_moe_block, micro_batch_size, num_patches
-from m6.memory.estimate import (MemoryReport, ModelFacts, activation_report, kept_activations, optimizer_state_sizes,
-                                recomputed_parts, staging_bytes)
+from m6.memory.estimate import (MemoryReport, ModelFacts, activation_report, kept_activations,
+                                recomputed_parts)
 from m6.memory.shard_estimate import fused_update
 from m6.model.activation_bytes import RESIDUAL_BYTES, ActivationBytes
 from m6.model.param_groups import no_decay_ids
@@ -145,7 +145,7 @@ class PipelineMemory:
         inputs = 2 * step_input_bytes(cfg, self.dp)  # the loader's micro-batches and their concatenation
         walk = self._walk(rank, m, per_micro, transient, residual)
         states = {"params": 4.0 * facts.numel, "grads": 4.0 * facts.numel,
-                  "optimizer state": float(sum(sum(optimizer_state_sizes(cfg.optim.name, p)) for p in facts.params)),
+                  "optimizer state": facts.optimizer_state_bytes(cfg.optim.name),
                   "optimizer step temporaries": 0.0 if fused_update(cfg, self.device_type)
                   else 4.0 * facts.largest_call(cfg.optim.apply_groups, rank.no_decay)}
         states, offloaded = offloaded_states(cfg, facts, states, self.device_type)
@@ -159,7 +159,7 @@ class PipelineMemory:
         # After the schedule: its concatenated copy of the inputs and the sends it kept are gone.
         after = states["grads"] + inputs / 2 + walk.left_after
         peak = resident + max(inputs + walk.peak, after + buckets, after + states["optimizer step temporaries"])
-        staging = staging_bytes(cfg, facts.model, facts.params, facts.state_sizes)
+        staging = facts.staging_bytes(cfg)  # cached per optimizer on the stage model's facts
         host = {**offloaded, **({"checkpoint staging": staging} if staging else {})}
         peak_host = sum(host.values())  # the host update's temporaries counted beside what stays
         return MemoryReport(device=device, host=host, peak_device=peak, peak_host=peak_host,
@@ -196,7 +196,7 @@ class PipelineMemory:
         layers = max(acts.transient_by_unit.get(u, 0.0) for u in units)
         moe = any(u.startswith("blocks.") and is_moe_block(cfg.model, int(u.split(".")[1])) for u in units)
         _, redo = kept_activations(cfg, acts)
-        new_grad = 4.0 * max((p.numel() for p in rank.facts.params), default=0)
+        new_grad = 4.0 * rank.facts.largest_numel
         sending = residual if self.schedule == "1f1b" and rank.stages[0] > 0 else 0.0
         return max(acts.a2a_buffers if moe else 0.0, layers, redo) + new_grad + sending
 
